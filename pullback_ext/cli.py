@@ -1,0 +1,67 @@
+"""The ``pullback`` command line.
+
+Each subcommand lives in ``pullback_ext/commands/<name>.py`` and exposes
+``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only when their
+subcommand runs, so ``pullback --help`` stays fast. User errors (``PullbackError``, bad values,
+missing files) become a one-line message on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "demo": ("pullback_ext.commands.demo", "run everything the library does on the embedded demo model"),
+    "diagnose": ("pullback_ext.commands.diagnose", "matrix-free tractability diagnostic of a backbone-decoder pair"),
+    "train": ("pullback_ext.commands.train", "train an SPN, an importance head or a feature VAE"),
+    "eval-head": ("pullback_ext.commands.eval_head", "Spearman rho of an importance head against imp*"),
+    "evaluate": ("pullback_ext.commands.evaluate", "token pruning / merging quality and cost against baselines"),
+    "bench": ("pullback_ext.commands.bench", "run the kernel microbenchmarks"),
+}
+
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, IndexError)
+
+
+def _available_commands() -> dict:
+    found = {}
+    for name, (module, help_text) in COMMANDS.items():
+        if importlib.util.find_spec(module) is not None:
+            found[name] = (module, help_text)
+    return found
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pullback", description=__doc__.splitlines()[0])
+    from pullback_ext import __version__
+
+    parser.add_argument("--version", action="version", version=f"pullback_ext {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in _available_commands().items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv=None) -> int:
+    from pullback_ext.errors import PullbackError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (PullbackError, *USER_ERRORS) as exc:
+        print(f"pullback {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"pullback {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Build script for the compiled core ``pullback_ext._C``.
+
+The CPU kernels are always built. The CUDA kernels are added when a GPU is visible and nvcc is
+found, or unconditionally with ``FORCE_CUDA=1`` (wheels, and CI's compile check on machines
+without a GPU). ``TORCH_CUDA_ARCH_LIST`` and ``MAX_JOBS`` are honoured; the default arch list is
+``8.0;9.0+PTX``.
+
+Build into an environment that already has the torch you will run with::
+
+    pip install --no-build-isolation -e .
+"""
+
+import glob
+import os
+import sys
+
+from setuptools import setup
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:  # pragma: no cover - exercised only on a machine without torch
+    sys.exit("pullback_ext needs PyTorch to build: install torch first, then "
+             "`pip install --no-build-isolation .`")
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = "8.0;9.0+PTX"
+
+
+def _want_cuda() -> bool:
+    if os.environ.get("FORCE_CUDA", "0") == "1":
+        if cpp_extension.CUDA_HOME is None:
+            sys.exit("FORCE_CUDA=1 but no CUDA toolkit was found: set CUDA_HOME to the toolkit root")
+        if torch.version.cuda is None:
+            sys.exit(f"FORCE_CUDA=1 but the installed torch {torch.__version__} is a CPU-only build")
+        return True
+    return torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
+
+
+def _write_build_info(with_cuda: bool, archs: str) -> None:
+    path = os.path.join(ROOT, "pullback_ext", "_build_info.py")
+    text = (
+        "# Written by setup.py at build time; do not edit.\n"
+        f"TORCH_VERSION = {torch.__version__!r}\n"
+        f"CUDA_VERSION = {torch.version.cuda if with_cuda else None!r}\n"
+        f"WITH_CUDA = {with_cuda!r}\n"
+        f"CUDA_ARCHS = {archs if with_cuda else ''!r}\n"
+    )
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _extension():
+    with_cuda = _want_cuda()
+    archs = ""
+    cpp_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    cxx_flags = ["-O3", "-std=c++17"]
+    define_macros = []
+    if with_cuda:
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+        cu_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        define_macros.append(("WITH_CUDA", None))
+        ext = cpp_extension.CUDAExtension(
+            name="pullback_ext._C",
+            sources=cpp_sources + cu_sources,
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            define_macros=define_macros,
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
+        )
+    else:
+        ext = cpp_extension.CppExtension(
+            name="pullback_ext._C",
+            sources=cpp_sources,
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            define_macros=define_macros,
+            extra_compile_args={"cxx": cxx_flags},
+        )
+    _write_build_info(with_cuda, archs)
+    return ext
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
