@@ -56,7 +56,7 @@ def _extension():
     with_cuda = _want_cuda()
     archs = ""
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
-    cxx_flags = ["-O3", "-std=c++17"]
+    cxx_flags = ["-O3", "-std=c++20"]
     define_macros = []
     if with_cuda:
         archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS
@@ -68,7 +68,7 @@ def _extension():
             sources=cpp_sources + cu_sources,
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=define_macros,
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++20", "-lineinfo"]},
         )
     else:
         ext = cpp_extension.CppExtension(

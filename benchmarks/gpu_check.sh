@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One-shot check on a CUDA machine, in under 10 minutes: builds the extension with its CUDA
+# kernels for the local GPU's arch, runs the CUDA op tests, then the op benchmark on the GPU.
+# Prints everything; exits non-zero when any step failed (later steps still run).
+#
+#   bash benchmarks/gpu_check.sh            # uses .venv/bin/python when present
+#   PYTHON=python3 BENCH_OUT=/tmp/bench.json bash benchmarks/gpu_check.sh
+# Step limits (240 s build, 120 s tests, 210 s benchmark) keep the whole run under 10 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+status=0
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "=== ${name} ($(date +%T), limit ${limit}s): $*"
+  local start=$SECONDS
+  timeout "$limit" "$@"
+  local rc=$?
+  echo "=== ${name}: exit ${rc} after $((SECONDS - start))s"
+  [ "$rc" -eq 0 ] || status=1
+  return "$rc"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.memory --format=csv || status=1
+"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name())" || exit 1
+arch=$("$PYTHON" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch}
+export FORCE_CUDA=1
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+
+if ! step build 240 "$PYTHON" setup.py --quiet build_ext --inplace; then
+  echo "=== build failed: nothing else to run"
+  exit 1
+fi
+"$PYTHON" -c "import pullback_ext; print('build_info', pullback_ext.build_info())"
+
+tests=(python_tests/test_cuda_build.py)
+for f in python_tests/test_ops*.py; do [ -e "$f" ] && tests+=("$f"); done
+step "CUDA kernel tests" 120 "$PYTHON" -m pytest "${tests[@]}" -q --maxfail=10 -k "cuda or gpu" -p no:cacheprovider
+step "CUDA op benchmark" 210 "$PYTHON" benchmarks/bench_ops.py --device cuda --out "${BENCH_OUT:-out/bench_ops_cuda.json}"
+echo "=== gpu_check: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"
+exit "$status"

@@ -1,0 +1,172 @@
+// CUDA kernels of the low-rank pullback metric g = εI + U diag(λ) Uᵀ: the product g·v, the
+// quadratic form vᵀ g v and the per-token importance sqrt(Σ_j λ_j ‖u_j^(t)‖²).
+//
+// Memory traffic: quadform and importance read U once; apply reads it twice (Uᵀv, then U(λ⊙·)).
+#include "../kernels.h"
+#include "common.cuh"
+#include "tall_skinny.cuh"
+
+#include <climits>
+
+namespace pullback {
+namespace cuda {
+
+namespace {
+
+constexpr int kImportanceThreads = 256;
+constexpr int kEpilogueThreads = 256;
+
+// One block per (batch, token). The token's block of U, U[b, t*D:(t+1)*D, :], is D*r contiguous
+// elements in which element e belongs to column e % r, so it is read as one coalesced stream of
+// 16-byte vectors (after a short scalar head that reaches 16-byte alignment).
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kImportanceThreads)
+    token_importance_kernel(const T* __restrict__ U, const T* __restrict__ lam, T* __restrict__ out,
+                            int64_t num_tokens, int block_len, int r) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ Acc scratch[detail::kWarpSize];
+  constexpr int kVec = 16 / sizeof(T);
+
+  const int64_t bt = blockIdx.x;
+  const int64_t b = bt / num_tokens;
+  Acc* lam_s = reinterpret_cast<Acc*>(smem);
+  for (int j = threadIdx.x; j < r; j += blockDim.x) lam_s[j] = detail::to_acc<Acc>(lam[b * r + j]);
+  __syncthreads();
+
+  const T* base = U + bt * block_len;
+  const int misalignment = static_cast<int>(reinterpret_cast<uintptr_t>(base) % 16);
+  const int head = min(block_len, static_cast<int>(((16 - misalignment) % 16) / sizeof(T)));
+  Acc s = Acc(0);
+  if (threadIdx.x < head) {
+    const Acc x = detail::to_acc<Acc>(base[threadIdx.x]);
+    s += lam_s[threadIdx.x % r] * x * x;
+  }
+  const int num_vec = (block_len - head) / kVec;
+  const uint4* vec = reinterpret_cast<const uint4*>(base + head);
+#pragma unroll 4
+  for (int i = threadIdx.x; i < num_vec; i += blockDim.x) {
+    const uint4 raw = __ldg(vec + i);
+    const T* vals = reinterpret_cast<const T*>(&raw);
+    int j = (head + i * kVec) % r;
+#pragma unroll
+    for (int q = 0; q < kVec; ++q) {
+      const Acc x = detail::to_acc<Acc>(vals[q]);
+      s += lam_s[j] * x * x;
+      j = (j + 1 == r) ? 0 : j + 1;
+    }
+  }
+  for (int e = head + num_vec * kVec + threadIdx.x; e < block_len; e += blockDim.x) {
+    const Acc x = detail::to_acc<Acc>(base[e]);
+    s += lam_s[e % r] * x * x;
+  }
+  s = detail::block_sum(s, scratch);
+  if (threadIdx.x == 0) out[bt] = detail::from_acc<T>(sqrt(s > Acc(0) ? s : Acc(0)));
+}
+
+// q[b, c] = eps * W[b, r*k + c] + Σ_j lam[b, j] * W[b, j*k + c]²  (W: the column products of U
+// and v followed by the squared norms of v).
+template <typename T, typename Acc>
+__global__ void quadform_epilogue_kernel(const Acc* __restrict__ W, const T* __restrict__ lam,
+                                         T* __restrict__ q, int64_t total, int r, int k, Acc eps) {
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = idx / k;
+    const int c = static_cast<int>(idx % k);
+    const Acc* Wb = W + b * (int64_t(r) * k + k);
+    Acc s = eps * Wb[int64_t(r) * k + c];
+    for (int j = 0; j < r; ++j) {
+      const Acc w = Wb[int64_t(j) * k + c];
+      s += detail::to_acc<Acc>(lam[b * r + j]) * w * w;
+    }
+    q[idx] = detail::from_acc<T>(s);
+  }
+}
+
+void check_metric_operands(const at::Tensor& U, const at::Tensor& lam, const at::Tensor& v) {
+  detail::check_operand(U, "U", U.device());
+  detail::check_operand(lam, "lam", U.device());
+  detail::check_same_dtype(lam, "lam", U.scalar_type());
+  if (v.defined()) {
+    detail::check_operand(v, "v", U.device());
+    detail::check_same_dtype(v, "v", U.scalar_type());
+  }
+}
+
+}  // namespace
+
+at::Tensor lowrank_metric_apply(const at::Tensor& U, const at::Tensor& lam, const at::Tensor& v,
+                                double eps) {
+  const c10::cuda::CUDAGuard guard(U.device());
+  check_metric_operands(U, lam, v);
+  const int64_t B = U.size(0), r = U.size(2), k = v.size(2);
+  at::Tensor y = at::empty(v.sizes(), v.options());
+  if (y.numel() == 0) return y;
+  PULLBACK_DISPATCH_FLOATING(U.scalar_type(), "pullback_cuda_lowrank_metric_apply", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    const at::Tensor W =
+        at::empty({B, r * k}, U.options().dtype(c10::CppTypeToScalarType<Acc>::value));
+    detail::column_products<scalar_t, Acc>(U, v, /*with_norms=*/false, lam, W);
+    detail::row_matmul<scalar_t, Acc>(U, W.view({B, r, k}), v, static_cast<Acc>(eps), y);
+  });
+  return y;
+}
+
+at::Tensor lowrank_metric_quadform(const at::Tensor& U, const at::Tensor& lam, const at::Tensor& v,
+                                   double eps) {
+  const c10::cuda::CUDAGuard guard(U.device());
+  check_metric_operands(U, lam, v);
+  const int64_t B = U.size(0), r = U.size(2), k = v.size(2);
+  at::Tensor q = at::empty({B, k}, U.options());
+  if (q.numel() == 0) return q;
+  PULLBACK_DISPATCH_FLOATING(U.scalar_type(), "pullback_cuda_lowrank_metric_quadform", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    const at::Tensor W =
+        at::empty({B, r * k + k}, U.options().dtype(c10::CppTypeToScalarType<Acc>::value));
+    detail::column_products<scalar_t, Acc>(U, v, /*with_norms=*/true, at::Tensor(), W);
+    const int64_t total = B * k;
+    const int blocks = static_cast<int>(
+        std::min<int64_t>(detail::ceil_div(total, kEpilogueThreads), 4 * detail::num_sms()));
+    quadform_epilogue_kernel<scalar_t, Acc>
+        <<<blocks, kEpilogueThreads, 0, detail::current_stream()>>>(
+            W.data_ptr<Acc>(), lam.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), total,
+            static_cast<int>(r), static_cast<int>(k), static_cast<Acc>(eps));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return q;
+}
+
+at::Tensor token_importance(const at::Tensor& U, const at::Tensor& lam, int64_t num_tokens) {
+  const c10::cuda::CUDAGuard guard(U.device());
+  check_metric_operands(U, lam, at::Tensor());
+  TORCH_CHECK(num_tokens > 0 && U.size(1) % num_tokens == 0, "pullback cuda backend: num_tokens=",
+              num_tokens, " must divide P=", U.size(1));
+  const int64_t B = U.size(0), P = U.size(1), r = U.size(2);
+  const int64_t D = P / num_tokens;
+  at::Tensor out = at::empty({B, num_tokens}, U.options());
+  if (out.numel() == 0) return out;
+  if (D * r == 0) return out.zero_();
+  PULLBACK_DISPATCH_FLOATING(U.scalar_type(), "pullback_cuda_token_importance", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    const int64_t lam_bytes = r * static_cast<int64_t>(sizeof(Acc));
+    if (D * r > INT_MAX || lam_bytes > detail::kMaxDynamicSmem / 2) {
+      // Far outside the kernel's design (a token block of 2^31 elements or r in the thousands).
+      const auto acc_type = c10::CppTypeToScalarType<Acc>::value;
+      const at::Tensor per_token =
+          (U.to(acc_type).view({B, num_tokens, D, r}).square().sum(2) *
+           lam.to(acc_type).unsqueeze(1))
+              .sum(2);
+      out.copy_(per_token.clamp_min(0).sqrt());
+      return;
+    }
+    token_importance_kernel<scalar_t, Acc>
+        <<<static_cast<unsigned>(B * num_tokens), kImportanceThreads, lam_bytes,
+           detail::current_stream()>>>(U.data_ptr<scalar_t>(), lam.data_ptr<scalar_t>(),
+                                               out.data_ptr<scalar_t>(), num_tokens,
+                                               static_cast<int>(D * r), static_cast<int>(r));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+}  // namespace cuda
+}  // namespace pullback

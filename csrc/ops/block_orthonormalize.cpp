@@ -1,0 +1,109 @@
+// Orchestration of the batched tall-skinny QR, shared by every device backend.
+//
+// CholeskyQR2: R1 = chol(XᵀX), Q1 = X R1⁻¹, R2 = chol(Q1ᵀQ1), Q = Q1 R2⁻¹, R = R2 R1. The Gram
+// matrices are accumulated in float64 by the backend (`gram`), the r×r factorisations run in
+// float64 on the host (csrc/ops/small_linalg.h), and the two tall products use the backend's
+// `right_multiply`. Four passes
+// over X, each of them memory-bound, instead of Householder's r dependent passes.
+//
+// CholeskyQR2 loses orthogonality once κ(X)² times the float64 unit roundoff is no longer small.
+// An image is therefore refactorised by Householder QR (at::linalg_qr in float64, then cast) when
+//  - the Cholesky factorisation of its first or second Gram matrix fails (X rank-deficient to
+//    working precision, or not finite), or
+//  - the Frobenius-norm condition estimate ‖R1‖_F ‖R1⁻¹‖_F exceeds kMaxCondition (badly scaled or
+//    nearly dependent columns).
+// Rank-deficient X: Householder still returns r orthonormal columns; the columns beyond the rank
+// complete the basis of the column space to an orthonormal set, and the matching diagonal
+// entries of R are (numerically) zero. Signs are fixed on every path so that diag(R) >= 0.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <vector>
+
+#include "ops/checks.h"
+#include "ops/dispatch.h"
+#include "ops/ops.h"
+#include "ops/small_linalg.h"
+
+namespace pullback {
+namespace ops {
+
+namespace {
+
+// κ_F(R1) above which an image goes to Householder: κ² u_64 ~ 1e-4 still leaves the second
+// CholeskyQR pass well inside its convergence region.
+constexpr double kMaxCondition = 1e6;
+
+// Householder QR of one image X[P,r] in float64 with diag(R) >= 0; returns (Q, R) in float64.
+std::tuple<at::Tensor, at::Tensor> householder_qr(const at::Tensor& X) {
+  auto [Q, R] = at::linalg_qr(X.to(at::kDouble), "reduced");
+  const at::Tensor sign = at::where(R.diagonal() < 0, -1.0, 1.0);
+  return {Q * sign.unsqueeze(0), R * sign.unsqueeze(1)};
+}
+
+// One CholeskyQR step on the host: from the Gram matrices G[B,r,r] (any device) computes the
+// factors R[B,r,r] and their inverses M[B,r,r] (host, float64). Images whose factorisation fails,
+// or (when check_condition) whose ‖R‖_F ‖R⁻¹‖_F exceeds kMaxCondition, are flagged in `bad` and
+// get R = M = I so that the tall products stay finite; they are refactorised afterwards.
+std::tuple<at::Tensor, at::Tensor> cholesky_step(const at::Tensor& G, bool check_condition,
+                                                 std::vector<bool>& bad) {
+  const at::Tensor Gh = G.to(at::kCPU).contiguous();
+  const int64_t B = Gh.size(0), r = Gh.size(1);
+  at::Tensor R = at::empty({B, r, r}, Gh.options());
+  at::Tensor M = at::empty({B, r, r}, Gh.options());
+  const double* g = Gh.const_data_ptr<double>();
+  double* rp = R.mutable_data_ptr<double>();
+  double* mp = M.mutable_data_ptr<double>();
+  for (int64_t b = 0; b < B; ++b) {
+    double* Rb = rp + b * r * r;
+    double* Mb = mp + b * r * r;
+    bool ok = !bad[b] && cholesky_upper(g + b * r * r, r, Rb);
+    if (ok) {
+      invert_upper(Rb, r, Mb);
+      ok = !check_condition || frobenius(Rb, r) * frobenius(Mb, r) <= kMaxCondition;
+    }
+    if (!ok) {
+      bad[b] = true;
+      set_identity(Rb, r);
+      set_identity(Mb, r);
+    }
+  }
+  return {R, M};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> block_orthonormalize(const at::Tensor& X_in, bool check_finite) {
+  check_rank(X_in, "X", 3, "[B, P, r]");
+  check_batch(X_in, "X");
+  check_float_input(X_in, "X");
+  const int64_t B = X_in.size(0), P = X_in.size(1), r = X_in.size(2);
+  TORCH_CHECK_VALUE(r >= 1, "X must have r >= 1 columns (shape [B, P, r]), got shape ", shape_str(X_in));
+  TORCH_CHECK_VALUE(r <= P, "X must be tall: r <= P (shape [B, P, r]), got r = ", r, " > P = ", P);
+  if (check_finite) check_all_finite(X_in, "X");
+  const at::Tensor X = X_in.contiguous();
+  const auto on_device = [&](const at::Tensor& t) { return t.to(X.device()); };
+
+  std::vector<bool> bad(B, false);
+  auto [R1, M1] = cholesky_step(PULLBACK_BACKEND_CALL(X, gram, X), /*check_condition=*/true, bad);
+  const at::Tensor Q1 = PULLBACK_BACKEND_CALL(X, right_multiply, X, on_device(M1));
+  auto [R2, M2] = cholesky_step(PULLBACK_BACKEND_CALL(Q1, gram, Q1), /*check_condition=*/false, bad);
+  at::Tensor Q = PULLBACK_BACKEND_CALL(Q1, right_multiply, Q1, on_device(M2));
+
+  at::Tensor R = at::empty_like(R1);
+  for (int64_t b = 0; b < B; ++b) {
+    multiply_upper(R2.const_data_ptr<double>() + b * r * r, R1.const_data_ptr<double>() + b * r * r, r,
+                   R.mutable_data_ptr<double>() + b * r * r);
+  }
+  R = on_device(R);
+  for (int64_t b = 0; b < B; ++b) {
+    if (!bad[b]) continue;
+    auto [Qb, Rb] = householder_qr(X[b]);
+    Q[b].copy_(Qb);
+    R[b].copy_(Rb);
+  }
+  return {Q, R.to(X.scalar_type())};
+}
+
+}  // namespace ops
+}  // namespace pullback

@@ -1,0 +1,34 @@
+"""``pullback bench``: the kernel microbenchmarks (fused ops vs eager and torch.compile references).
+
+Prints a table and, with ``--out FILE``, writes the JSON there and a speed-up plot next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats (about a minute)")
+    parser.add_argument("--out", default=None, metavar="FILE", help="write the results as JSON (plus FILE's .png plot)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device to benchmark (default: cpu)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default: 7, quick: 3)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile(reference) column")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pullback_ext import op_benchmark
+    from pullback_ext.errors import PullbackError
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise PullbackError("--device cuda: no CUDA device is available to torch")
+    if args.repeats is not None and args.repeats < 1:
+        raise PullbackError(f"--repeats: expected a positive count, got {args.repeats}")
+    result = op_benchmark.run(args.device, args.quick, args.repeats, not args.no_compile)
+    print(op_benchmark.format_table(result))
+    if args.out:
+        for path in op_benchmark.write_outputs(result, args.out):
+            print(f"wrote {path}")
+    return 0

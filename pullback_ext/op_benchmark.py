@@ -1,0 +1,307 @@
+"""Microbenchmarks of the fused ops against eager torch and torch.compile of the same reference.
+
+Paper shapes: ViT-B/14 at 224 px, N = 257 tokens, D = 768 channels, r = 20, B ∈ {1, 8},
+k ∈ {1, 20}; token ops at B = 64, R = 64. Every row reports medians over repeats of the fused op,
+its eager reference and ``torch.compile`` of that reference, all in the same run, plus the fused
+op's effective bandwidth (minimum bytes it must move / time) as a share of the read bandwidth
+measured in the same run (a large ``tensor.sum()``).
+
+The eager baselines are the pure-torch references of :mod:`pullback_ext.reference`, except:
+``block_orthonormalize`` against ``torch.linalg.qr`` in the input's dtype, and merge/reinsert
+against ToMe-style code (gather + scatter_reduce / scatter), as the targets are stated. The
+candidates of a row are timed in turn, repeat by repeat, so that load from other processes biases
+none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from pullback_ext import ops, reference
+
+N_TOKENS, DIM, RANK = 257, 768, 20
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    fused_ms: float
+    eager_ms: float
+    compiled_ms: float | None
+    bytes_moved: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup_eager(self) -> float:
+        return self.eager_ms / self.fused_ms
+
+    def gbps(self) -> float:
+        return self.bytes_moved / (self.fused_ms * 1e-3) / 1e9
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn: Callable[[], object], repeats: int, device: str) -> float:
+    """Median wall time of ``fn`` in milliseconds after one warm-up call."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def interleaved_medians_ms(fns: list[Callable[[], object]], repeats: int, device: str) -> list[float]:
+    """Median wall times of several functions timed in turn, so that load from other processes
+    on the machine affects all of them alike; one warm-up call each."""
+    for fn in fns:
+        fn()
+    _sync(device)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, bucket in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            bucket.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def read_bandwidth_gbps(device: str, repeats: int, mbytes: int = 512) -> float:
+    """GB/s of a ``sum()`` over a float32 tensor far larger than the last-level cache."""
+    x = torch.ones(mbytes * 2**20 // 4, device=device)
+    ms = median_ms(lambda: x.sum(), repeats, device)
+    return x.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def _nbytes(*tensors: Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def tome_merge(x: Tensor, w: Tensor, src_idx: Tensor, dst_idx: Tensor) -> tuple[Tensor, Tensor]:
+    """Eager ToMe-style weighted merge (gather + scatter_reduce), same result as merge_tokens."""
+    B, N, D = x.shape
+    R = src_idx.shape[1]
+    xw = x * w.unsqueeze(-1)
+    expand_src = src_idx.unsqueeze(-1).expand(-1, -1, D)
+    expand_dst = dst_idx.unsqueeze(-1).expand(-1, -1, D)
+    xw = xw.scatter_reduce(1, expand_dst, xw.gather(1, expand_src), reduce="sum")
+    wsum = w.scatter_reduce(1, dst_idx, w.gather(1, src_idx), reduce="sum")
+    keep = torch.ones(B, N, dtype=torch.bool, device=x.device).scatter(1, src_idx, False)
+    kept = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, : N - R]
+    wk = wsum.gather(1, kept)
+    xk = xw.gather(1, kept.unsqueeze(-1).expand(-1, -1, D)) / wk.unsqueeze(-1)
+    return xk, wk
+
+
+def tome_reinsert(kept: Tensor, kept_idx: Tensor, pruned: Tensor, pruned_idx: Tensor) -> Tensor:
+    """Eager scatter-based reinsertion of kept and pruned tokens."""
+    B, K, D = kept.shape
+    out = kept.new_empty(B, K + pruned.shape[1], D)
+    out.scatter_(1, kept_idx.unsqueeze(-1).expand(-1, -1, D), kept)
+    out.scatter_(1, pruned_idx.unsqueeze(-1).expand(-1, -1, D), pruned)
+    return out
+
+
+def _compiled(fn: Callable, enabled: bool) -> Callable | None:
+    return torch.compile(fn) if enabled else None
+
+
+def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, compile_reference: bool = True,
+        progress: Callable[[str], None] | None = None) -> dict:
+    """Run every benchmark case; returns the JSON-ready result (see ``format_table``)."""
+    from tqdm import tqdm
+
+    repeats = repeats or (3 if quick else 7)
+    torch.manual_seed(0)
+    dtype = torch.float32
+    P = N_TOKENS * DIM
+    batches = (1, 8) if not quick else (1, 4)
+    ks = (1, 20) if not quick else (1,)
+    token_batch = 64 if not quick else 16
+    cases: list[tuple[str, str, Callable, Callable, Callable | None, int, Callable | None]] = []
+
+    compiled_apply = _compiled(reference.lowrank_metric_apply, compile_reference)
+    compiled_quad = _compiled(reference.lowrank_metric_quadform, compile_reference)
+    compiled_imp = _compiled(reference.token_importance, compile_reference)
+    compiled_merge = _compiled(reference.merge_tokens, compile_reference)
+    compiled_gather = _compiled(reference.gather_tokens, compile_reference)
+    compiled_reinsert = _compiled(reference.reinsert_tokens, compile_reference)
+
+    for B in batches:
+        U = torch.randn(B, P, RANK, device=device, dtype=dtype)
+        lam = torch.rand(B, RANK, device=device, dtype=dtype)
+        cases.append((
+            "token_importance", f"B={B} N={N_TOKENS} D={DIM} r={RANK}",
+            lambda U=U, lam=lam: ops.token_importance(U, lam, N_TOKENS),
+            lambda U=U, lam=lam: reference.token_importance(U, lam, N_TOKENS),
+            compiled_imp and (lambda U=U, lam=lam: compiled_imp(U, lam, N_TOKENS)),
+            _nbytes(U, lam) + B * N_TOKENS * 4, None,
+        ))
+        for k in ks:
+            v = torch.randn(B, P, k, device=device, dtype=dtype)
+            shape = f"B={B} P={P} r={RANK} k={k}"
+            cases.append((
+                "lowrank_metric_apply", shape,
+                lambda U=U, lam=lam, v=v: ops.lowrank_metric_apply(U, lam, v, 0.1),
+                lambda U=U, lam=lam, v=v: reference.lowrank_metric_apply(U, lam, v, 0.1),
+                compiled_apply and (lambda U=U, lam=lam, v=v: compiled_apply(U, lam, v, 0.1)),
+                _nbytes(U, v, v), None,
+            ))
+            cases.append((
+                "lowrank_metric_quadform", shape,
+                lambda U=U, lam=lam, v=v: ops.lowrank_metric_quadform(U, lam, v, 0.1),
+                lambda U=U, lam=lam, v=v: reference.lowrank_metric_quadform(U, lam, v, 0.1),
+                compiled_quad and (lambda U=U, lam=lam, v=v: compiled_quad(U, lam, v, 0.1)),
+                _nbytes(U, v), None,
+            ))
+        X = U
+        cases.append((
+            "block_orthonormalize", f"B={B} {P}x{RANK}",
+            lambda X=X: ops.block_orthonormalize(X),
+            lambda X=X: torch.linalg.qr(X),
+            None, 2 * _nbytes(X),
+            lambda X=X: {"orthogonality_max": float(
+                (lambda Q: (Q.double().mT @ Q.double() - torch.eye(RANK, dtype=torch.float64, device=device)).abs().max())(
+                    ops.block_orthonormalize(X)))},
+        ))
+        del U, lam
+
+    R = 64
+    B = token_batch
+    x = torch.randn(B, N_TOKENS, DIM, device=device, dtype=dtype)
+    w = torch.rand(B, N_TOKENS, device=device, dtype=dtype) + 0.5
+    perm = torch.argsort(torch.rand(B, N_TOKENS, device=device), dim=1)
+    src, kept_idx = perm[:, :R], perm[:, R:]
+    dst = kept_idx.gather(1, torch.randint(0, N_TOKENS - R, (B, R), device=device))
+    shape = f"B={B} N={N_TOKENS} D={DIM} R={R}"
+    cases.append((
+        "merge_tokens", shape,
+        lambda: ops.merge_tokens(x, w, src, dst), lambda: tome_merge(x, w, src, dst),
+        compiled_merge and (lambda: compiled_merge(x, w, src, dst)),
+        _nbytes(x, w) + B * (N_TOKENS - R) * (DIM + 1) * 4, None,
+    ))
+    cases.append((
+        "gather_tokens", f"B={B} N={N_TOKENS} D={DIM} K={N_TOKENS - R}",
+        lambda: ops.gather_tokens(x, kept_idx), lambda: reference.gather_tokens(x, kept_idx),
+        compiled_gather and (lambda: compiled_gather(x, kept_idx)),
+        2 * B * (N_TOKENS - R) * DIM * 4, None,
+    ))
+    kept, pruned = x[:, : N_TOKENS - R].contiguous(), x[:, N_TOKENS - R:].contiguous()
+    cases.append((
+        "reinsert_tokens", shape,
+        lambda: ops.reinsert_tokens(kept, kept_idx, pruned, src), lambda: tome_reinsert(kept, kept_idx, pruned, src),
+        compiled_reinsert and (lambda: compiled_reinsert(kept, kept_idx, pruned, src)),
+        2 * _nbytes(x), None,
+    ))
+
+    bandwidth = read_bandwidth_gbps(device, repeats)
+    rows = []
+    for name, shape, fused, eager, compiled, nbytes, extra in tqdm(cases, desc="bench_ops", unit="case"):
+        if progress:
+            progress(f"{name} {shape}")
+        timed = interleaved_medians_ms([f for f in (fused, eager, compiled) if f is not None], repeats, device)
+        row = Row(name, shape, timed[0], timed[1], timed[2] if compiled else None, nbytes, extra() if extra else {})
+        rows.append(row)
+    bandwidth = max(bandwidth, read_bandwidth_gbps(device, repeats))  # before and after, the better
+    return {
+        "device": device,
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "compiled_ops": ops.uses_compiled(torch.empty(0, device=device)),
+        "cpu_isa": _cpu_isa(),
+        "quick": quick,
+        "repeats": repeats,
+        "read_bandwidth_gbps": bandwidth,
+        "rows": [
+            {**asdict(r), "speedup_vs_eager": r.speedup_eager,
+             "speedup_vs_compiled": (r.compiled_ms / r.fused_ms) if r.compiled_ms else None,
+             "effective_gbps": r.gbps(), "share_of_read_bandwidth": r.gbps() / bandwidth}
+            for r in rows
+        ],
+    }
+
+
+def _cpu_isa() -> str | None:
+    from pullback_ext._loader import load_compiled
+
+    lib = load_compiled()
+    return lib.cpu_isa() if lib is not None else None
+
+
+def format_table(result: dict) -> str:
+    """The printed table: one line per case."""
+    head = (f"{'op':<24} {'shape':<30} {'fused ms':>9} {'eager ms':>9} {'compile ms':>10} "
+            f"{'x eager':>8} {'x compile':>9} {'GB/s':>7} {'% read bw':>9}")
+    lines = [f"device {result['device']} ({result['device_name']}), {result['threads']} threads, "
+             f"read bandwidth {result['read_bandwidth_gbps']:.1f} GB/s, kernels: "
+             f"{'compiled' if result['compiled_ops'] else 'reference fallback'} (cpu isa {result['cpu_isa']})",
+             head, "-" * len(head)]
+    for r in result["rows"]:
+        comp = f"{r['compiled_ms']:10.2f}" if r["compiled_ms"] is not None else f"{'-':>10}"
+        xcomp = f"{r['speedup_vs_compiled']:9.2f}" if r["speedup_vs_compiled"] is not None else f"{'-':>9}"
+        note = "".join(f" {k}={v:.2e}" for k, v in r["extra"].items())
+        lines.append(f"{r['op']:<24} {r['shape']:<30} {r['fused_ms']:9.2f} {r['eager_ms']:9.2f} {comp} "
+                     f"{r['speedup_vs_eager']:8.2f} {xcomp} {r['effective_gbps']:7.1f} "
+                     f"{100 * r['share_of_read_bandwidth']:8.0f}%{note}")
+    return "\n".join(lines)
+
+
+def write_outputs(result: dict, path: str) -> list[str]:
+    """Atomically write the JSON to ``path`` and a speed-up bar plot next to it; returns the paths."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
+        json.dump(result, f, indent=2)
+        tmp = f.name
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    plot_path = os.path.splitext(path)[0] + ".png"
+    _plot(result, plot_path)
+    return [path, plot_path]
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['op']}\n{r['shape']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
+    ys = range(len(rows))
+    ax.barh([y - 0.2 for y in ys], [r["speedup_vs_eager"] for r in rows], height=0.4, label="vs eager")
+    ax.barh([y + 0.2 for y in ys], [r["speedup_vs_compiled"] or 0 for r in rows], height=0.4, label="vs torch.compile")
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(list(ys), labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("speed-up of the fused op")
+    ax.set_title(f"pullback_ext ops on {result['device']} ({result['threads']} threads)")
+    ax.legend()
+    fig.tight_layout()
+    folder = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile(dir=folder, suffix=".png", delete=False) as f:
+        tmp = f.name
+    fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)

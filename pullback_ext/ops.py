@@ -1,0 +1,320 @@
+"""Fused kernels of pullback_ext (SPEC §5), with autograd and torch.compile support.
+
+Each function runs the compiled op ``torch.ops.pullback_ext.<name>`` (from ``pullback_ext._C``)
+for CPU float32/float64 and, in CUDA builds, CUDA float32/float16/bfloat16/float64, and the
+pure-torch :mod:`pullback_ext.reference` for everything else (e.g. CPU float16, or a source
+checkout that was never compiled). Both paths validate their arguments: wrong shapes, dtypes or
+devices raise ``ValueError``/``TypeError``, out-of-range indices ``IndexError``.
+
+``check_finite=True`` additionally rejects NaN/inf inputs (one extra reduction per input).
+
+Shapes: B batch, N tokens, D channels, P = N·D ambient dimension, r rank, k vectors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pullback_ext import _fallback_checks, reference
+from pullback_ext._loader import load_compiled
+
+__all__ = [
+    "lowrank_metric_apply",
+    "lowrank_metric_quadform",
+    "token_importance",
+    "block_orthonormalize",
+    "gather_tokens",
+    "merge_tokens",
+    "reinsert_tokens",
+    "uses_compiled",
+]
+
+_C = load_compiled()
+_CUDA_BUILT = bool(_C is not None and _C.cuda_available())
+_CPU_DTYPES = (torch.float32, torch.float64)
+_CUDA_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def uses_compiled(t: Tensor) -> bool:
+    """Whether an op whose main input is ``t`` runs the compiled kernel (else the reference)."""
+    if _C is None:
+        return False
+    if t.device.type == "cpu":
+        return t.dtype in _CPU_DTYPES
+    if t.device.type == "cuda":
+        return _CUDA_BUILT and t.dtype in _CUDA_DTYPES
+    return t.device.type == "meta" and t.dtype in _CUDA_DTYPES
+
+
+def lowrank_metric_apply(U: Tensor, lam: Tensor, v: Tensor, eps: float, *, check_finite: bool = False) -> Tensor:
+    """``g v = eps·v + U (lam ⊙ Uᵀ v)``.
+
+    U [B,P,r] (r <= P), lam [B,r] >= 0, v [B,P,k], eps >= 0 -> [B,P,k].
+    """
+    if uses_compiled(U):
+        return torch.ops.pullback_ext.lowrank_metric_apply(U, lam, v, float(eps), check_finite)
+    _fallback_checks.metric(U, lam, v, eps, check_finite)
+    return reference.lowrank_metric_apply(U, lam, v, eps)
+
+
+def lowrank_metric_quadform(U: Tensor, lam: Tensor, v: Tensor, eps: float, *, check_finite: bool = False) -> Tensor:
+    """``vᵀ g v = eps‖v‖² + Σ_j lam_j ⟨u_j, v⟩²``, reading U once.
+
+    U [B,P,r], lam [B,r] >= 0, v [B,P,k], eps >= 0 -> [B,k].
+    """
+    if uses_compiled(U):
+        return torch.ops.pullback_ext.lowrank_metric_quadform(U, lam, v, float(eps), check_finite)
+    _fallback_checks.metric(U, lam, v, eps, check_finite)
+    return reference.lowrank_metric_quadform(U, lam, v, eps)
+
+
+def token_importance(U: Tensor, lam: Tensor, num_tokens: int, *, check_finite: bool = False) -> Tensor:
+    """``imp(t) = sqrt(Σ_j lam_j ‖u_j^(t)‖²)`` with u_j^(t) the rows t·D .. t·D+D-1 of column j.
+
+    U [B,N·D,r], lam [B,r] >= 0, num_tokens = N dividing P -> [B,N].
+    """
+    if uses_compiled(U):
+        return torch.ops.pullback_ext.token_importance(U, lam, int(num_tokens), check_finite)
+    _fallback_checks.importance(U, lam, num_tokens, check_finite)
+    return reference.token_importance(U, lam, num_tokens)
+
+
+def block_orthonormalize(X: Tensor, return_r: bool = False, *, check_finite: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Orthonormal basis of the columns of each X[b]: X [B,P,r] (r <= P) -> Q [B,P,r] (, R [B,r,r]).
+
+    X = Q R with QᵀQ = I, R upper triangular, diag(R) >= 0. CholeskyQR2 with float64 Gram
+    accumulation; images whose Cholesky fails or whose condition estimate exceeds 1e6 are
+    refactorised by Householder QR, so Q is orthonormal to ~1e-6 in float32 even for rank-deficient
+    or badly scaled X. For a rank-deficient X the columns of Q beyond the rank complete the basis
+    to an orthonormal set (the matching diagonal entries of R are ~0).
+
+    Forward-only: no gradient flows through it; a RuntimeError is raised if one is requested.
+    """
+    if X.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            "block_orthonormalize is forward-only: X requires grad; pass X.detach() or run it under "
+            "torch.no_grad()"
+        )
+    if uses_compiled(X):
+        Q, R = torch.ops.pullback_ext.block_orthonormalize(X, check_finite)
+        return (Q, R) if return_r else Q
+    _fallback_checks.qr(X, check_finite)
+    return reference.block_orthonormalize(X, return_r)
+
+
+def gather_tokens(x: Tensor, idx: Tensor, *, check_finite: bool = False) -> Tensor:
+    """``out[b, i] = x[b, idx[b, i]]``: x [B,N,D], idx [B,K] int64 in [0,N) -> [B,K,D]."""
+    if uses_compiled(x):
+        return torch.ops.pullback_ext.gather_tokens(x, idx, check_finite)
+    _fallback_checks.gather(x, idx, check_finite)
+    return reference.gather_tokens(x, idx)
+
+
+def merge_tokens(
+    x: Tensor, w: Tensor, src_idx: Tensor, dst_idx: Tensor, *, check_finite: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Merge token src_idx[b,i] into dst_idx[b,i], weighted by w, tracking the weights (ToMe sizes).
+
+    x [B,N,D], w [B,N] >= 0, src_idx [B,R] distinct, dst_idx [B,R] not in src_idx ->
+    (x' [B,N-R,D], w' [B,N-R]): the tokens not in src_idx in their original order; a dst token d
+    becomes ``(w_d x_d + Σ_{s->d} w_s x_s) / (w_d + Σ_{s->d} w_s)`` with weight
+    ``w_d + Σ_{s->d} w_s`` (x_d is kept unchanged when that weight is 0).
+    """
+    if uses_compiled(x):
+        return torch.ops.pullback_ext.merge_tokens(x, w, src_idx, dst_idx, check_finite)
+    _fallback_checks.merge(x, w, src_idx, dst_idx, check_finite)
+    return reference.merge_tokens(x, w, src_idx, dst_idx)
+
+
+def reinsert_tokens(
+    kept: Tensor, kept_idx: Tensor, pruned: Tensor, pruned_idx: Tensor, *, check_finite: bool = False
+) -> Tensor:
+    """Put every token back at its original position (Last-Layer Fusion).
+
+    kept [B,K,D], kept_idx [B,K], pruned [B,R,D], pruned_idx [B,R]; the two index sets of each
+    image together a permutation of 0..K+R-1 -> [B,K+R,D].
+    """
+    if uses_compiled(kept):
+        return torch.ops.pullback_ext.reinsert_tokens(kept, kept_idx, pruned, pruned_idx, check_finite)
+    _fallback_checks.reinsert(kept, kept_idx, pruned, pruned_idx, check_finite)
+    return reference.reinsert_tokens(kept, kept_idx, pruned, pruned_idx)
+
+
+
+# --- dispatcher registrations: fake (meta) kernels for torch.compile, autograd formulas ---------
+
+
+def _register_fake_kernels() -> None:
+    def fake(name):
+        return torch.library.register_fake(f"pullback_ext::{name}")
+
+    @fake("lowrank_metric_apply")
+    def _(U, lam, v, eps, check_finite=False):
+        return v.new_empty(v.shape)
+
+    @fake("lowrank_metric_quadform")
+    def _(U, lam, v, eps, check_finite=False):
+        return v.new_empty((v.shape[0], v.shape[2]))
+
+    @fake("token_importance")
+    def _(U, lam, num_tokens, check_finite=False):
+        return U.new_empty((U.shape[0], num_tokens))
+
+    @fake("block_orthonormalize")
+    def _(X, check_finite=False):
+        return X.new_empty(X.shape), X.new_empty((X.shape[0], X.shape[2], X.shape[2]))
+
+    @fake("gather_tokens")
+    def _(x, idx, check_finite=False):
+        return x.new_empty((x.shape[0], idx.shape[1], x.shape[2]))
+
+    @fake("merge_tokens")
+    def _(x, w, src_idx, dst_idx, check_finite=False):
+        kept = x.shape[1] - src_idx.shape[1]
+        return x.new_empty((x.shape[0], kept, x.shape[2])), w.new_empty((w.shape[0], kept))
+
+    @fake("reinsert_tokens")
+    def _(kept, kept_idx, pruned, pruned_idx, check_finite=False):
+        return kept.new_empty((kept.shape[0], kept.shape[1] + pruned.shape[1], kept.shape[2]))
+
+
+def _save_inputs(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*(t for t in inputs if isinstance(t, Tensor)))
+    ctx.scalars = [a for a in inputs if not isinstance(a, Tensor)]
+
+
+def _apply_backward(ctx, grad: Tensor):
+    U, lam, v = ctx.saved_tensors
+    eps = ctx.scalars[0]
+    need_U, need_lam, need_v = ctx.needs_input_grad[:3]
+    grad_U = grad_lam = grad_v = None
+    if need_v:
+        # g is symmetric: the vector-Jacobian product is the op applied to the incoming grad.
+        grad_v = torch.ops.pullback_ext.lowrank_metric_apply(U, lam, grad, eps, False)
+    if need_U or need_lam:
+        proj_v = U.transpose(1, 2) @ v  # [B,r,k]
+        proj_g = U.transpose(1, 2) @ grad
+        if need_U:
+            grad_U = grad @ (lam.unsqueeze(-1) * proj_v).transpose(1, 2) + v @ (lam.unsqueeze(-1) * proj_g).transpose(1, 2)
+        if need_lam:
+            grad_lam = (proj_v * proj_g).sum(-1)
+    return grad_U, grad_lam, grad_v, None, None
+
+
+def _quadform_backward(ctx, grad: Tensor):
+    U, lam, v = ctx.saved_tensors
+    eps = ctx.scalars[0]
+    need_U, need_lam, need_v = ctx.needs_input_grad[:3]
+    grad_U = grad_lam = grad_v = None
+    g = grad.unsqueeze(1)  # [B,1,k]
+    if need_v:
+        grad_v = 2 * g * torch.ops.pullback_ext.lowrank_metric_apply(U, lam, v, eps, False)
+    if need_U or need_lam:
+        proj = U.transpose(1, 2) @ v  # [B,r,k]
+        if need_U:
+            grad_U = 2 * v @ (lam.unsqueeze(-1) * proj * g).transpose(1, 2)
+        if need_lam:
+            grad_lam = (proj * proj * g).sum(-1)
+    return grad_U, grad_lam, grad_v, None, None
+
+
+def _importance_setup(ctx, inputs, output) -> None:
+    U, lam, num_tokens, _ = inputs
+    ctx.save_for_backward(U, lam, output)
+    ctx.num_tokens = num_tokens
+
+
+def _importance_backward(ctx, grad: Tensor):
+    U, lam, imp = ctx.saved_tensors
+    B, P, r = U.shape
+    N = ctx.num_tokens
+    # d imp_t / d s_t = 1 / (2 imp_t) with s_t = Σ_j lam_j ‖u_j^(t)‖²; taken as 0 where imp_t = 0.
+    half_rate = torch.where(imp > 0, grad / torch.where(imp > 0, imp, 1), 0) / 2  # [B,N]
+    grad_U = grad_lam = None
+    if ctx.needs_input_grad[0]:
+        scale = half_rate.repeat_interleave(P // N, dim=1).unsqueeze(-1)  # [B,P,1]
+        grad_U = 2 * scale * lam.unsqueeze(1) * U
+    if ctx.needs_input_grad[1]:
+        energy = (U * U).reshape(B, N, P // N, r).sum(2)  # [B,N,r]
+        grad_lam = (energy * half_rate.unsqueeze(-1)).sum(1)
+    return grad_U, grad_lam, None, None
+
+
+def _qr_setup(ctx, inputs, output) -> None:
+    pass
+
+
+def _qr_backward(ctx, grad_Q: Tensor, grad_R: Tensor):
+    raise RuntimeError("block_orthonormalize is forward-only: it has no backward formula")
+
+
+def _gather_backward(ctx, grad: Tensor):
+    x, idx = ctx.saved_tensors
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        index = idx.unsqueeze(-1).expand(-1, -1, x.shape[-1])
+        grad_x = torch.zeros_like(x).scatter_add(1, index, grad)
+    return grad_x, None, None
+
+
+def _merge_setup(ctx, inputs, output) -> None:
+    x, w, src_idx, dst_idx, _ = inputs
+    ctx.save_for_backward(x, w, src_idx, dst_idx, *output)
+
+
+def _merge_backward(ctx, grad_x_out: Tensor | None, grad_w_out: Tensor | None):
+    x, w, src_idx, dst_idx, x_out, w_out = ctx.saved_tensors
+    B, N, D = x.shape
+    if grad_x_out is None:
+        grad_x_out = torch.zeros_like(x_out)
+    if grad_w_out is None:
+        grad_w_out = torch.zeros_like(w_out)
+    # slot[b, t]: the output slot token t ends up in (its own slot, or that of its dst token).
+    kept = torch.ones(B, N, dtype=torch.bool, device=x.device).scatter(1, src_idx, False)
+    kept_slot = kept.long().cumsum(1) - 1
+    dest = torch.arange(N, device=x.device).expand(B, N).scatter(1, src_idx, dst_idx)
+    slot = kept_slot.gather(1, dest)
+    total = w_out.gather(1, slot)  # [B,N] weight of the group token t belongs to
+    merged = x_out.gather(1, slot.unsqueeze(-1).expand(-1, -1, D))
+    g_merged = grad_x_out.gather(1, slot.unsqueeze(-1).expand(-1, -1, D))
+    positive = total > 0
+    safe_total = torch.where(positive, total, 1).unsqueeze(-1)
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        # A zero-weight group leaves its dst token unchanged and ignores its sources.
+        unchanged = torch.where(kept.unsqueeze(-1), g_merged, 0)
+        grad_x = torch.where(positive.unsqueeze(-1), w.unsqueeze(-1) * g_merged / safe_total, unchanged)
+    if ctx.needs_input_grad[1]:
+        through_x = torch.where(positive, (g_merged * (x - merged) / safe_total).sum(-1), 0)
+        grad_w = through_x + grad_w_out.gather(1, slot)
+    return grad_x, grad_w, None, None, None
+
+
+def _reinsert_setup(ctx, inputs, output) -> None:
+    kept, kept_idx, pruned, pruned_idx, _ = inputs
+    ctx.save_for_backward(kept_idx, pruned_idx)
+
+
+def _reinsert_backward(ctx, grad: Tensor):
+    kept_idx, pruned_idx = ctx.saved_tensors
+    gather = torch.ops.pullback_ext.gather_tokens
+    grad_kept = gather(grad, kept_idx, False) if ctx.needs_input_grad[0] else None
+    grad_pruned = gather(grad, pruned_idx, False) if ctx.needs_input_grad[2] else None
+    return grad_kept, None, grad_pruned, None, None
+
+
+def _register_autograd() -> None:
+    reg = torch.library.register_autograd
+    reg("pullback_ext::lowrank_metric_apply", _apply_backward, setup_context=_save_inputs)
+    reg("pullback_ext::lowrank_metric_quadform", _quadform_backward, setup_context=_save_inputs)
+    reg("pullback_ext::token_importance", _importance_backward, setup_context=_importance_setup)
+    reg("pullback_ext::block_orthonormalize", _qr_backward, setup_context=_qr_setup)
+    reg("pullback_ext::gather_tokens", _gather_backward, setup_context=_save_inputs)
+    reg("pullback_ext::merge_tokens", _merge_backward, setup_context=_merge_setup)
+    reg("pullback_ext::reinsert_tokens", _reinsert_backward, setup_context=_reinsert_setup)
+
+
+if _C is not None:
+    _register_fake_kernels()
+    _register_autograd()
