@@ -1,0 +1,160 @@
+"""``pullback diagnose``: matrix-free tractability diagnostic of a backbone–decoder pair on an
+image folder; writes DIR/diagnosis.json and plots, prints a Table-1-style summary.
+
+Runs under ``torchrun --nproc_per_node=N -m pullback_ext diagnose ...``: images are sharded over
+ranks, every image uses the random stream of its global index, and rank 0 gathers and writes, so
+the result equals the single-process one.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="timm:NAME, hf:DIR (local transformers folder) or demo")
+    parser.add_argument("--img-size", type=_positive, default=None, help="timm models: build for this input size")
+    parser.add_argument("--weights", default=None, help="local weights (safetensors or torch checkpoint)")
+    parser.add_argument("--layer", type=int, default=None, help="probe layer ℓ (0-based block index; F is its output)")
+    parser.add_argument("--decoder", default="cls", help="cls | tokens | pooled (timm) | embedding (demo) | depth | depth-multi (hf) | linear:FILE")
+    parser.add_argument("--output-size", type=_positive, default=None, help="resize dense outputs to S×S (M = S²)")
+    parser.add_argument("--images", required=True, help="folder of images")
+    parser.add_argument("--num-images", type=_positive, default=50, help="first N images of the folder (sorted by name)")
+    parser.add_argument("--rank", type=_positive, default=20, help="r: captured subspace for κ_cap(r), CV, importance")
+    parser.add_argument("--oversample", type=int, default=10, help="randomized-SVD oversampling p (sketch r + p)")
+    parser.add_argument("--power", type=int, default=2, help="q power rounds")
+    parser.add_argument("--adaptive-tol", type=float, default=None, help="stop power rounds when the subspace defect is below this")
+    parser.add_argument("--probes", type=_positive, default=100, help="m Rademacher probes (Hutchinson / Hutch++ / SLQ)")
+    parser.add_argument("--slq-steps", type=int, default=30, help="Lanczos steps for r_eff^SLQ (0 skips it)")
+    parser.add_argument("--trace", default="auto", choices=["auto", "exact", "hutchinson", "hutch++"], help="auto: exact when min(M, P) <= 512, else hutch++")
+    parser.add_argument("--seed", type=int, default=0, help="image i draws from a stream seeded by (seed, i)")
+    parser.add_argument("--chunk-size", type=_positive, default=32, help="tangents per vmap call (bounds memory)")
+    parser.add_argument("--batch-size", type=_positive, default=8, help="images per feature-extraction batch")
+    parser.add_argument("--kappa-threshold", type=float, default=0.9, help="regimes: κ_cap(r) at or above is low rank")
+    parser.add_argument("--cv-threshold", type=float, default=1.0, help="regimes: CV at or above is localised")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--save-vectors", action="store_true", help="include V[r,N,D] in the JSON")
+    parser.add_argument("--out", required=True, help="output folder")
+
+
+def _write_text_atomic(path, text: str) -> None:
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def summary_table(result, description: dict) -> str:
+    """Table-1-style rows: one line per setting with mean ± std over images."""
+    from pullback_ext.diagnostics import REGIMES
+
+    agg = result.aggregate
+    first = result.images[0]
+
+    def cell(name: str, fmt: str = ".3f") -> str:
+        if name not in agg:
+            return "n/a"
+        return f"{agg[name]['mean']:{fmt}} ± {agg[name]['std']:{fmt}}"
+
+    header = f"{'model':<28} {'layer':>5} {'decoder':<12} {'M':>7} {'P':>8} {'r':>3} {'κ_cap(r)':>17} {'CV':>17} {'r_eff^trunc':>17} {'r_eff^SLQ':>19} {'r90':>13}  regime"
+    row = (
+        f"{description['model'][:28]:<28} {description['layer']:>5} {description['decoder'][:12]:<12} {first.M:>7} {first.P:>8} {first.rank:>3} "
+        f"{cell('kappa_cap'):>17} {cell('cv'):>17} {cell('r_eff_trunc', '.2f'):>17} {cell('r_eff_slq', '.2f'):>19} {cell('r90', '.1f'):>13}  "
+        f"({result.regime}) {REGIMES[result.regime][0]}"
+    )
+    return "\n".join([header, row, f"recommended: {result.method}  [{len(result)} images, trace: {first.trace_method}]"])
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    from pathlib import Path
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from pullback_ext import distributed
+    from pullback_ext.diagnostics import Diagnosis, Thresholds, aggregate, diagnose
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.images import check_readable, list_images, load_images
+    from pullback_ext.model_loading import build
+    from pullback_ext.plots import plot_spectrum, plot_token_energy
+
+    if args.layer is None and args.decoder != "depth-multi":
+        raise PullbackError("--layer: required (the probe layer ℓ) unless --decoder depth-multi")
+    for name in ("oversample", "power", "slq_steps", "seed"):
+        if getattr(args, name) < 0:
+            raise PullbackError(f"--{name.replace('_', '-')}: expected an int >= 0, got {getattr(args, name)}")
+    if args.probes < 2:
+        raise PullbackError(f"--probes: expected an int >= 2, got {args.probes}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise PullbackError(f"--out: {str(out)!r} exists and is not a folder")
+    paths = list_images(args.images, args.num_images)
+    check_readable(paths)
+    dtype = torch.float64 if args.dtype == "float64" else torch.float32
+    setup = build(args.model, args.weights, args.layer if args.layer is not None else 0, args.decoder, args.output_size, args.img_size, dtype)
+    probe = setup.probe
+    if setup.description["weights"] is None and args.model != "demo":
+        print("pullback diagnose: note: no --weights given, the model keeps its random initialisation", file=sys.stderr)
+    P = probe.num_tokens * probe.dim
+    if args.rank >= P:
+        raise PullbackError(f"--rank: expected r < P = N·D = {P}, got {args.rank}")
+    thresholds = Thresholds(kappa=args.kappa_threshold, cv=args.cv_threshold)
+
+    info = distributed.init_from_env()
+    try:
+        mine = distributed.shard_indices(len(paths), info.rank, info.world_size)
+        per_image = []
+        desc = f"diagnose[rank {info.rank}/{info.world_size}]" if info.world_size > 1 else "diagnose"
+        with tqdm(total=len(mine), desc=desc, unit="image", disable=not info.is_main, file=sys.stderr) as bar:
+            for start in range(0, len(mine), args.batch_size):
+                indices = mine[start : start + args.batch_size]
+                images = load_images([paths[i] for i in indices], setup.preprocess, dtype)
+                F = probe.features(images)
+                result = diagnose(
+                    probe, F, rank=args.rank, oversample=args.oversample, power=args.power, probes=args.probes,
+                    slq_steps=args.slq_steps, trace=args.trace, seed=args.seed, chunk_size=args.chunk_size,
+                    adaptive_tol=args.adaptive_tol, thresholds=thresholds, indices=indices, keep_vectors=args.save_vectors,
+                )
+                per_image.extend(result.images)
+                bar.update(len(indices))
+        gathered = [d for part in distributed.gather_objects(per_image, info) for d in part]
+    finally:
+        distributed.shutdown(info)
+    if not info.is_main:
+        return 0
+
+    gathered.sort(key=lambda d: d.index)
+    agg, regime, method = aggregate(gathered, thresholds)
+    settings = dict(
+        setup.description, images=str(args.images), num_images=len(paths), rank=args.rank, oversample=args.oversample,
+        power=args.power, adaptive_tol=args.adaptive_tol, probes=args.probes, slq_steps=args.slq_steps, trace=args.trace,
+        seed=args.seed, dtype=args.dtype, world_size=info.world_size, thresholds={"kappa": thresholds.kappa, "cv": thresholds.cv},
+        files=[p.name for p in paths],
+    )
+    full = Diagnosis(gathered, agg, regime, method, settings)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_text_atomic(out / "diagnosis.json", json.dumps(full.to_dict(include_vectors=args.save_vectors), indent=1))
+    plot_spectrum([d.sigma for d in gathered], [d.trace for d in gathered], out / "spectrum.png", kappa_threshold=thresholds.kappa)
+    plot_token_energy(
+        [d.token_energy for d in gathered], probe.num_prefix_tokens, out / "token_energy.png",
+        grid_size=getattr(probe, "grid_size", None), titles=[p.name for p in paths],
+    )
+    print(summary_table(full, setup.description))
+    print(f"wrote {out / 'diagnosis.json'}, {out / 'spectrum.png'}, {out / 'token_energy.png'}")
+    return 0

@@ -1,0 +1,83 @@
+"""torchrun helpers: process-group setup from the environment, sharding, gathering Python objects.
+
+Without torchrun (no ``WORLD_SIZE`` in the environment) everything degrades to a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    initialised_here: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_from_env(backend: str | None = None) -> DistInfo:
+    """Join the process group torchrun describes (gloo on CPU, nccl when CUDA is available).
+
+    Returns rank 0 of 1 outside torchrun. Safe to call when a group already exists.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), False)
+    if not launched_by_torchrun():
+        return DistInfo(0, 1, 0, False)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, True)
+
+
+def shutdown(info: DistInfo) -> None:
+    """Destroy the process group if ``init_from_env`` created it."""
+    if info.initialised_here and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard(items: Sequence[T], rank: int, world_size: int) -> list[T]:
+    """Round-robin share of ``items`` for ``rank``: items[rank], items[rank + world_size], ..."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank, world_size: expected 0 <= rank < world_size, got {rank}, {world_size}")
+    return list(items[rank::world_size])
+
+
+def shard_indices(n: int, rank: int, world_size: int) -> list[int]:
+    """Indices 0..n-1 belonging to ``rank`` (same rule as ``shard``)."""
+    return shard(range(n), rank, world_size)
+
+
+def gather_objects(obj: Any, info: DistInfo) -> list[Any]:
+    """Every rank's ``obj`` in rank order (on all ranks); ``[obj]`` in a single process."""
+    if info.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def unshard(parts: Sequence[Sequence[T]]) -> list[T]:
+    """Inverse of ``shard`` over all ranks: interleave the per-rank lists back into the original order."""
+    world = len(parts)
+    total = sum(len(p) for p in parts)
+    return [parts[i % world][i // world] for i in range(total)]

@@ -1,0 +1,85 @@
+"""Estimators of the total sensitivity T = ‖J‖_F² = Tr(JᵀJ) from products with J."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from pullback_ext.linalg.operator import LinearOperatorBase
+
+EXACT_TRACE_MAX = 512
+
+
+@dataclass
+class TraceEstimate:
+    """T̂ with its standard error (0 when exact) and the method that produced it."""
+
+    value: float
+    stderr: float
+    method: str
+
+
+def _check_probes(probes: int) -> None:
+    if not isinstance(probes, int) or probes < 2:
+        raise ValueError(f"probes: expected an int >= 2 (needed for a standard error), got {probes!r}")
+
+
+def rademacher(n: int, k: int, generator: Optional[torch.Generator], dtype: torch.dtype, device) -> Tensor:
+    """[n,k] matrix of independent ±1 entries."""
+    signs = torch.randint(0, 2, (n, k), generator=generator, device="cpu")
+    return (2 * signs - 1).to(dtype=dtype, device=device)
+
+
+def exact_trace(op: LinearOperatorBase, chunk: int = 64) -> TraceEstimate:
+    """Tr(JᵀJ) exactly, from products against the standard basis of the smaller side (≤ chunk at a time)."""
+    M, P = op.shape
+    total = 0.0
+    n = min(M, P)
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        E = torch.zeros(n, stop - start, dtype=op.dtype, device=op.device)
+        E[torch.arange(start, stop), torch.arange(stop - start)] = 1
+        cols = op.vjp(E) if M <= P else op.jvp(E)
+        total += float((cols.double() ** 2).sum())
+    return TraceEstimate(total, 0.0, "exact")
+
+
+def _mean_stderr(samples: Tensor) -> tuple[float, float]:
+    samples = samples.double()
+    return float(samples.mean()), float(samples.std(unbiased=True) / math.sqrt(samples.numel()))
+
+
+def hutchinson(op: LinearOperatorBase, probes: int = 100, generator: Optional[torch.Generator] = None) -> TraceEstimate:
+    """T̂ = (1/m) Σ_i ‖J z_i‖² with Rademacher z_i ∈ R^P, and its standard error."""
+    _check_probes(probes)
+    Z = rademacher(op.P, probes, generator, op.dtype, op.device)
+    value, stderr = _mean_stderr((op.jvp(Z).double() ** 2).sum(0))
+    return TraceEstimate(value, stderr, "hutchinson")
+
+
+def hutchpp(
+    op: LinearOperatorBase,
+    V: Tensor,
+    probes: int = 100,
+    generator: Optional[torch.Generator] = None,
+    energy: Optional[float] = None,
+) -> TraceEstimate:
+    """Hutch++-style T̂ = ‖J V‖_F² + Hutchinson on the deflated remainder J (I − V Vᵀ).
+
+    V[P,r] must be orthonormal (the randomized-SVD right singular vectors); ``energy`` may pass
+    ‖J V‖_F² = Σ σ_j² when it is already known. The remainder is non-negative, so the captured
+    share ‖J V‖_F² / T̂ never exceeds 1.
+    """
+    _check_probes(probes)
+    if V.dim() != 2 or V.shape[0] != op.P:
+        raise ValueError(f"V: expected an orthonormal basis [P={op.P}, r], got {tuple(V.shape)}")
+    if energy is None:
+        energy = float((op.jvp(V).double() ** 2).sum())
+    Z = rademacher(op.P, probes, generator, op.dtype, op.device)
+    Z = Z - V @ (V.T @ Z)
+    rest, stderr = _mean_stderr((op.jvp(Z).double() ** 2).sum(0))
+    return TraceEstimate(energy + rest, stderr, "hutch++")

@@ -1,0 +1,21 @@
+"""Probe maps ψ_ℓ: features of one ViT layer -> task outputs, for timm, Hugging Face and custom models."""
+
+from pullback_ext.probes.modes import jvp_friendly
+from pullback_ext.probes.base import Probe
+from pullback_ext.probes.callable_probe import CallableProbe, from_callable
+from pullback_ext.probes.hf_dpt import HFDepthProbe, from_hf_dpt
+from pullback_ext.probes.linear import LinearTokenProbe, linear_probe
+from pullback_ext.probes.timm_vit import TimmViTProbe, from_timm
+
+__all__ = [
+    "CallableProbe",
+    "HFDepthProbe",
+    "LinearTokenProbe",
+    "Probe",
+    "TimmViTProbe",
+    "from_callable",
+    "from_hf_dpt",
+    "from_timm",
+    "jvp_friendly",
+    "linear_probe",
+]

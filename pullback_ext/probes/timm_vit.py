@@ -1,0 +1,104 @@
+"""Probe maps for timm VisionTransformer models (ViT/DeiT, DINOv2 with or without registers, CLIP)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from pullback_ext.probes.modes import evaluation, jvp_friendly
+from pullback_ext.probes.base import Probe
+
+OUTPUTS = ("cls", "tokens", "pooled")
+
+
+def _check_timm_vit(model: torch.nn.Module) -> None:
+    missing = [a for a in ("patch_embed", "blocks", "norm", "num_prefix_tokens", "_pos_embed") if not hasattr(model, a)]
+    if missing:
+        raise TypeError(
+            f"model: expected a timm VisionTransformer (attributes patch_embed, blocks, norm, "
+            f"num_prefix_tokens), {type(model).__name__} lacks {', '.join(missing)}"
+        )
+
+
+class TimmViTProbe(Probe):
+    """ψ_ℓ for a timm VisionTransformer: blocks ℓ+1.., final norm, then the chosen output.
+
+    output: "cls" -> y = CLS token [B,D]; "tokens" -> all normed tokens flattened [B,N·D];
+    "pooled" -> the model's own pre-logits pooling (token / avg / map + fc_norm) [B,D];
+    or a callable mapping the normed tokens [B,N,D] to [B,M].
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layer: int,
+        output: Union[str, Callable[[Tensor], Tensor]] = "cls",
+        output_transform: Optional[Tensor] = None,
+    ) -> None:
+        _check_timm_vit(model)
+        depth = len(model.blocks)
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < depth:
+            raise ValueError(f"layer: expected an int in [0, {depth - 1}] (the model has {depth} blocks), got {layer!r}")
+        if not callable(output) and output not in OUTPUTS:
+            raise ValueError(f"output: expected one of {OUTPUTS} or a callable, got {output!r}")
+        prefix = int(model.num_prefix_tokens)
+        if output == "cls" and (getattr(model, "cls_token", None) is None or prefix < 1):
+            raise ValueError("output: 'cls' needs a model with a CLS token; this one has none (use 'pooled' or 'tokens')")
+        grid = tuple(int(g) for g in model.patch_embed.grid_size)
+        super().__init__(
+            layer=layer,
+            num_tokens=grid[0] * grid[1] + prefix,
+            dim=int(model.embed_dim),
+            num_prefix_tokens=prefix,
+            output_transform=output_transform,
+        )
+        self.grid_size = grid
+        self.model = model
+        self.output = output
+
+    @torch.no_grad()
+    def features(self, images: Tensor) -> Tensor:
+        """images[B,3,H,W] (preprocessed) -> F[B,N,D], the tokens after block ``layer``."""
+        if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[1] != 3:
+            raise ValueError(
+                "images: expected a tensor [B,3,H,W], got "
+                + (str(tuple(images.shape)) if isinstance(images, Tensor) else type(images).__name__)
+            )
+        m = self.model
+        with evaluation(m):
+            x = m.patch_embed(images)
+            x = m._pos_embed(x)
+            x = m.patch_drop(x) if hasattr(m, "patch_drop") else x
+            x = m.norm_pre(x) if hasattr(m, "norm_pre") else x
+            for block in m.blocks[: self.layer + 1]:
+                x = block(x)
+        return x
+
+    def outputs(self, F: Tensor) -> Tensor:
+        m = self.model
+        with jvp_friendly(m):
+            x = F
+            for block in m.blocks[self.layer + 1 :]:
+                x = block(x)
+            x = m.norm(x)
+            if callable(self.output):
+                y = self.output(x)
+            elif self.output == "cls":
+                y = x[:, 0]
+            elif self.output == "tokens":
+                y = x.reshape(x.shape[0], -1)
+            else:
+                y = m.forward_head(x, pre_logits=True)
+        return y.reshape(y.shape[0], -1)
+
+
+def from_timm(
+    model: torch.nn.Module,
+    layer: int,
+    output: Union[str, Callable[[Tensor], Tensor]] = "cls",
+    output_transform: Optional[Tensor] = None,
+) -> TimmViTProbe:
+    """Probe at block ``layer`` (0-based; F is that block's output) of a timm VisionTransformer."""
+    return TimmViTProbe(model, layer, output, output_transform)

@@ -1,0 +1,156 @@
+"""diagnose() against dense oracles (jacrev + SVD) on tiny real architectures and closed forms."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from pullback_ext import Diagnosis, diagnose
+from pullback_ext.diagnostics import REGIMES, Thresholds, classify
+from pullback_ext.linalg import subspace_alignment
+from pullback_ext.probes import from_hf_dpt, from_timm, linear_probe
+
+from diagnose_helpers import dense_diagnostics, dense_jacobian, images, tiny_dpt, tiny_timm_vit
+
+
+@pytest.fixture(scope="module")
+def vit():
+    return tiny_timm_vit()
+
+
+def assert_matches_oracle(d, J, rank, N, slq=True):
+    ref = dense_diagnostics(J, rank, N)
+    torch.testing.assert_close(d.sigma, ref["sigma"][:rank], rtol=1e-3, atol=0)
+    assert subspace_alignment(d.V.reshape(rank, -1).T, ref["V"]) >= 0.999
+    assert d.trace_method == "exact" and d.trace == pytest.approx(ref["trace"], rel=1e-9)
+    assert abs(d.kappa_cap - ref["kappa"]) < 0.01
+    assert d.cv == pytest.approx(ref["cv"], rel=0.02)
+    torch.testing.assert_close(d.importance, ref["importance"], rtol=5e-3, atol=1e-6 * float(ref["importance"].max()))
+    if slq:
+        assert d.r_eff_slq == pytest.approx(ref["r_eff"], rel=0.05)
+    return ref
+
+
+@pytest.mark.parametrize("layer,output", [(0, "cls"), (1, "tokens")])
+def test_timm_probe_against_dense_oracle(vit, layer, output):
+    probe = from_timm(vit, layer, output)
+    F = probe.features(images(2))
+    result = diagnose(probe, F, rank=6, power=6, probes=60, slq_steps=30, trace="exact", chunk_size=16)
+    assert isinstance(result, Diagnosis) and len(result) == 2
+    for b in range(2):
+        J = dense_jacobian(probe, F[b])
+        assert_matches_oracle(result[b], J, 6, probe.num_tokens)
+        assert result[b].M == J.shape[0] and result[b].P == J.shape[1]
+
+
+def test_hutchinson_kappa_within_three_standard_errors(vit):
+    probe = from_timm(vit, 1, "tokens")
+    F = probe.features(images(1))
+    ref = dense_diagnostics(dense_jacobian(probe, F[0]), 6, probe.num_tokens)
+    for method in ("hutchinson", "hutch++"):
+        d = diagnose(probe, F, rank=6, power=4, probes=100, slq_steps=0, trace=method)[0]
+        assert d.trace_method == method and d.trace_stderr > 0
+        assert abs(d.trace - ref["trace"]) <= 3 * d.trace_stderr
+        kappa_se = d.kappa_cap * d.trace_stderr / d.trace
+        assert abs(d.kappa_cap - ref["kappa"]) <= 3 * kappa_se + 1e-3
+        assert d.r_eff_slq is None
+
+
+def test_dpt_depth_probe_against_dense_oracle():
+    model = tiny_dpt()
+    probe = from_hf_dpt(model, 1, output_size=4)  # M = 16: SLQ runs exactly, SLQ itself is checked on the ViTs
+    F = probe.features(images(2))
+    result = diagnose(probe, F, rank=5, power=4, probes=60, slq_steps=30, trace="exact", chunk_size=16)
+    for b in range(2):
+        J = dense_jacobian(probe.for_image(b), F[b])
+        assert_matches_oracle(result[b], J, 5, probe.num_tokens)
+
+
+def test_linear_probe_closed_form():
+    g = torch.Generator().manual_seed(0)
+    N, C, D = 5, 3, 8
+    U, _ = torch.linalg.qr(torch.randn(C, C, generator=g, dtype=torch.float64))
+    Vt, _ = torch.linalg.qr(torch.randn(D, C, generator=g, dtype=torch.float64))
+    s = torch.tensor([2.0, 1.0, 0.5], dtype=torch.float64)
+    W = (U * s) @ Vt.T
+    probe = linear_probe(W, N)
+    F = torch.randn(2, N, D, generator=g, dtype=torch.float64)
+    d = diagnose(probe, F, rank=N, oversample=6, power=4, probes=50, slq_steps=30)[0]
+    # J = I_N ⊗ W: σ_1 repeated N times, Tr = N ‖W‖_F², uniform per-token energy
+    torch.testing.assert_close(d.sigma, s[0].repeat(N), rtol=1e-8, atol=0)
+    assert d.trace == pytest.approx(N * float((s**2).sum()), rel=1e-10)
+    assert d.kappa_cap == pytest.approx(float(s[0] ** 2 / (s**2).sum()), rel=1e-8)
+    assert d.cv == pytest.approx(0.0, abs=1e-6)
+    torch.testing.assert_close(d.importance, s[0].expand(N), rtol=1e-6, atol=0)
+    assert d.r_eff_trunc == pytest.approx(N, rel=1e-8)
+    p = s**2 / (s**2).sum()
+    assert d.r_eff_slq == pytest.approx(N * math.exp(float(-(p * p.log()).sum())), rel=0.05)
+
+
+def test_reproducible_and_independent_of_batching(vit):
+    probe = from_timm(vit, 0, "tokens")
+    F = probe.features(images(3))
+    kwargs = dict(rank=4, power=1, probes=20, slq_steps=10, trace="hutch++")
+    a = diagnose(probe, F, seed=7, **kwargs)
+    b = diagnose(probe, F, seed=7, **kwargs)
+    assert a.to_json() == b.to_json()
+    shard = diagnose(probe, F[1:], seed=7, indices=[1, 2], **kwargs)
+    assert shard[0].to_dict() == a[1].to_dict()
+    other = diagnose(probe, F, seed=8, **kwargs)
+    assert other[0].trace != a[0].trace
+
+
+def test_json_serialisable_with_aggregate(vit):
+    probe = from_timm(vit, 0, "cls")
+    F = probe.features(images(3))
+    result = diagnose(probe, F, rank=4, power=1, probes=10, slq_steps=5)
+    data = json.loads(result.to_json(include_vectors=True))
+    assert len(data["images"]) == 3 and len(data["images"][0]["V"]) == 4
+    kappas = torch.tensor([d.kappa_cap for d in result.images], dtype=torch.float64)
+    assert data["aggregate"]["kappa_cap"]["mean"] == pytest.approx(float(kappas.mean()))
+    assert data["aggregate"]["kappa_cap"]["std"] == pytest.approx(float(kappas.std()))
+    for key in ("sigma", "trace", "trace_stderr", "kappa_cap", "token_energy", "importance", "cv", "r_eff_trunc", "r_eff_slq", "r90", "M", "regime", "method"):
+        assert key in data["images"][0]
+    assert data["regime"] in REGIMES and "V" not in json.loads(result.to_json())["images"][0]
+    light = diagnose(probe, F[:1], rank=4, power=1, probes=10, slq_steps=0, keep_vectors=False)
+    assert light[0].V is None and "V" not in json.loads(light.to_json(include_vectors=True))["images"][0]
+
+
+def test_rank_bounded_probe_is_regime_iv(vit):
+    L = torch.randn(3, vit.embed_dim, dtype=torch.float64)
+    probe = from_timm(vit, 0, "cls", output_transform=L)
+    d = diagnose(probe, probe.features(images(1)), rank=5, power=2, probes=10, slq_steps=5)
+    assert d.regime == "iv" and d[0].rank == 3 and d[0].kappa_cap == pytest.approx(1.0, abs=1e-8) and d[0].r90 is not None
+
+
+def test_regime_taxonomy_and_thresholds():
+    assert classify(5, 20, 0.1, 0.1) == "iv"
+    assert classify(1000, 20, 0.95, 0.5) == "ii"
+    assert classify(1000, 20, 0.95, 2.4) == "v"
+    assert classify(1000, 20, 0.33, 4.06) == "iii"
+    assert classify(1000, 20, 0.76, 0.63) == "i"
+    assert classify(1000, 20, 0.76, 0.63, Thresholds(kappa=0.7, cv=0.5)) == "v"
+
+
+def test_bad_inputs(vit):
+    probe = from_timm(vit, 0, "cls")
+    F = probe.features(images(1))
+    with pytest.raises(ValueError, match="rank"):
+        diagnose(probe, F, rank=probe.num_tokens * probe.dim)
+    with pytest.raises(ValueError, match="rank"):
+        diagnose(probe, F, rank=0)
+    with pytest.raises(ValueError, match="trace"):
+        diagnose(probe, F, trace="magic")
+    with pytest.raises(ValueError, match="probes"):
+        diagnose(probe, F, probes=1)
+    with pytest.raises(ValueError, match="seed"):
+        diagnose(probe, F, seed=-1)
+    with pytest.raises(ValueError, match="F"):
+        diagnose(probe, F[:, :5])
+    with pytest.raises(TypeError, match="F"):
+        diagnose(probe, F.long())
+    with pytest.raises(ValueError, match="NaN"):
+        diagnose(probe, torch.full_like(F, float("nan")))
+    with pytest.raises(ValueError, match="indices"):
+        diagnose(probe, F, indices=[0, 1])
