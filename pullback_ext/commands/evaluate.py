@@ -1,0 +1,135 @@
+"""``pullback evaluate``: token pruning / merging quality and cost against baselines."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_RATIOS = "0.05,0.1,0.15,0.2,0.3,0.4,0.5"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_argument_group("model and images")
+    src.add_argument("--demo", action="store_true", help="the embedded demo model on held-out demo scenes")
+    src.add_argument("--model", help="timm model name (random weights unless --weights), CLS task only")
+    src.add_argument("--weights", help="backbone weights: demo weights file with --demo, a timm state dict (.pth/.safetensors) with --model")
+    src.add_argument("--images", help="folder of images (class subfolders give k-NN labels); default with --demo: rendered scenes")
+    src.add_argument("--num-images", type=int, default=32, help="images per seed (default 32)")
+    red = parser.add_argument_group("reduction")
+    red.add_argument("--task", choices=("cls", "depth"), default="cls")
+    red.add_argument("--mode", choices=("auto", "merge", "prune"), default="auto", help="auto: merge for cls, prune for depth")
+    red.add_argument("--head", help="importance head or SPN checkpoint (enables strategy 'importance')")
+    red.add_argument("--spn", help="SPN checkpoint for pullback-distance matching in merge mode (default: --head if it is an SPN)")
+    red.add_argument("--strategies", default=None, help="comma list (default: importance when --head is given, oracle with --oracle, and every training-free rule)")
+    red.add_argument("--oracle", action="store_true", help="add the imp* oracle (demo only; slow: a randomized SVD per image)")
+    red.add_argument("--ratios", default=DEFAULT_RATIOS, help=f"comma list of prune ratios (default {DEFAULT_RATIOS})")
+    red.add_argument("--stages", default="4", help="stage layers for a 12-block ViT-B (e.g. 4, 4,8, 1,4,7,10, 2stage), scaled to the model's depth")
+    red.add_argument("--absolute-layers", action="store_true", help="use --stages as the model's own block indices, unscaled")
+    red.add_argument("--llf", choices=("on", "off", "both"), default="on", help="Last-Layer Fusion in prune mode (both: two tables)")
+    red.add_argument("--prop-attn", action="store_true", help="proportional attention after merges")
+    sub = parser.add_argument_group("subspace interventions (Geosubprobe-style analysis instead of the tables)")
+    sub.add_argument("--subspace-probe", metavar="FILE|fit",
+                     help="linear token probe (weights file with 'weight' [C,D], optional 'bias'), or 'fit' (--demo: a per-token depth probe fitted on rendered scenes)")
+    sub.add_argument("--subspace-layer", type=int, default=None, help="block whose output the probe reads (default: the middle block)")
+    sub.add_argument("--subspace-k", default="1,2,4,8", help="subspace dimensions (default 1,2,4,8)")
+    run = parser.add_argument_group("run")
+    run.add_argument("--seeds", type=int, default=3, help="image sets (demo scene seeds / random-strategy seeds)")
+    run.add_argument("--batch-size", type=int, default=16)
+    run.add_argument("--time-batches", default="1,64", help="batch sizes for wall-clock (default 1,64)")
+    run.add_argument("--time-repeats", type=int, default=3)
+    run.add_argument("--time-strategies", default=None, help="strategies to time (default: all evaluated)")
+    run.add_argument("--no-timing", action="store_true", help="skip FLOPs and wall-clock")
+    run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    run.add_argument("--out", required=True, help="output folder (results.json, table.md, quality.png)")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _floats(text: str, name: str) -> tuple:
+    from pullback_ext.errors import PullbackError
+
+    try:
+        values = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise PullbackError(f"{name} must be comma-separated numbers; got {text!r}") from None
+    if not values:
+        raise PullbackError(f"{name} must name at least one value")
+    return values
+
+
+def _ints(text: str, name: str) -> tuple:
+    from pullback_ext.errors import PullbackError
+
+    values = _floats(text, name)
+    if any(v != int(v) or v < 1 for v in values):
+        raise PullbackError(f"{name} must be positive integers; got {text!r}")
+    return tuple(int(v) for v in values)
+
+
+def _subspace(args: argparse.Namespace, backbone, model) -> int:
+    """The Geosubprobe-style analysis: interventions on a linear probe's geometric subspace."""
+    import json
+    from pathlib import Path
+
+    from pullback_ext.prune import setup
+    from pullback_ext.prune.report import write_json
+
+    layer = backbone.depth // 2 if args.subspace_layer is None else args.subspace_layer
+    ks = _ints(args.subspace_k, "--subspace-k")
+    image_sets = setup.image_sets(args.images, model, args.demo, args.num_images, 1, backbone.image_size)
+    result = setup.subspace_report(args.subspace_probe, model, backbone, layer, ks, image_sets[0], args.demo)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(result, out / "subspace.json")
+    print(json.dumps(result["results"], indent=1))
+    print(f"wrote {out / 'subspace.json'}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import shlex
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.prune import setup
+    from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
+    from pullback_ext.prune.report import plot_quality, write_json, write_text
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.demo == bool(args.model):
+        raise PullbackError("give exactly one of --demo or --model NAME")
+    for name in ("num_images", "seeds", "batch_size", "time_repeats"):
+        if getattr(args, name) < 1:
+            raise PullbackError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    ratios = _floats(args.ratios, "--ratios")
+    time_batches = _ints(args.time_batches, "--time-batches")
+    backbone, model = setup.load_backbone(demo=args.demo, model_name=args.model, weights=args.weights)
+    if args.subspace_probe is not None:
+        return _subspace(args, backbone, model)
+    layers = setup.stage_layers(args.stages, backbone.depth, absolute=args.absolute_layers)
+    mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
+    scorers, spn = setup.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)
+    strategies = setup.strategy_list(args.strategies, scorers)
+    llf = {"on": (True,), "off": (False,), "both": (True, False)}[args.llf]
+    plan = Plan(task=args.task, strategies=strategies, ratios=ratios, layers=layers, mode=mode, llf=llf, scorers=scorers, spn=spn,
+                prop_attn=args.prop_attn, batch_size=args.batch_size)
+    check_plan(plan, backbone)
+    image_sets = setup.image_sets(args.images, model, args.demo, args.num_images, args.seeds, backbone.image_size)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = run_quality(backbone, image_sets, plan, progress=not args.quiet)
+    if not args.no_timing:
+        timed = setup.strategy_list(args.time_strategies, scorers) if args.time_strategies else strategies
+        result["cost"] = run_cost(backbone, image_sets[0]["images"], plan, time_batches, args.time_repeats, timed, progress=not args.quiet)
+    result["command"] = "pullback " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    result["model"] = backbone.name
+    write_json(result, out / "results.json")
+    tables = "\n".join(markdown_table(result, key) for key in result["tables"])
+    write_text(tables, out / "table.md")
+    plot_quality(result, out / "quality.png")
+    print(tables)
+    print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'quality.png'}")
+    return 0

@@ -1,0 +1,148 @@
+"""Token merging / pruning for frozen ViTs, switched on and off in place.
+
+    import pullback_ext.patch as patch
+    patch.timm(model, head=head, ratio=0.3, layers=(4,), mode="merge", strategy="importance")
+    patch.unpatch(model)            # the original forward again
+
+``mode="merge"`` (CLS decoders): the ``ratio`` fraction of patch tokens with the lowest keep scores
+merge into their nearest remaining token (pullback distance with ``spn=``, cosine otherwise).
+``mode="prune"`` (dense decoders): they are removed, their features frozen and re-inserted wherever
+features are read; with ``llf=True`` the last block runs on the full sequence (Last-Layer Fusion;
+``llf`` has no effect in merge mode). ``layers`` are 0-based block indices whose *input* is
+reduced; several layers form a multi-stage schedule (``ratio`` is then the total fraction, split
+evenly, or one fraction per layer) — see :func:`pullback_ext.prune.schedules.scale_layers` to map
+ViT-B schedules to other depths. CLS and register tokens are never merged or pruned.
+The gather, merge and re-insert steps run through the ``pullback_ext.ops`` kernels.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable, Optional
+
+from pullback_ext.errors import PullbackError
+
+_ATTR = "_pullback_reduction"
+
+
+def _is_patched(model) -> bool:
+    return getattr(model, _ATTR, None) is not None
+
+
+def timm(
+    model,
+    head: Optional[Callable] = None,
+    ratio=0.3,
+    layers=(4,),
+    mode: str = "merge",
+    strategy: str = "importance",
+    llf: bool = True,
+    *,
+    spn: Optional[Callable] = None,
+    matching: str = "auto",
+    eps: Optional[float] = None,
+    prop_attn: bool = False,
+    weights: str = "auto",
+    seed: Optional[int] = 0,
+):
+    """Patch a timm ``VisionTransformer`` in place (re-patching replaces the previous plan).
+
+    ``head``: importance head ``F [B, K, D] -> [B, K]`` (or an SPN) for ``importance``, or a
+    callable giving imp* for ``oracle``. ``spn``: returns ``(U [B, K*D, r], lam [B, r])`` for the
+    pullback matching of merge mode. ``prop_attn``: add ``log(size)`` to attention logits after
+    merges. ``weights``: ``auto``/``size``/``importance`` for merged averages. ``seed``: for
+    ``random``. Returns the model.
+    """
+    from pullback_ext.prune import timm_vit
+    from pullback_ext.prune.pipeline import make_config
+
+    needed = ("patch_embed", "_pos_embed", "blocks", "norm", "num_prefix_tokens", "forward_features")
+    missing = [a for a in needed if not hasattr(model, a)]
+    if missing:
+        raise PullbackError(f"model must be a timm VisionTransformer; {type(model).__name__} lacks {', '.join(missing)}")
+    if _is_patched(model):
+        unpatch(model)
+    cfg = make_config(
+        depth=len(model.blocks), num_prefix=int(model.num_prefix_tokens), has_cls=getattr(model, "cls_token", None) is not None,
+        head=head, ratio=ratio, layers=layers, mode=mode, strategy=strategy, llf=llf, spn=spn, matching=matching,
+        eps=eps, prop_attn=prop_attn, weights=weights, seed=seed,
+    )
+    model.forward_features = types.MethodType(_with_config(timm_vit.forward_features, cfg), model)
+    model.forward_intermediates = types.MethodType(_with_config(timm_vit.forward_intermediates, cfg), model)
+    setattr(model, _ATTR, ("timm", cfg))
+    return model
+
+
+def hf_dpt(
+    model,
+    head: Optional[Callable] = None,
+    ratio=0.3,
+    layers=(4,),
+    mode: str = "prune",
+    strategy: str = "importance",
+    llf: bool = True,
+    *,
+    spn: Optional[Callable] = None,
+    matching: str = "auto",
+    eps: Optional[float] = None,
+    prop_attn: bool = False,
+    weights: str = "auto",
+    seed: Optional[int] = 0,
+):
+    """Patch a Hugging Face ``DPTForDepthEstimation`` / ``DPTModel`` (ViT backbone) in place.
+
+    Same options as :func:`timm`; the encoder's hidden states (what the DPT neck reads at
+    ``config.backbone_out_indices``) are full-length. ``prop_attn`` is not available here.
+    Returns the model.
+    """
+    from pullback_ext.prune import hf_dpt as hf
+    from pullback_ext.prune.pipeline import make_config
+
+    encoder = hf.find_encoder(model)
+    if prop_attn:
+        raise PullbackError("prop_attn is not supported for Hugging Face DPT (its attention takes no additive bias)")
+    if _is_patched(encoder):
+        unpatch(model)
+    cfg = make_config(
+        depth=len(encoder.layer), num_prefix=1, has_cls=True, head=head, ratio=ratio, layers=layers, mode=mode,
+        strategy=strategy, llf=llf, spn=spn, matching=matching, eps=eps, prop_attn=False, weights=weights, seed=seed,
+    )
+    hf.install(encoder, cfg)
+    setattr(encoder, _ATTR, ("hf_dpt", cfg))
+    return model
+
+
+def _with_config(fn, cfg):
+    """``fn(module, cfg, ...)`` as a method of ``module`` (a named function: torch.compile
+    traces it like any method)."""
+
+    def method(module, *args, **kwargs):
+        return fn(module, cfg, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = fn.__name__
+    method.__doc__ = fn.__doc__
+    return method
+
+
+def unpatch(model):
+    """Undo :func:`timm` / :func:`hf_dpt`; a no-op on an unpatched model. Returns the model."""
+    if _is_patched(model) and getattr(model, _ATTR)[0] == "timm":
+        del model.forward_features
+        del model.forward_intermediates
+        delattr(model, _ATTR)
+        return model
+    for module in model.modules() if hasattr(model, "modules") else ():
+        if _is_patched(module) and getattr(module, _ATTR)[0] == "hf_dpt":
+            from pullback_ext.prune.hf_dpt import restore
+
+            restore(module)
+            delattr(module, _ATTR)
+    return model
+
+
+def config(model):
+    """The active reduction plan of a patched model, or None."""
+    for module in model.modules():
+        if _is_patched(module):
+            return getattr(module, _ATTR)[1]
+    return None

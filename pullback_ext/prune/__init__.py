@@ -1,0 +1,20 @@
+"""Token merging and pruning with the learned geometry, baselines and their evaluation.
+
+- ``tokens``: the running token state (prune / merge / re-insert through the kernels)
+- ``strategies``: which tokens go (importance, oracle, random, tome, evit, norm, cls_sim, asap);
+  ``oracle``: the imp* scorer; ``matching``: where merged tokens go (pullback distance or cosine)
+- ``pipeline``: validated plans and the reducing block loop; ``timm_vit`` / ``hf_dpt`` adapters
+- ``schedules``: ViT-B stage schedules scaled to other depths
+- ``quality``, ``cost``, ``evaluation``, ``report``: metrics, FLOPs / wall-clock, strategy × ratio
+  tables, JSON and plots; ``backbones``, ``images``, ``setup``: what ``pullback evaluate`` loads
+- ``subspace``: Geosubprobe-style subspace interventions; ``demo_stage``: the demo's short run
+
+The patch API itself is :mod:`pullback_ext.patch`.
+"""
+
+
+def run_demo_stage(model, scenes, out_dir, quick: bool = False) -> dict:
+    """Token merging / pruning comparison for ``pullback demo`` (see ``demo_stage``)."""
+    from pullback_ext.prune.demo_stage import run_demo_stage as run
+
+    return run(model, scenes, out_dir, quick)

@@ -1,0 +1,142 @@
+"""The token merging / pruning part of ``pullback demo``: a short strategy comparison.
+
+CLS merge (cosine ×100) and dense prune with LLF on/off (SILog ×100) on held-out scenes, the
+cost of the importance head against ToMe, and a Geosubprobe-style analysis of a linear depth
+probe. Quick mode (about a minute on a laptop CPU) uses fewer scenes and ratios.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pullback_ext.prune.backbones import block_output_tokens, demo_backbone
+from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
+from pullback_ext.prune.report import plot_quality, write_json, write_text
+from pullback_ext.prune.schedules import scale_layers
+from pullback_ext.prune.strategies import TRAINING_FREE
+
+QUICK = {"images": 16, "seeds": 1, "cls_ratios": (0.1, 0.3, 0.5), "depth_ratios": (0.25, 0.5), "batches": (1, 16), "repeats": 2}
+FULL = {"images": 32, "seeds": 3, "cls_ratios": (0.05, 0.1, 0.2, 0.3, 0.5), "depth_ratios": (0.1, 0.2, 0.3, 0.5),
+        "batches": (1, 64), "repeats": 3}
+
+
+def _image_sets(scenes, n: int, seeds: int) -> list:
+    """The given scenes when they hold ``n`` images per seed, else rendered held-out scenes."""
+    from pullback_ext.prune.images import demo_scenes
+
+    sets = [] if scenes is None else (list(scenes) if isinstance(scenes, (list, tuple)) else [scenes])
+    if len(sets) >= seeds and all(s["images"].shape[0] >= n for s in sets):
+        return [{"images": s["images"], "labels": s.get("labels")} for s in sets]
+    return [demo_scenes(n, seed, 112) for seed in range(seeds)]
+
+
+def trained_heads(out_dir: Path) -> dict:
+    """Importance heads left by the importance-head stage under ``out_dir``:
+    ``{task: (head, stage layer)}``; the stage layer is the head's probe layer + 1."""
+    from pullback_ext.errors import CheckpointError
+    from pullback_ext.metric.checkpoint import load_model
+
+    found = {}
+    folder = out_dir / "importance_head"
+    if (folder / "model.safetensors").is_file():
+        try:
+            head, config = load_model(folder, kind="head")
+        except CheckpointError:
+            return found
+        probe = config.get("probe", {})
+        task = "depth" if str(probe.get("decoder", "")).startswith("depth") else "cls"
+        if isinstance(probe.get("layer"), int):
+            found[task] = (head.eval().requires_grad_(False), probe["layer"] + 1)
+    return found
+
+
+def _probe_targets(depth: torch.Tensor, grid: int) -> torch.Tensor:
+    """Per-token targets ``[B, grid², 4]``: log-depth of the 2×2 quadrants of each patch."""
+    pooled = torch.nn.functional.adaptive_avg_pool2d(depth.log()[:, None], 2 * grid)  # [B,1,2g,2g]
+    q = pooled.view(depth.shape[0], grid, 2, grid, 2).permute(0, 1, 3, 2, 4)
+    return q.reshape(depth.shape[0], grid * grid, 4)
+
+
+def subspace_analysis(model, layer: int, train_n: int, test: dict, quick: bool, ks=None) -> dict:
+    """Fit a linear per-token depth probe on block ``layer`` outputs of ``train_n`` rendered
+    scenes, then intervene on the held-out ``test`` scenes (``images``, ``depth``)."""
+    from pullback_ext.demo.scenes import render
+    from pullback_ext.prune.subspace import fit_linear_probe, interventions
+
+    backbone = demo_backbone(model)
+
+    def tokens(images):
+        return block_output_tokens(model, backbone, images, layer)
+
+    train = render(train_n, seed=12345)
+    grid = model.image_size // model.backbone.patch_embed.patch_size[0]
+    weight, bias = fit_linear_probe(tokens(train["images"]), _probe_targets(train["depth"], grid))
+    depth = test.get("depth")
+    ks = ((1, 2, 4) if quick else (1, 2, 3, 4)) if ks is None else ks
+    result = interventions(tokens(test["images"]), weight, bias, ks=ks, targets=None if depth is None else _probe_targets(depth, grid))
+    result["layer"] = layer
+    return result
+
+
+def _plan(backbone, task: str, spec: dict, head, results: dict) -> Plan:
+    """The task's plan; with a head, its first stage sits at the layer the head was trained on."""
+    from pullback_ext.errors import PullbackError
+
+    layers, scorers = spec["layers"], {}
+    if head is not None:
+        scorer, layer = head
+        moved = (layer,) + tuple(x for x in layers if x > layer)[: len(layers) - 1]
+        candidate = Plan(task=task, strategies=("importance",), ratios=spec["ratios"], layers=moved, mode=spec["mode"],
+                         llf=spec["llf"], scorers={"importance": scorer})
+        try:
+            check_plan(candidate, backbone)
+            layers, scorers = moved, {"importance": scorer}
+        except PullbackError as exc:
+            results.setdefault("notes", []).append(f"{task}: importance head not used ({exc})")
+    return Plan(task=task, strategies=tuple(scorers) + TRAINING_FREE, ratios=spec["ratios"], layers=layers, mode=spec["mode"],
+                llf=spec["llf"], scorers=scorers, batch_size=16)
+
+
+def run_demo_stage(model, scenes=None, out_dir: str | Path = "out/demo/prune", quick: bool = True,
+                   heads: Optional[dict] = None, progress: bool = True) -> dict:
+    """Run the comparison and write ``pruning/{cls,depth}/results.json``, ``table.md``,
+    ``quality.png`` and ``pruning/subspace.json`` under ``out_dir``; returns the results.
+
+    ``scenes``: a dict from :func:`pullback_ext.demo.heldout` (or a list of them, one per seed),
+    used when large enough, else held-out scenes are rendered. ``heads``: optional
+    ``{task: (scorer, stage layer)}`` for ``cls`` / ``depth``; by default the head written by the
+    importance-head stage under ``out_dir`` is used. Tasks without a head compare the
+    training-free strategies only.
+    """
+    settings = QUICK if quick else FULL
+    root = Path(out_dir)
+    out = root / "pruning"
+    heads = trained_heads(root) if heads is None else heads
+    backbone = demo_backbone(model)
+    sets = _image_sets(scenes, settings["images"], settings["seeds"])
+    results: dict = {"quick": quick, "heads": {task: layer for task, (_, layer) in heads.items()}}
+    tasks = {
+        "cls": dict(mode="merge", layers=scale_layers((4,), backbone.depth), ratios=settings["cls_ratios"], llf=(True,)),
+        "depth": dict(mode="prune", layers=scale_layers((4, 8), backbone.depth), ratios=settings["depth_ratios"], llf=(True, False)),
+    }
+    for task, spec in tasks.items():
+        plan = _plan(backbone, task, spec, heads.get(task), results)
+        result = run_quality(backbone, sets, plan, progress=progress)
+        timed = ("importance", "tome") if "importance" in plan.scorers else ("tome",)
+        result["cost"] = run_cost(backbone, sets[0]["images"], plan, settings["batches"], settings["repeats"],
+                                  strategies=timed, progress=progress)
+        folder = out / task
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(result, folder / "results.json")
+        write_text("\n".join(markdown_table(result, key) for key in result["tables"]), folder / "table.md")
+        plot_quality(result, folder / "quality.png")
+        results[task] = result
+    from pullback_ext.demo import heldout
+
+    test = heldout(settings["images"], 0)
+    results["subspace"] = subspace_analysis(model, model.hook_layers[1], 32 if quick else 128, test, quick)
+    write_json(results["subspace"], out / "subspace.json")
+    return results

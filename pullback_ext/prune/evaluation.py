@@ -1,0 +1,243 @@
+"""Strategy × ratio evaluation: Table-2-style quality, significance and cost.
+
+Quality is always relative to the unpruned model on the same images: cosine ×100 of the CLS
+embedding, additional SILog ×100 of the depth map, k-NN top-1 (leave-one-out against the unpruned
+embeddings of the other images) when labels exist. Each seed is one image set; a cell reports the
+mean over seeds of the per-seed means, their standard deviation across seeds, and the standard
+deviation over all images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune import quality
+from pullback_ext.prune.backbones import Backbone
+from pullback_ext.prune.cost import count_flops, wall_clock
+from pullback_ext.prune.pipeline import make_config
+from pullback_ext.prune.strategies import TRAINING_FREE
+
+METRICS = {"cls": ("cosine_x100",), "depth": ("silog_x100", "cosine_x100")}
+PRIMARY = {"cls": "cosine_x100", "depth": "silog_x100"}
+
+
+@dataclass
+class Plan:
+    """What to evaluate. ``scorers``: {strategy name: scorer} for ``importance`` / ``oracle``."""
+
+    task: str
+    strategies: tuple
+    ratios: tuple
+    layers: tuple
+    mode: str
+    llf: tuple = (True,)
+    scorers: dict = field(default_factory=dict)
+    spn: Optional[object] = None
+    prop_attn: bool = False
+    batch_size: int = 16
+    knn_k: int = 10
+
+    def config(self, backbone: Backbone, strategy: str, ratio: float, llf: bool, seed: int):
+        return make_config(
+            depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls,
+            head=self.scorers.get(strategy), ratio=ratio, layers=self.layers, mode=self.mode, strategy=strategy,
+            llf=llf, spn=self.spn, prop_attn=self.prop_attn, seed=seed,
+        )
+
+
+def check_plan(plan: Plan, backbone: Backbone) -> None:
+    """Fail early, with the offending option named, before any forward pass."""
+    if plan.task not in backbone.tasks:
+        raise PullbackError(f"--task {plan.task} needs a model with that decoder; {backbone.name} supports {', '.join(backbone.tasks)}")
+    if not plan.strategies:
+        raise PullbackError("--strategies must name at least one strategy")
+    if not plan.ratios:
+        raise PullbackError("--ratios must name at least one ratio")
+    for strategy in plan.strategies:
+        for llf in plan.llf:
+            for ratio in plan.ratios:
+                plan.config(backbone, strategy, ratio, llf, 0)
+
+
+def _batched(fn, images: torch.Tensor, batch_size: int, before=None) -> dict:
+    outs: dict = {}
+    for start in range(0, images.shape[0], batch_size):
+        chunk = images[start:start + batch_size]
+        if before is not None:
+            before(chunk)
+        for key, value in fn(chunk).items():
+            outs.setdefault(key, []).append(value.detach())
+    return {key: torch.cat(values) for key, values in outs.items()}
+
+
+def _prepare_scorers(plan: Plan, strategy: str):
+    scorer = plan.scorers.get(strategy)
+    prepare = getattr(scorer, "prepare", None)
+    return prepare if callable(prepare) else None
+
+
+def _errors(task: str, reduced: dict, full: dict) -> dict:
+    out = {"cosine_x100": quality.cosine_x100(reduced["embedding"], full["embedding"])}
+    if task == "depth":
+        out["silog_x100"] = quality.silog_x100(reduced["depth"], full["depth"])
+    return out
+
+
+def _summary(per_seed: list) -> dict:
+    means = [float(v.double().mean()) for v in per_seed]
+    everything = torch.cat([v.double().flatten() for v in per_seed])
+    return {
+        "mean": sum(means) / len(means),
+        "std": float(torch.tensor(means).std(unbiased=True)) if len(means) > 1 else 0.0,
+        "image_std": float(everything.std(unbiased=False)),
+        "per_seed": means,
+    }
+
+
+def run_quality(backbone: Backbone, image_sets: list, plan: Plan, progress: bool = True) -> dict:
+    """Quality tables. ``image_sets``: one dict per seed with ``images [n, 3, H, W]`` and
+    optionally ``labels [n]``. Returns JSON-ready results (see module doc)."""
+    from tqdm import tqdm
+
+    check_plan(plan, backbone)
+    cells = [(llf, s, r) for llf in plan.llf for s in plan.strategies for r in plan.ratios]
+    per_image: dict = {}
+    knn: dict = {}
+    bar = tqdm(total=len(image_sets) * len(cells), desc="evaluate", disable=not progress, unit="cell")
+    with torch.no_grad():
+        for seed, data in enumerate(image_sets):
+            images, labels = data["images"], data.get("labels")
+            full = _batched(backbone.full, images, plan.batch_size)
+            if labels is not None:
+                knn.setdefault("unpruned", []).append(
+                    quality.knn_top1(full["embedding"], labels, full["embedding"], labels, plan.knn_k, exclude_self=True))
+            for llf, strategy, ratio in cells:
+                cfg = plan.config(backbone, strategy, ratio, llf, seed)
+                reduced = _batched(lambda x: backbone.reduced(cfg, x), images, plan.batch_size, _prepare_scorers(plan, strategy))
+                for metric, values in _errors(plan.task, reduced, full).items():
+                    per_image.setdefault((llf, strategy, ratio, metric), []).append(values)
+                if labels is not None:
+                    knn.setdefault((llf, strategy, ratio), []).append(
+                        quality.knn_top1(full["embedding"], labels, reduced["embedding"], labels, plan.knn_k, exclude_self=True))
+                bar.update(1)
+    bar.close()
+    return _assemble(plan, image_sets, per_image, knn)
+
+
+def table_key(mode: str, llf: bool) -> str:
+    """Name of a table in the results: ``merge``, or ``llf`` / ``no_llf`` for prune mode."""
+    return "merge" if mode == "merge" else ("llf" if llf else "no_llf")
+
+
+def _assemble(plan: Plan, image_sets: list, per_image: dict, knn: dict) -> dict:
+    tables: dict = {}
+    for (llf, strategy, ratio, metric), values in per_image.items():
+        cell = tables.setdefault(table_key(plan.mode, llf), {}).setdefault(strategy, {}).setdefault(f"{ratio:g}", {})
+        cell[metric] = _summary(values)
+    for key, values in knn.items():
+        if key == "unpruned":
+            continue
+        llf, strategy, ratio = key
+        tables[table_key(plan.mode, llf)][strategy][f"{ratio:g}"]["knn_top1"] = {"mean": sum(values) / len(values), "per_seed": values}
+    result = {
+        "task": plan.task, "mode": plan.mode, "layers": list(plan.layers), "ratios": list(plan.ratios),
+        "strategies": list(plan.strategies), "seeds": len(image_sets),
+        "images_per_seed": [int(d["images"].shape[0]) for d in image_sets], "tables": tables,
+        "wilcoxon": _wilcoxon(plan, per_image),
+    }
+    if "unpruned" in knn:
+        result["knn_top1_unpruned"] = sum(knn["unpruned"]) / len(knn["unpruned"])
+    return result
+
+
+def _wilcoxon(plan: Plan, per_image: dict) -> dict:
+    """Per ratio: one-sided signed-rank p-value of importance against the best training-free
+    baseline (lowest mean primary error at that ratio), paired over every image of every seed."""
+    metric = PRIMARY[plan.task]
+    baselines = [s for s in plan.strategies if s in TRAINING_FREE]
+    out: dict = {}
+    if "importance" not in plan.strategies or not baselines:
+        return out
+    for llf in plan.llf:
+        for ratio in plan.ratios:
+            ours = torch.cat(per_image[(llf, "importance", ratio, metric)])
+            best = min(baselines, key=lambda s: float(torch.cat(per_image[(llf, s, ratio, metric)]).mean()))
+            theirs = torch.cat(per_image[(llf, best, ratio, metric)])
+            out.setdefault(table_key(plan.mode, llf), {})[f"{ratio:g}"] = {
+                "metric": metric, "baseline": best, "p_value": quality.wilcoxon_p(ours, theirs),
+                "importance_mean": float(ours.mean()), "baseline_mean": float(theirs.mean()),
+            }
+    return out
+
+
+def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 64), repeats: int = 3,
+             strategies: Optional[tuple] = None, progress: bool = True) -> dict:
+    """FLOPs per image (torch's flop counter, batch 1) and wall-clock at each batch size for the
+    unpruned model and every strategy × ratio (first LLF setting of the plan)."""
+    from tqdm import tqdm
+
+    strategies = plan.strategies if strategies is None else strategies
+    inputs = {b: images[torch.arange(b) % images.shape[0]] for b in batches}
+    llf = plan.llf[0]
+
+    def measure(fn, prepare=None) -> dict:
+        entry: dict = {}
+        if prepare is not None:
+            prepare(inputs[batches[0]][:1])
+        entry["gflops_per_image"] = count_flops(fn, inputs[batches[0]][:1]) / 1e9
+        for b in batches:
+            if prepare is not None:
+                prepare(inputs[b])
+            entry[f"batch{b}"] = wall_clock(fn, inputs[b], repeats=repeats)
+        return entry
+
+    cells = [(s, r) for s in strategies for r in plan.ratios]
+    bar = tqdm(total=len(cells) + 1, desc="cost", disable=not progress, unit="run")
+    out = {"batches": list(batches), "repeats": repeats, "llf": llf, "unpruned": measure(backbone.full)}
+    bar.update(1)
+    base = out["unpruned"]
+    for strategy, ratio in cells:
+        cfg = plan.config(backbone, strategy, ratio, llf, 0)
+        entry = measure(lambda x: backbone.reduced(cfg, x), _prepare_scorers(plan, strategy))
+        entry["flop_ratio"] = base["gflops_per_image"] / entry["gflops_per_image"]
+        for b in batches:
+            entry[f"speedup_batch{b}"] = base[f"batch{b}"]["median_s"] / entry[f"batch{b}"]["median_s"]
+        out.setdefault(strategy, {})[f"{ratio:g}"] = entry
+        bar.update(1)
+    bar.close()
+    return out
+
+
+def markdown_table(result: dict, llf_key: str) -> str:
+    """One quality table (``llf_key`` from :func:`table_key`) as markdown: rows strategies,
+    columns ratios, cells mean ± std across seeds; then the Wilcoxon rows."""
+    metrics = METRICS[result["task"]]
+    table = result["tables"][llf_key]
+    ratios = [f"{r:g}" for r in result["ratios"]]
+    lines = []
+    for metric in metrics:
+        lines.append(f"**{metric}** ({llf_key}, layers {result['layers']}, {result['seeds']} seeds)\n")
+        lines.append("| strategy | " + " | ".join(f"η={r}" for r in ratios) + " |")
+        lines.append("|---|" + "---|" * len(ratios))
+        for strategy, cells in table.items():
+            row = [f"{_fmt(cells[r][metric]['mean'])} ± {_fmt(cells[r][metric]['std'])}" for r in ratios]
+            lines.append(f"| {strategy} | " + " | ".join(row) + " |")
+        lines.append("")
+    if result.get("wilcoxon", {}).get(llf_key):
+        lines.append("| η | best baseline | importance | baseline | Wilcoxon p (one-sided) |")
+        lines.append("|---|---|---|---|---|")
+        for r, w in result["wilcoxon"][llf_key].items():
+            p = "n/a" if w["p_value"] is None else f"{w['p_value']:.2e}"
+            lines.append(f"| {r} | {w['baseline']} | {_fmt(w['importance_mean'])} | {_fmt(w['baseline_mean'])} | {p} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+
+def _fmt(value: float) -> str:
+    """Three decimals, or three significant digits for values below 0.01."""
+    return f"{value:.2e}" if 0 < abs(value) < 0.01 else f"{value:.3f}"

@@ -1,0 +1,205 @@
+"""Token selection strategies: which patch tokens a stage removes (or merges away).
+
+Every strategy maps the current tokens to *keep scores* ``[B, n]`` over the ``n`` current patch
+tokens (prefix tokens — CLS, registers — are never scored); a stage removes the ``R`` tokens with
+the lowest scores, so every strategy removes exactly ``R`` tokens through the same pipeline.
+
+Names: ``importance`` (learned head or SPN), ``oracle`` (imp* from the diagnostic, any callable),
+``random``, ``tome`` (ToMe bipartite score), ``evit`` (CLS attention), ``norm`` (token l2 norm),
+``cls_sim`` (cosine similarity to CLS), ``asap`` (diffusion distance to the attention sink).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from pullback_ext import ops
+from pullback_ext.errors import PullbackError
+
+STRATEGIES = ("importance", "random", "tome", "evit", "norm", "cls_sim", "asap", "oracle")
+TRAINING_FREE = ("random", "tome", "evit", "norm", "cls_sim", "asap")
+NEEDS_SCORER = ("importance", "oracle")
+
+
+@dataclass
+class StageContext:
+    """What a strategy may look at when a stage runs.
+
+    ``x [B, K, D]``: current tokens, prefix first. ``attentions``: head-averaged attention
+    probabilities ``[B, K, K]`` of the blocks run on this token set since the previous stage
+    (oldest first; filled only for strategies that ask for them). ``generator``: for ``random``.
+    """
+
+    x: torch.Tensor
+    num_prefix: int
+    has_cls: bool
+    attentions: list = field(default_factory=list)
+    generator: Optional[torch.Generator] = None
+    importance: Optional[torch.Tensor] = None  # [B, K], set by scorer strategies for merge weights
+
+
+class Strategy:
+    """Base class: ``keep_scores(ctx) -> [B, n]`` over the current patch tokens."""
+
+    name = ""
+    attention = "none"  # "none" | "last" (block before the stage) | "all" (blocks since last stage)
+
+    def keep_scores(self, ctx: StageContext) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def merge_weights(self, ctx: StageContext) -> Optional[torch.Tensor]:
+        """Per-token merge weights ``[B, K]`` (all current tokens), or None for size weights."""
+        return None
+
+
+class ScorerStrategy(Strategy):
+    """Keep the tokens a scorer rates most important (``importance`` and ``oracle``).
+
+    ``scorer.importance(F [B, K, D]) -> [B, K]`` (the importance head) when the scorer has that
+    method, else ``scorer(F) -> [B, K]`` non-negative importance for every current token; an SPN
+    returning ``(U [B, K*D, r], lam [B, r])`` is reduced to ``imp_θ`` with the
+    ``token_importance`` kernel.
+    """
+
+    def __init__(self, name: str, scorer: Callable):
+        self.name = name
+        self.scorer = scorer
+
+    def importance(self, x: torch.Tensor) -> torch.Tensor:
+        """Importance ``[B, K]`` of all current tokens."""
+        method = getattr(self.scorer, "importance", None)
+        out = method(x) if callable(method) else self.scorer(x)
+        if isinstance(out, (tuple, list)):
+            u, lam = out[0], out[1]
+            out = ops.token_importance(u, lam, x.shape[1])
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape[:2]):
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise PullbackError(f"{self.name} scorer must return scores of shape {tuple(x.shape[:2])}, got {got}")
+        return out.to(x.dtype)
+
+    def keep_scores(self, ctx: StageContext) -> torch.Tensor:
+        ctx.importance = self.importance(ctx.x)
+        return ctx.importance[:, ctx.num_prefix:]
+
+    def merge_weights(self, ctx: StageContext) -> Optional[torch.Tensor]:
+        w = ctx.importance if ctx.importance is not None else self.importance(ctx.x)
+        return w.clamp_min(torch.finfo(w.dtype).tiny)
+
+
+class RandomStrategy(Strategy):
+    name = "random"
+
+    def keep_scores(self, ctx: StageContext) -> torch.Tensor:
+        b, k, _ = ctx.x.shape
+        return torch.rand(b, k - ctx.num_prefix, generator=ctx.generator, device=ctx.x.device, dtype=ctx.x.dtype)
+
+
+class ToMeStrategy(Strategy):
+    """ToMe bipartite score: tokens alternate between sets A (even) and B (odd); A tokens go in
+    order of their highest cosine similarity to any B token; B tokens are always kept (they come
+    after every A token, ordered the same way against A, should R exceed |A|)."""
+
+    name = "tome"
+
+    def keep_scores(self, ctx: StageContext) -> torch.Tensor:
+        t = torch.nn.functional.normalize(_work(ctx.x[:, ctx.num_prefix:]), dim=-1)
+        a, b = t[:, 0::2], t[:, 1::2]
+        sim = a @ b.transpose(1, 2)  # [B, |A|, |B|]
+        score_a = -sim.amax(dim=2)  # in [-1, 1]
+        score_b = 4.0 - sim.amax(dim=1)  # in [3, 5]: after every A token
+        scores = torch.empty(t.shape[:2], dtype=t.dtype, device=t.device)
+        scores[:, 0::2] = score_a
+        scores[:, 1::2] = score_b
+        return scores
+
+
+class EViTStrategy(Strategy):
+    """Attention from CLS to each token in the block before the stage, averaged over heads."""
+
+    name = "evit"
+    attention = "last"
+
+    def keep_scores(self, ctx: StageContext) -> torch.Tensor:
+        return ctx.attentions[-1][:, 0, ctx.num_prefix:]
+
+
+class NormStrategy(Strategy):
+    """Token l2 norm: the smallest-norm tokens go first."""
+
+    name = "norm"
+
+    def keep_scores(self, ctx: StageContext) -> torch.Tensor:
+        return _work(ctx.x[:, ctx.num_prefix:]).norm(dim=-1)
+
+
+class ClsSimilarityStrategy(Strategy):
+    """Cosine similarity to the CLS token: the tokens least similar to CLS go first."""
+
+    name = "cls_sim"
+
+    def keep_scores(self, ctx: StageContext) -> torch.Tensor:
+        x = _work(ctx.x)
+        return torch.nn.functional.cosine_similarity(x[:, ctx.num_prefix:], x[:, :1], dim=-1)
+
+
+class ASAPStrategy(Strategy):
+    """ASAP (reconstruction): lazy random walk over the attention since the previous stage.
+
+    ``P_l = α I + (1-α) A_l``, ``T = P_last ⋯ P_first``; the sink is the token with the largest
+    column mass; ``d_i = ‖(T_i· − T_s·)/sqrt(π)‖`` with ``π`` = column mass / K is the diffusion
+    distance to the sink. Tokens nearest the sink are background and go first. Radial rings of
+    ``d`` order tokens exactly as ``d`` itself does, so with an exact budget the rings need not be
+    materialised.
+    """
+
+    name = "asap"
+    attention = "all"
+
+    def __init__(self, alpha: float = 0.5):
+        self.alpha = alpha
+
+    def keep_scores(self, ctx: StageContext) -> torch.Tensor:
+        a0 = ctx.attentions[0].double()
+        eye = torch.eye(a0.shape[-1], dtype=a0.dtype, device=a0.device)
+        t = eye.expand_as(a0)
+        for a in ctx.attentions:
+            t = (self.alpha * eye + (1.0 - self.alpha) * a.double()) @ t
+        mass = t.sum(dim=1)  # [B, K]
+        sink = mass.argmax(dim=1)
+        pi = (mass / t.shape[-1]).clamp_min(1e-12)
+        t_sink = t[torch.arange(t.shape[0], device=t.device), sink]  # [B, K]
+        d = ((t - t_sink[:, None, :]) / pi.sqrt()[:, None, :]).norm(dim=-1)
+        return d[:, ctx.num_prefix:].to(ctx.x.dtype)
+
+
+def _work(x: torch.Tensor) -> torch.Tensor:
+    """Reduced-precision tokens are scored in float32."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def make_strategy(name: str, scorer: Optional[Callable] = None) -> Strategy:
+    """Build a strategy by name; ``importance`` and ``oracle`` need ``scorer``."""
+    if name not in STRATEGIES:
+        raise PullbackError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}")
+    if name in NEEDS_SCORER:
+        if scorer is None or not callable(scorer):
+            what = "an importance head or SPN" if name == "importance" else "a callable returning imp* per token"
+            raise PullbackError(f"strategy {name!r} needs head= ({what}); got {scorer!r}")
+        return ScorerStrategy(name, scorer)
+    return {
+        "random": RandomStrategy,
+        "tome": ToMeStrategy,
+        "evit": EViTStrategy,
+        "norm": NormStrategy,
+        "cls_sim": ClsSimilarityStrategy,
+        "asap": ASAPStrategy,
+    }[name]()
+
+
+def lowest(keep_scores: torch.Tensor, count: int, num_prefix: int) -> torch.Tensor:
+    """Indices ``[B, count]`` (into the current sequence) of the lowest-scoring patch tokens."""
+    idx = torch.topk(_work(keep_scores), count, dim=1, largest=False, sorted=False).indices
+    return idx + num_prefix

@@ -1,0 +1,100 @@
+"""Reduction-aware ``forward_features`` / ``forward_intermediates`` for timm VisionTransformer.
+
+They follow timm's own forward (patch embedding, position embedding, blocks, final norm) and only
+swap the plain block loop for :func:`pullback_ext.prune.pipeline.run_blocks`; with nothing to
+remove they perform exactly the same operations, so the output is bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Union
+
+import torch
+
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune.pipeline import ReductionConfig, run_blocks
+
+
+def attention_probs(block, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Head-averaged attention probabilities ``[B, K, K]`` of a timm ``Block`` on input ``x``."""
+    attn = getattr(block, "attn", None)
+    if attn is None or not all(hasattr(attn, a) for a in ("qkv", "num_heads", "head_dim", "scale")):
+        raise PullbackError(f"attention-based strategies need timm Attention blocks with a fused qkv; got {type(attn).__name__}")
+    h = block.norm1(x)
+    b, k, _ = h.shape
+    qkv = attn.qkv(h).reshape(b, k, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, key = attn.q_norm(qkv[0]), attn.k_norm(qkv[1])
+    logits = (q * attn.scale) @ key.transpose(-2, -1)
+    if bias is not None:
+        logits = logits + bias
+    return logits.softmax(dim=-1).mean(dim=1)
+
+
+def call_block(block, state, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Run a timm ``Block`` on the current tokens (with the proportional-attention bias)."""
+    return block(state.x) if bias is None else block(state.x, attn_mask=bias)
+
+
+def _embed(model, x: torch.Tensor) -> torch.Tensor:
+    x = model.patch_embed(x)
+    x = model._pos_embed(x)
+    x = model.patch_drop(x)
+    return model.norm_pre(x)
+
+
+def _no_masks(attn_mask, is_causal) -> None:
+    if attn_mask is not None or is_causal:
+        raise PullbackError("a token-reduced model does not take attn_mask or is_causal; unpatch it first")
+
+
+def forward_features(model, cfg: ReductionConfig, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+    """timm ``forward_features`` with token reduction; returns ``[B, N, D]``."""
+    _no_masks(attn_mask, is_causal)
+    out, _ = run_blocks(cfg, _embed(model, x), model.blocks, call_block, attention_probs)
+    return model.norm(out)
+
+
+def forward_intermediates(
+    model,
+    cfg: ReductionConfig,
+    x: torch.Tensor,
+    indices: Optional[Union[int, List[int]]] = None,
+    return_prefix_tokens: bool = False,
+    norm: bool = False,
+    stop_early: bool = False,
+    output_fmt: str = "NCHW",
+    intermediates_only: bool = False,
+    output_dict: bool = False,
+    attn_mask=None,
+    is_causal: bool = False,
+):
+    """timm ``forward_intermediates`` with token reduction; intermediates are full-length."""
+    from timm.models._features import feature_take_indices
+
+    _no_masks(attn_mask, is_causal)
+    if output_fmt not in ("NCHW", "NLC"):
+        raise PullbackError(f"output_fmt must be NCHW or NLC; got {output_fmt!r}")
+    take_indices, max_index = feature_take_indices(len(model.blocks), indices)
+    b, _, height, width = x.shape
+    blocks = model.blocks[: max_index + 1] if stop_early else model.blocks
+    final, taken = run_blocks(cfg, _embed(model, x), blocks, call_block, attention_probs, take=set(take_indices))
+    intermediates = [model.norm(taken[i]) if norm else taken[i] for i in take_indices]
+    p = model.num_prefix_tokens
+    prefix_tokens = [y[:, :p] for y in intermediates] if p else None
+    if p:
+        intermediates = [y[:, p:] for y in intermediates]
+    if output_fmt == "NCHW":
+        h, w = model.patch_embed.dynamic_feat_size((height, width))
+        intermediates = [y.reshape(b, h, w, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+    if output_dict:
+        result = {"image_intermediates": intermediates}
+        if prefix_tokens is not None and return_prefix_tokens:
+            result["image_intermediates_prefix"] = prefix_tokens
+        if not intermediates_only:
+            result["image_features"] = model.norm(final)
+        return result
+    if return_prefix_tokens and prefix_tokens is not None:
+        intermediates = list(zip(intermediates, prefix_tokens))
+    if intermediates_only:
+        return intermediates
+    return model.norm(final), intermediates

@@ -1,0 +1,88 @@
+"""pullback_ext.patch.hf_dpt on a small Hugging Face DPT with random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pullback_ext.patch as patch
+from pullback_ext.errors import PullbackError
+
+
+def tiny_dpt():
+    from transformers import DPTConfig, DPTForDepthEstimation
+
+    cfg = DPTConfig(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8,
+        backbone_out_indices=[0, 1, 2, 3], neck_hidden_sizes=[8, 16, 16, 16], fusion_hidden_size=16,
+        reassemble_factors=[4, 2, 1, 0.5], initializer_range=0.3,
+    )
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return DPTForDepthEstimation(cfg).eval().requires_grad_(False)
+
+
+def pixels(n=2):
+    return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def test_zero_ratio_is_exact_and_unpatch_restores():
+    model = tiny_dpt()
+    x = pixels()
+    ref = model(pixel_values=x).predicted_depth
+    patch.hf_dpt(model, ratio=0.0, layers=(1, 2), strategy="tome")
+    assert torch.equal(model(pixel_values=x).predicted_depth, ref)
+    patch.hf_dpt(model, ratio=0.5, layers=(1, 2), strategy="tome")
+    assert not torch.allclose(model(pixel_values=x).predicted_depth, ref)
+    patch.unpatch(model)
+    assert torch.equal(model(pixel_values=x).predicted_depth, ref)
+    assert all("forward" not in vars(layer) for layer in model.dpt.encoder.layer)
+
+
+def test_prune_with_llf_matches_a_hand_written_reference_and_hidden_states_are_full():
+    model = tiny_dpt()
+    x = pixels()
+    enc = model.dpt.encoder.layer
+    h = model.dpt.embeddings(x).last_hidden_states
+    h1 = enc[0](h)
+    expected, frozen_at = [], []
+    for b in range(2):
+        removed = sorted((torch.argsort(h1[b, 1:].norm(dim=-1))[:6] + 1).tolist())
+        kept = [t for t in range(17) if t not in removed]
+        y = h1[b:b + 1, kept]
+        for layer in enc[1:3]:
+            y = layer(y)
+        full = h1[b:b + 1].clone()
+        full[:, kept] = y
+        expected.append(enc[3](full))
+        frozen_at.append(removed)
+    patch.hf_dpt(model, ratio=6 / 16, layers=(1,), strategy="norm", llf=True)
+    out = model.dpt(x, output_hidden_states=True)
+    torch.testing.assert_close(out.last_hidden_state, model.dpt.layernorm(torch.cat(expected)), rtol=1e-5, atol=1e-5)
+    assert all(hs.shape == (2, 17, 32) for hs in out.hidden_states)
+    for b in range(2):
+        torch.testing.assert_close(out.hidden_states[3][b, frozen_at[b]], h1[b, frozen_at[b]])
+    assert torch.isfinite(model(pixel_values=x).predicted_depth).all()
+
+
+def test_attention_probs_match_transformers_eager_attention():
+    from pullback_ext.prune.hf_dpt import attention_probs
+
+    model = tiny_dpt()
+    x = pixels()
+    out = model.dpt(x, output_attentions=True)
+    h = model.dpt.embeddings(x).last_hidden_states
+    torch.testing.assert_close(attention_probs(model.dpt.encoder.layer[0], h), out.attentions[0].mean(1))
+
+
+def test_merge_mode_and_errors():
+    model = tiny_dpt()
+    x = pixels()
+    patch.hf_dpt(model, ratio=0.3, layers=(1,), mode="merge", strategy="cls_sim")
+    assert torch.isfinite(model(pixel_values=x).predicted_depth).all()
+    with pytest.raises(PullbackError, match="prop_attn"):
+        patch.hf_dpt(model, prop_attn=True, strategy="norm", layers=(1,))
+    with pytest.raises(PullbackError, match=r"layers must lie in \[0, 2\]"):
+        patch.hf_dpt(model, strategy="norm", layers=(3,))
+    with pytest.raises(PullbackError, match="DPTViTEncoder"):
+        patch.hf_dpt(torch.nn.Linear(2, 2), strategy="norm")

@@ -1,0 +1,185 @@
+"""The evaluation pipeline and ``pullback evaluate`` on small models with random weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pullback_ext.cli import main
+from pullback_ext.prune.backbones import demo_backbone
+from pullback_ext.prune.evaluation import Plan, markdown_table, run_cost, run_quality
+
+
+def _demo_model():
+    from pullback_ext.demo.model import DemoModel
+
+    torch.manual_seed(0)
+    return DemoModel().eval().requires_grad_(False)
+
+
+def _scenes(n, seed):
+    from pullback_ext.demo.scenes import render
+
+    data = render(n, seed)
+    return {"images": data["images"], "labels": data["labels"]}
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return demo_backbone(_demo_model())
+
+
+def test_demo_backbone_reduced_output_equals_the_model_at_zero_ratio(demo):
+    from pullback_ext.prune.pipeline import make_config
+
+    x = _scenes(2, 0)["images"]
+    cfg = make_config(depth=demo.depth, num_prefix=demo.num_prefix, has_cls=True, ratio=0.0, layers=(2,), mode="prune", strategy="norm")
+    full, reduced = demo.full(x), demo.reduced(cfg, x)
+    assert all(torch.equal(full[k], reduced[k]) for k in ("embedding", "depth", "logits"))
+
+
+def test_depth_table_with_and_without_llf(demo):
+    sets = [_scenes(4, s) for s in range(2)]
+    plan = Plan(task="depth", strategies=("importance", "tome", "random"), ratios=(0.0, 0.5), layers=(2, 4), mode="prune",
+                llf=(True, False), scorers={"importance": lambda F: F.norm(dim=-1)}, batch_size=4)
+    result = run_quality(demo, sets, plan, progress=False)
+    for key in ("llf", "no_llf"):
+        table = result["tables"][key]
+        for strategy in plan.strategies:
+            zero = table[strategy]["0"]
+            assert zero["silog_x100"]["mean"] == 0.0 and zero["cosine_x100"]["mean"] == 0.0
+            half = table[strategy]["0.5"]["silog_x100"]
+            assert half["mean"] > 0 and len(half["per_seed"]) == 2
+            assert table[strategy]["0.5"]["knn_top1"]["mean"] <= 1.0
+    w = result["wilcoxon"]["llf"]["0.5"]
+    assert w["baseline"] in ("tome", "random") and (w["p_value"] is None or 0 <= w["p_value"] <= 1)
+    md = markdown_table(result, "llf")
+    assert "| importance |" in md and "η=0.5" in md
+    json.dumps(result)
+
+
+def test_cost_counts_fewer_flops_when_pruning(demo):
+    plan = Plan(task="cls", strategies=("norm",), ratios=(0.5,), layers=(2,), mode="merge")
+    cost = run_cost(demo, _scenes(2, 0)["images"], plan, batches=(1, 2), repeats=1, progress=False)
+    assert cost["norm"]["0.5"]["flop_ratio"] > 1.2
+    assert cost["unpruned"]["batch2"]["median_s"] > 0
+
+
+def test_cli_end_to_end_on_a_timm_model(tmp_path):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for cls in ("a", "b"):
+        (tmp_path / "img" / cls).mkdir(parents=True)
+        for i in range(4):
+            arr = (torch.rand(24, 24, 3, generator=g) * 255).to(torch.uint8).numpy()
+            Image.fromarray(arr).save(tmp_path / "img" / cls / f"{i}.png")
+    out = tmp_path / "out"
+    code = main(["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(tmp_path / "img"), "--num-images", "4",
+                 "--seeds", "2", "--ratios", "0,0.3", "--stages", "4,8", "--strategies", "tome,norm",
+                 "--time-batches", "1,2", "--time-repeats", "1", "--out", str(out), "--quiet", "--batch-size", "4"])
+    assert code == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["layers"] == [4, 8] and result["seeds"] == 2
+    assert result["tables"]["merge"]["tome"]["0"]["cosine_x100"]["mean"] == 0.0
+    assert result["cost"]["norm"]["0.3"]["flop_ratio"] > 1.0
+    assert 0.0 <= result["tables"]["merge"]["tome"]["0.3"]["knn_top1"]["mean"] <= 1.0  # class subfolders give labels
+    assert (out / "quality.png").stat().st_size > 0 and (out / "table.md").read_text().startswith("**cosine_x100**")
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("images")
+    g = torch.Generator().manual_seed(0)
+    for i in range(4):
+        Image.fromarray((torch.rand(24, 24, 3, generator=g) * 255).to(torch.uint8).numpy()).save(root / f"{i}.png")
+    return root
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--ratios", "0.2,1.5"], "ratio must lie in"),
+        (["--ratios", "a"], "--ratios must be comma-separated numbers"),
+        (["--stages", "11"], "schedule layers must lie in"),
+        (["--stages", "12", "--absolute-layers"], "layers must lie in [0, 11]"),
+        (["--stages", "11", "--absolute-layers", "--task", "cls", "--mode", "prune"], "layers must lie in [0, 10]"),
+        (["--strategies", "importance"], "needs --head"),
+        (["--strategies", "bogus"], "unknown strategy"),
+        (["--task", "depth"], "--task depth needs a model with that decoder"),
+        (["--head", "/nonexistent/ckpt"], "checkpoint file not found"),
+        (["--num-images", "0"], "--num-images must be at least 1"),
+        (["--seeds", "3"], "cannot fill 3 seeds"),
+    ],
+)
+def test_cli_rejects_bad_options(image_dir, tmp_path, capsys, argv, match):
+    base = ["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--out", str(tmp_path / "o"), "--quiet",
+            "--num-images", "2", "--seeds", "2"]
+    assert main(base + argv) == 2
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_cli_rejects_a_corrupt_head_checkpoint(image_dir, tmp_path, capsys):
+    bad = tmp_path / "head"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert main(["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--head", str(bad),
+                 "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert "corrupt or unreadable" in capsys.readouterr().err
+
+
+def test_demo_stage_uses_the_trained_head_at_its_layer(tmp_path, monkeypatch):
+    from pullback_ext.metric.checkpoint import save_model
+    from pullback_ext.metric.head import ImportanceHead
+    from pullback_ext.prune import demo_stage
+
+    monkeypatch.setitem(demo_stage.QUICK, "images", 4)
+    monkeypatch.setitem(demo_stage.QUICK, "cls_ratios", (0.5,))
+    monkeypatch.setitem(demo_stage.QUICK, "depth_ratios", (0.5,))
+    monkeypatch.setitem(demo_stage.QUICK, "batches", (1,))
+    monkeypatch.setitem(demo_stage.QUICK, "repeats", 1)
+    torch.manual_seed(0)
+    save_model(tmp_path / "importance_head", "head", ImportanceHead(192, hidden=16, heads=2),
+               extra={"probe": {"model": "demo", "layer": 3, "decoder": "embedding"}})
+    result = demo_stage.run_demo_stage(_demo_model(), None, tmp_path, quick=True, progress=False)
+    assert result["heads"] == {"cls": 4}
+    assert result["cls"]["layers"] == [4] and "importance" in result["cls"]["strategies"]
+    assert "importance" not in result["depth"]["strategies"]
+    for task in ("cls", "depth"):
+        assert (tmp_path / "pruning" / task / "results.json").is_file()
+        assert (tmp_path / "pruning" / task / "quality.png").is_file()
+    assert result["subspace"]["results"]["subspace"][-1]["energy"] == pytest.approx(1.0)
+
+
+def test_cli_rejects_a_head_of_the_wrong_width(image_dir, tmp_path, capsys):
+    from pullback_ext.metric.checkpoint import save_model
+    from pullback_ext.metric.head import ImportanceHead
+
+    save_model(tmp_path / "head", "head", ImportanceHead(16, hidden=8, heads=2))
+    assert main(["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--head", str(tmp_path / "head"),
+                 "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert "expects features of width 16, the backbone has 192" in capsys.readouterr().err
+
+
+def test_cli_subspace_interventions_with_a_probe_file(image_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    w = torch.randn(2, 192, generator=torch.Generator().manual_seed(0))
+    save_file({"weight": w, "bias": torch.zeros(2)}, str(tmp_path / "probe.safetensors"))
+    code = main(["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--num-images", "2",
+                 "--subspace-probe", str(tmp_path / "probe.safetensors"), "--subspace-layer", "3", "--subspace-k", "1,2",
+                 "--out", str(tmp_path / "o"), "--quiet"])
+    assert code == 0
+    result = json.loads((tmp_path / "o" / "subspace.json").read_text())
+    assert result["rank"] == 2 and result["layer"] == 3
+    top = {r["k"]: r for r in result["results"]["subspace"]}
+    assert top[2]["output_change"] < 1e-6 and top[2]["energy"] == pytest.approx(1.0)
+    save_file({"weight": torch.randn(2, 5)}, str(tmp_path / "bad.safetensors"))
+    assert main(["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--subspace-probe",
+                 str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "o2"), "--quiet"]) == 2
