@@ -1,0 +1,81 @@
+"""``pullback eval-head``: per-image Spearman ρ of a trained importance head against imp*.
+
+The probe is rebuilt from the definition stored in the checkpoint (flags override it). imp* comes
+from the exact SVD when min(M, P) allows, else from a randomized SVD (--rank, --power). Under
+``torchrun`` the images are sharded over ranks and gathered on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pullback_ext.commands.train import add_probe_arguments
+
+    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a head trained with `pullback train head`")
+    add_probe_arguments(parser)
+    parser.add_argument("--rank", type=int, default=20, help="rank of imp*")
+    parser.add_argument("--power", type=int, default=4, help="power rounds when imp* needs a randomized SVD")
+    parser.add_argument("--target", default="imp", choices=["imp", "block-norm"], help="compare with imp* or the plain block norms")
+    parser.add_argument("--out", default=None, metavar="FILE", help="write the result as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict, replace
+    from pathlib import Path
+
+    import torch
+
+    from pullback_ext import distributed
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.metric.checkpoint import atomic_write_text, load_model
+    from pullback_ext.metric.data import ProbeSpec, build_probe, features, image_sources
+    from pullback_ext.metric.evaluation import spearman_per_image, summarize
+    from pullback_ext.metric.targets import compute_targets
+    from pullback_ext.metric.training_run import reference_targets
+
+    if args.rank < 1 or args.power < 0:
+        raise PullbackError(f"--rank/--power: expected rank >= 1 and power >= 0, got {args.rank}, {args.power}")
+    head, config = load_model(args.checkpoint, kind="head")
+    if "probe" not in config:
+        raise PullbackError(f"--checkpoint: {args.checkpoint!r} has no probe definition; pass --model/--layer/--decoder")
+    spec = ProbeSpec.from_dict(config["probe"])
+    overrides = {k: getattr(args, k) for k in ("weights", "layer", "decoder", "output_size", "img_size", "vae") if getattr(args, k) is not None}
+    if args.model is not None or args.demo:
+        overrides["model"] = "demo" if args.demo else args.model
+    spec = replace(spec, **overrides)
+    dtype = torch.float64 if args.dtype == "float64" else torch.float32
+    torch.manual_seed(args.seed)
+    probe, preprocess = build_probe(spec, dtype)
+    if head.dim != probe.dim:
+        raise PullbackError(f"--checkpoint: the head reads D={head.dim} features, the probe gives D={probe.dim}")
+    head = head.to(dtype)
+    # with --images the held-out set is the whole folder slice after --num-images training files
+    _, held = image_sources(args.images, spec.model == "demo" and args.images is None, args.num_images if args.images else 1, args.heldout, preprocess)
+    reference = replace(reference_targets(probe, args.rank, args.power, args.seed), block_norms=args.target == "block-norm", keep_basis=False)
+    info = distributed.init_from_env()
+    try:
+        mine = distributed.shard_indices(len(held), info.rank, info.world_size)
+        rows = []
+        for i in mine:
+            F = features(probe, held, i, i + 1)
+            t = compute_targets(probe, F, reference, stream=[("heldout", i)])
+            with torch.no_grad():
+                rho = spearman_per_image(head(F), t["block_norm" if args.target == "block-norm" else "importance"])
+            rows.append((i, float(rho[0])))
+        gathered = sorted(r for part in distributed.gather_objects(rows, info) for r in part)
+    finally:
+        distributed.shutdown(info)
+    if not info.is_main:
+        return 0
+    rho = torch.tensor([r for _, r in gathered], dtype=torch.float64)
+    result = {"checkpoint": str(Path(args.checkpoint)), "probe": spec.to_dict(), "images": held.describe(),
+              "reference": asdict(reference), "target": args.target, "spearman": summarize(rho), "per_image": rho.tolist()}
+    s = result["spearman"]
+    print(f"Spearman rho vs {'imp*' if args.target == 'imp' else 'block norms'}: {s['mean']:.4f} ± {s['std']:.4f} "
+          f"(min {s['min']:.4f}, {s['count']} images)")
+    if args.out:
+        atomic_write_text(json.dumps(result, indent=2) + "\n", Path(args.out))
+    return 0

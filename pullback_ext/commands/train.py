@@ -1,0 +1,131 @@
+"""``pullback train spn|head|vae``: learn the task metric of a backbone–decoder pair.
+
+Writes OUT/model.safetensors + OUT/config.json (with the exact probe definition), the resume state,
+OUT/metrics.jsonl, OUT/results.json (held-out figures) and OUT/training.png. Runs under
+``torchrun --nproc_per_node=N -m pullback_ext train ...`` (DDP, gloo on CPU): target shards are
+split over ranks and every rank trains on its slice of the global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
+    return value
+
+
+def add_probe_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument("--model", default=None, help="timm:NAME, hf:DIR (local transformers folder) or demo")
+    parser.add_argument("--demo", action="store_true", help="the embedded demo model and rendered demo scenes (= --model demo, no --images)")
+    parser.add_argument("--weights", default=None, help="local backbone weights (safetensors or torch checkpoint)")
+    parser.add_argument("--img-size", type=_positive, default=None, help="timm models: build for this input size")
+    parser.add_argument("--layer", type=int, default=None, help="probe layer ℓ (0-based block index; F is its output)")
+    parser.add_argument("--decoder", default=None, help="cls | embedding (demo) | tokens | pooled | depth | depth-multi | linear:FILE")
+    parser.add_argument("--output-size", type=_positive, default=None, help="resize dense outputs to S×S (M = S²)")
+    parser.add_argument("--vae", default=None, metavar="DIR", help="take the probe at the latent of this trained feature VAE")
+    parser.add_argument("--images", default=None, metavar="DIR", help="image folder (training images first, then held-out)")
+    parser.add_argument("--num-images", type=_positive, default=256, help="training images")
+    parser.add_argument("--heldout", type=_positive, default=32, help="held-out images for the final evaluation")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--seed", type=int, default=0, help="seeds training, sketches, and the weights of a model built without --weights")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("kind", choices=["spn", "head", "vae"], help="what to train")
+    add_probe_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, metrics, results)")
+    targets = parser.add_argument_group("targets (spn, head)")
+    targets.add_argument("--rank", type=_positive, default=20, help="rank r of the SPN / of imp*")
+    targets.add_argument("--targets", default="randnla", choices=["randnla", "exact"], help="randomized SVD or the exact-SVD ceiling")
+    targets.add_argument("--power", type=int, default=1, help="power rounds q of the randomized SVD")
+    targets.add_argument("--oversample", type=int, default=10)
+    targets.add_argument("--on-the-fly", action="store_true", help="spn: fresh sketch every step instead of cached targets")
+    targets.add_argument("--cache", default=None, metavar="DIR", help="target cache folder (default OUT/targets)")
+    targets.add_argument("--target", default="imp", help="head: imp (imp*), block-norm (ablation) or spn:DIR (distil imp_θ of a trained SPN)")
+    targets.add_argument("--w-rank", type=float, default=0.5, help="head: weight of the ranking loss")
+    targets.add_argument("--w-order", type=float, default=0.0,
+                         help="spn: weight of an extra term tying column j of U to mode j (default 0: L_sub + L_en only)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--hidden", type=_positive, default=256)
+    model.add_argument("--heads", type=_positive, default=4)
+    model.add_argument("--eps", type=float, default=1e-3, help="spn: isotropic floor ε")
+    model.add_argument("--latent-dim", type=_positive, default=32, help="vae: latent channels per token")
+    model.add_argument("--beta", type=float, default=1e-3, help="vae: KL weight")
+    model.add_argument("--diagnose-images", type=int, default=2,
+                       help="vae: held-out images diagnosed at the features and at the latent afterwards (0: skip)")
+    train = parser.add_argument_group("optimisation")
+    train.add_argument("--steps", type=_positive, default=1000)
+    train.add_argument("--batch-size", type=_positive, default=16, help="global batch (split over torchrun ranks)")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--weight-decay", type=float, default=0.01)
+    train.add_argument("--warmup", type=int, default=50, help="linear warm-up steps before the cosine decay")
+    train.add_argument("--amp", action="store_true", help="mixed precision (bfloat16 on CPU, float16 on CUDA)")
+    train.add_argument("--checkpoint-every", type=_positive, default=100)
+    train.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT")
+    train.add_argument("--no-progress", action="store_true")
+
+
+def probe_spec(args: argparse.Namespace):
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.metric.data import ProbeSpec
+
+    if args.demo and args.model not in (None, "demo"):
+        raise PullbackError(f"--demo: conflicts with --model {args.model!r}")
+    model = "demo" if args.demo else args.model
+    if model is None:
+        raise PullbackError("--model: required (timm:NAME, hf:DIR or demo), or pass --demo")
+    if args.layer is None:
+        raise PullbackError("--layer: required (the probe layer ℓ)")
+    return ProbeSpec(model=model, layer=args.layer, decoder=args.decoder or "cls", weights=args.weights,
+                     output_size=args.output_size, img_size=args.img_size, vae=args.vae)
+
+
+def _check(args: argparse.Namespace) -> None:
+    from pullback_ext.errors import PullbackError
+
+    for name in ("power", "oversample", "warmup"):
+        if getattr(args, name) < 0:
+            raise PullbackError(f"--{name}: expected an int >= 0, got {getattr(args, name)}")
+    if not args.lr > 0:
+        raise PullbackError(f"--lr: expected > 0, got {args.lr}")
+    if not args.eps >= 0:
+        raise PullbackError(f"--eps: expected >= 0, got {args.eps}")
+    if args.target not in ("imp", "block-norm") and not args.target.startswith("spn:"):
+        raise PullbackError(f"--target: expected imp, block-norm or spn:DIR, got {args.target!r}")
+    if args.on_the_fly and args.kind != "spn":
+        raise PullbackError("--on-the-fly: only for spn (the head and VAE train on cached data)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pullback_ext import distributed
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.metric.training_run import TrainingRun
+
+    _check(args)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise PullbackError(f"--out: {str(out)!r} exists and is not a folder")
+    if out.is_dir() and (out / "state.safetensors").exists() and not args.resume:
+        raise PullbackError(f"--out: {str(out)!r} already holds a training run; pass --resume to continue it or choose another folder")
+    info = distributed.init_from_env()
+    try:
+        results = TrainingRun(args, probe_spec(args), info).run()
+    finally:
+        distributed.shutdown(info)
+    if info.is_main:
+        held = results["heldout"]
+        if args.kind == "vae":
+            print(f"held-out relative reconstruction error: {held['relative_reconstruction_error']:.4f} ({held['count']} images)")
+        else:
+            label = "subspace alignment" if args.kind == "spn" else "Spearman rho vs imp*"
+            init = results.get("heldout_at_init", {}).get("mean")
+            print(f"held-out {label}: {held['mean']:.4f} ± {held['std']:.4f} over {held['count']} images"
+                  + (f" (at initialisation: {init:.4f})" if init is not None else ""))
+        print(f"wrote {out / 'results.json'}")
+    return 0

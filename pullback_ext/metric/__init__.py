@@ -1,0 +1,36 @@
+"""Learned task metrics (SPEC §3): the Spectral Pullback Network, the distilled importance head and
+the VAE bottleneck, with their RandNLA / exact-SVD targets, training loop and checkpoints."""
+
+from pullback_ext.metric.checkpoint import load_model, save_model
+from pullback_ext.metric.evaluation import spearman_per_image
+from pullback_ext.metric.head import ImportanceHead, parameter_count
+from pullback_ext.metric.spn import SPN, LowRankMetric
+from pullback_ext.metric.targets import TargetCache, TargetConfig, compute_targets
+from pullback_ext.metric.training import TrainConfig, fit
+from pullback_ext.metric.vae import FeatureVAE, LatentProbe
+
+
+def run_demo_stage(model, scenes, out_dir, quick: bool = False) -> dict:
+    """Importance head on the demo CLS probe, for ``pullback demo`` (see ``demo_stage``)."""
+    from pullback_ext.metric.demo_stage import run_demo_stage as run
+
+    return run(model, scenes, out_dir, quick)
+
+
+__all__ = [
+    "FeatureVAE",
+    "ImportanceHead",
+    "LatentProbe",
+    "LowRankMetric",
+    "SPN",
+    "TargetCache",
+    "TargetConfig",
+    "TrainConfig",
+    "compute_targets",
+    "fit",
+    "load_model",
+    "parameter_count",
+    "run_demo_stage",
+    "save_model",
+    "spearman_per_image",
+]

@@ -1,0 +1,44 @@
+"""Importance head: F[B,N,D] -> per-token log-importance scores[B,N] (SPEC §3)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from pullback_ext.metric.trunk import TokenEncoder
+
+
+class ImportanceHead(nn.Module):
+    """``head(F[B,N,D]) -> scores[B,N]``, the predicted log imp(t).
+
+    Token encoder + per-token scalar; ≈0.33M parameters at D = 768 with the defaults.
+    ``importance(F)`` returns exp(scores), comparable to imp* itself.
+    """
+
+    def __init__(self, dim: int, hidden: int = 256, heads: int = 4) -> None:
+        super().__init__()
+        self.dim, self.hidden, self.heads = dim, hidden, heads
+        self.encoder = TokenEncoder(dim, hidden, heads)
+        self.score = nn.Linear(hidden, 1)
+
+    def config(self) -> dict:
+        return {"dim": self.dim, "hidden": self.hidden, "heads": self.heads}
+
+    @torch.no_grad()
+    def set_score_offset(self, target: Tensor) -> None:
+        """Start the scores at the mean log of the positive training targets (imp* can sit many
+        orders of magnitude away from 1, which would otherwise dominate the first steps)."""
+        positive = target[target > 0].double()
+        if positive.numel() == 0:
+            raise ValueError("target: expected some positive importance values, got none")
+        self.score.bias.fill_(float(positive.log().mean()))
+
+    def forward(self, F: Tensor) -> Tensor:
+        return self.score(self.encoder(F)).squeeze(-1)
+
+    def importance(self, F: Tensor) -> Tensor:
+        return self(F).exp()
+
+
+def parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

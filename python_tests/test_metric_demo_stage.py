@@ -1,0 +1,29 @@
+"""The importance-head stage of ``pullback demo`` on the demo architecture (tiny settings)."""
+
+import json
+
+import pytest
+import torch
+
+from pullback_ext.metric.demo_stage import StageSettings, run_demo_stage
+
+
+def test_stage_trains_then_reuses_its_checkpoint(tmp_path, monkeypatch):
+    from pullback_ext.demo import heldout
+    from pullback_ext.demo.model import DemoModel
+
+    torch.manual_seed(0)
+    model = DemoModel().eval().requires_grad_(False)
+    scenes = heldout(2, 0)
+    settings = StageSettings(train_images=4, steps=3, batch_size=2)
+    first = run_demo_stage(model, scenes, tmp_path, progress=False, settings=settings)
+    assert first["parameters"] > 0 and first["spearman"]["count"] == 2
+    assert -1 <= first["spearman"]["mean"] <= 1
+    config = json.loads((tmp_path / "importance_head" / "config.json").read_text())
+    assert config["probe"] == {"model": "demo", "layer": 6, "decoder": "cls"} and config["step"] == 3
+    shards = {p: p.stat().st_mtime_ns for p in (tmp_path / "importance_head" / "targets").glob("*.safetensors")}
+    assert shards
+    monkeypatch.setattr("pullback_ext.metric.tasks.HeadTask.loss", lambda *a, **k: pytest.fail("the head was retrained"))
+    second = run_demo_stage(model, scenes, tmp_path, progress=False, settings=settings)
+    assert second["spearman"]["per_image"] == first["spearman"]["per_image"]
+    assert shards == {p: p.stat().st_mtime_ns for p in (tmp_path / "importance_head" / "targets").glob("*.safetensors")}
