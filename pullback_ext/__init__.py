@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import importlib
 
-from pullback_ext._loader import build_info
-
 __version__ = "0.1.0"
 
 _SUBMODULES = {"ops", "reference", "probes", "linalg", "metric", "patch", "prune", "demo", "diagnostics"}
-_ATTRS = {"diagnose": ("pullback_ext.diagnostics", "diagnose"), "Diagnosis": ("pullback_ext.diagnostics", "Diagnosis")}
+_ATTRS = {
+    "diagnose": ("pullback_ext.diagnostics", "diagnose"),
+    "Diagnosis": ("pullback_ext.diagnostics", "Diagnosis"),
+    "build_info": ("pullback_ext._loader", "build_info"),
+}
 
-__all__ = sorted(_SUBMODULES | set(_ATTRS) | {"build_info", "__version__"})
+__all__ = sorted(_SUBMODULES | set(_ATTRS) | {"__version__"})
 
 
 def __getattr__(name: str):

@@ -1,0 +1,161 @@
+"""The diagnostic stage of ``pullback demo``: Table-1-style regimes of the demo model.
+
+Runs ``pullback_ext.diagnose`` at three probe layers for the CLS embedding and the depth decoder,
+prints the table, and plots the spectra and the imp* heatmaps over the images.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PROBE_LAYERS = (1, 3, 6)
+
+
+@dataclass(frozen=True)
+class DiagnosticSettings:
+    """What the stage computes. Every tangent pass costs about one forward of the remaining
+    blocks (P = 197·192), so both runs use fewer images, sketch columns and SLQ probes than the
+    library defaults; the quick run skips r_eff^SLQ."""
+
+    num_images: int
+    depth_output_size: int
+    oversample: int
+    power: int
+    probes: int
+    slq_steps: int
+    rank: int = 20
+    decoders: tuple[str, ...] = ("embedding", "depth")
+
+    @classmethod
+    def for_run(cls, quick: bool) -> "DiagnosticSettings":
+        if quick:
+            return cls(num_images=1, depth_output_size=8, oversample=2, power=1, probes=8, slq_steps=0)
+        return cls(num_images=3, depth_output_size=16, oversample=5, power=2, probes=10, slq_steps=10)
+
+
+DECODER_LABELS = {"embedding": "CLS embedding", "depth": "DPT depth", "cls": "CLS logits"}
+
+
+def _patch_cv(token_energy: torch.Tensor, num_prefix_tokens: int) -> float:
+    """CV of e_t over the patch tokens only. For a CLS decoder the CLS token's own energy can
+    dominate the all-token CV (≈ sqrt(N-1) when it holds everything); this shows the spatial part."""
+    e = token_energy[num_prefix_tokens:].double()
+    mean = float(e.mean())
+    return float(e.std(unbiased=False)) / mean if mean > 0 else 0.0
+
+
+def _format_table(rows: list[dict]) -> str:
+    header = (f"{'decoder':<14} {'layer':>5} {'M':>5} {'kappa_cap':>15} {'CV':>13} {'CV patches':>10} "
+              f"{'r_eff_trunc':>11} {'r_eff_SLQ':>10}  regime")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        slq = f"{row['r_eff_slq']:.1f}" if row["r_eff_slq"] is not None else "-"
+        lines.append(
+            f"{DECODER_LABELS[row['decoder']]:<14} {row['layer']:>5} {row['M']:>5} "
+            f"{row['kappa_cap']:>7.3f} ± {row['kappa_cap_std']:<5.3f} {row['cv']:>5.2f} ± {row['cv_std']:<5.2f} "
+            f"{row['cv_patches']:>10.2f} "
+            f"{row['r_eff_trunc']:>11.1f} {slq:>10}  ({row['regime']}) {row['regime_name']}"
+        )
+    return "\n".join(lines)
+
+
+def _plot_spectra(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decoders = list(results)
+    fig, axes = plt.subplots(1, len(decoders), figsize=(4.2 * len(decoders), 3.4), squeeze=False)
+    for ax, decoder in zip(axes[0], decoders):
+        for layer, diag in results[decoder].items():
+            energies = torch.stack([d.sigma**2 / d.trace for d in diag.images]).mean(0)
+            ax.semilogy(range(1, energies.numel() + 1), energies.numpy(), marker="o", ms=3, label=f"layer {layer}")
+        ax.set_title(f"{DECODER_LABELS[decoder]}: σ_j² / T")
+        ax.set_xlabel("j")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_importance(results: dict, images: torch.Tensor, grid: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = [(dec, layer) for dec in results for layer in results[dec]]
+    n = images.shape[0]
+    fig, axes = plt.subplots(n, len(columns) + 1, figsize=(1.9 * (len(columns) + 1), 1.9 * n), squeeze=False)
+    for i in range(n):
+        axes[i, 0].imshow(images[i].permute(1, 2, 0).clamp(0, 1).numpy())
+        for j, (decoder, layer) in enumerate(columns, start=1):
+            diag = results[decoder][layer][i]
+            imp = diag.importance[-grid * grid:].reshape(grid, grid)
+            axes[i, j].imshow(imp.numpy(), cmap="magma")
+            if i == 0:
+                axes[i, j].set_title(f"{decoder} L{layer}", fontsize=8)
+    axes[0, 0].set_title("image", fontsize=8)
+    for ax in axes.flat:
+        ax.axis("off")
+    fig.suptitle("imp*(t) = sqrt(e_t) over patch tokens", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_demo_stage(model: torch.nn.Module, scenes: dict, out_dir: Path, quick: bool = False) -> dict:
+    """Diagnose the demo model on ``scenes['images']``; writes spectra.png and importance.png.
+
+    Returns {"settings", "table": [row per (decoder, layer)], "per_image": {...}, "plots"}.
+    """
+    from tqdm.auto import tqdm
+
+    from pullback_ext import diagnose
+    from pullback_ext.demo.probes import demo_probe
+
+    settings = DiagnosticSettings.for_run(quick)
+    images = scenes["images"][: settings.num_images]
+    grid = int(round((model.backbone.patch_embed.num_patches) ** 0.5))
+    results: dict[str, dict[int, object]] = {}
+    rows = []
+    jobs = [(d, layer) for d in settings.decoders for layer in PROBE_LAYERS]
+    for decoder, layer in tqdm(jobs, desc="diagnostic", unit="probe"):
+        started = time.time()
+        probe = demo_probe(model, layer, decoder, output_size=settings.depth_output_size if decoder == "depth" else None)
+        with torch.no_grad():
+            F = probe.features(images)
+        diag = diagnose(probe, F, rank=settings.rank, oversample=settings.oversample, power=settings.power,
+                        probes=settings.probes, slq_steps=settings.slq_steps, seed=0)
+        results.setdefault(decoder, {})[layer] = diag
+        agg = diag.aggregate
+        rows.append({
+            "decoder": decoder, "layer": layer, "M": diag.images[0].M, "P": diag.images[0].P,
+            "kappa_cap": agg["kappa_cap"]["mean"], "kappa_cap_std": agg["kappa_cap"]["std"],
+            "cv": agg["cv"]["mean"], "cv_std": agg["cv"]["std"],
+            "cv_patches": sum(_patch_cv(d.token_energy, probe.num_prefix_tokens) for d in diag.images) / len(diag.images),
+            "r_eff_trunc": agg["r_eff_trunc"]["mean"],
+            "r_eff_slq": agg["r_eff_slq"]["mean"] if "r_eff_slq" in agg else None,
+            "regime": diag.regime, "regime_name": diag.to_dict()["regime_name"], "recommended": diag.method,
+            "seconds": time.time() - started,
+        })
+    table = _format_table(rows)
+    print("\nTractability diagnostic (mean ± std over images; regime from κ_cap and the all-token CV):\n" + table, flush=True)
+    out_dir = Path(out_dir)
+    _plot_spectra(results, out_dir / "spectra.png")
+    _plot_importance(results, images, grid, out_dir / "importance.png")
+    per_image = {
+        f"{decoder}/L{layer}": diag.to_dict()["images"] for decoder in results for layer, diag in results[decoder].items()
+    }
+    return {
+        "settings": {**settings.__dict__, "layers": list(PROBE_LAYERS), "num_images": int(images.shape[0])},
+        "table": rows,
+        "table_text": table,
+        "per_image": per_image,
+        "plots": ["spectra.png", "importance.png"],
+    }

@@ -1,0 +1,158 @@
+"""Probe maps ψ_ℓ of the demo model: features after block ℓ -> CLS logits, embedding or depth.
+
+The depth decoder reads four hooked blocks. Hooks at or after ℓ are recomputed from F inside
+``forward`` (so the Jacobian sees them); hooks *before* ℓ do not depend on F: they are frozen
+constants of the image, recorded by ``features(images)``. ``forward(F)`` uses row b of the
+recording for row b of F (the batch must be the one passed to ``features``); ``for_image(i)``
+gives the map of image i alone, F[k,N,D] -> y[k,M] for any k (what the diagnostic uses).
+Calling ``forward`` before ``features`` when frozen hooks are needed raises an error.
+
+The probe works on its own deep copy of the model with math attention (timm's
+``fused_attn = False``), because forward-mode AD is not implemented for fused SDPA.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+import torch.nn.functional as Fn
+from torch import Tensor
+
+from pullback_ext.probes.base import Probe
+
+DECODERS = ("cls", "embedding", "depth")
+
+
+def _size_pair(output_size, name: str = "output_size") -> Optional[tuple[int, int]]:
+    if output_size is None:
+        return None
+    pair = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
+    if len(pair) != 2 or not all(isinstance(s, int) and s >= 1 for s in pair):
+        raise ValueError(f"{name}: expected None, a positive int or a pair of positive ints, got {output_size!r}")
+    return pair
+
+
+class DemoProbe(Probe):
+    """ψ_ℓ for the demo model: F[B,197,192] after block ``layer`` -> y[B,M].
+
+    decoder "cls": logits (M = 9); "embedding": CLS embedding (M = 128); "depth": metric depth
+    map, average-pooled to ``output_size`` when given (M = h·w, default 112·112), row-major.
+    """
+
+    def __init__(self, model: torch.nn.Module, layer: int, decoder: str = "cls", output_size=None,
+                 output_transform: Optional[Tensor] = None) -> None:
+        depth = len(model.backbone.blocks)
+        if not isinstance(layer, int) or not 0 <= layer < depth:
+            raise ValueError(f"layer: expected an int in [0, {depth - 1}] (a block of the demo model), got {layer!r}")
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder: expected one of {DECODERS}, got {decoder!r}")
+        self.output_size = _size_pair(output_size)
+        if self.output_size is not None and decoder != "depth":
+            raise ValueError(f"output_size: only meaningful for decoder='depth', got {output_size!r} with decoder={decoder!r}")
+        bb = model.backbone
+        num_tokens = bb.patch_embed.num_patches + bb.num_prefix_tokens
+        super().__init__(layer, num_tokens, bb.embed_dim, bb.num_prefix_tokens, output_transform)
+        self.decoder = decoder
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        for block in self.model.backbone.blocks:
+            block.attn.fused_attn = False
+        self.frozen_layers = tuple(h for h in self.model.hook_layers if h < layer) if decoder == "depth" else ()
+        self._recorded_features: Optional[Tensor] = None
+        self._recorded_hooks: dict[int, Tensor] = {}
+
+    @property
+    def output_dim(self) -> int:
+        """M without a forward pass (before any output transform)."""
+        if self.output_transform is not None:
+            return int(self.output_transform.shape[0])
+        if self.decoder == "cls":
+            return self.model.num_classes
+        if self.decoder == "embedding":
+            return self.model.cls_head.embedding.out_features
+        h, w = self.output_size or (self.model.image_size, self.model.image_size)
+        return h * w
+
+    @torch.no_grad()
+    def features(self, images: Tensor) -> Tensor:
+        """images[B,3,112,112] in [0,1] -> F[B,N,D] after block ``layer``; records the frozen hooks."""
+        hooked: dict[int, Tensor] = {}
+        F = self.model.run_blocks(self.model.embed(images), 0, self.layer + 1, hooked)
+        self._recorded_features = F.detach()
+        self._recorded_hooks = {h: hooked[h].detach() for h in self.frozen_layers}
+        return F
+
+    def _frozen_hooks(self, F: Tensor) -> dict[int, Tensor]:
+        if not self.frozen_layers:
+            return {}
+        recorded = self._recorded_features
+        if recorded is None:
+            raise RuntimeError(
+                f"DemoProbe(layer={self.layer}, decoder='depth'): the depth decoder reads blocks "
+                f"{list(self.frozen_layers)} before the probe layer; call features(images) first to record them"
+            )
+        if F.shape[0] == recorded.shape[0]:
+            return self._recorded_hooks
+        if recorded.shape[0] == 1:
+            return {h: t.expand(F.shape[0], -1, -1) for h, t in self._recorded_hooks.items()}
+        raise ValueError(
+            f"F: expected a batch of {recorded.shape[0]} feature maps (the last features() batch) for the "
+            f"frozen decoder hooks, got {F.shape[0]}; use for_image(i) for one image"
+        )
+
+    def for_image(self, index: int) -> Probe:
+        """ψ of image ``index`` of the last ``features`` batch: F[1,N,D] -> y[1,M]."""
+        if not self.frozen_layers:
+            return self
+        if self._recorded_features is None or not 0 <= index < self._recorded_features.shape[0]:
+            raise IndexError(f"index: expected an image of the last features() batch, got {index}")
+        return _BoundDemoProbe(self, {h: t[index:index + 1] for h, t in self._recorded_hooks.items()})
+
+    def outputs(self, F: Tensor) -> Tensor:
+        """F[B,N,D] -> y[B,M]."""
+        self.check_features(F)
+        if F.dim() == 2:
+            return self.decode(F[None], self._frozen_hooks(F[None]))[0]
+        return self.decode(F, self._frozen_hooks(F))
+
+    def decode(self, F: Tensor, frozen: dict[int, Tensor]) -> Tensor:
+        """Blocks ``layer+1..``, final norm and decoder on F[B,N,D], with the frozen hooks given."""
+        model = self.model
+        hooked = {h: t.to(F.dtype) for h, t in frozen.items()}
+        if self.layer in model.hook_layers:
+            hooked[self.layer] = F
+        final = model.run_blocks(F, self.layer + 1, len(model.backbone.blocks), hooked)
+        if self.decoder == "depth":
+            norm = model.backbone.norm
+            y = model.depth_head([norm(hooked[h]) for h in model.hook_layers], model.image_size)
+            if self.output_size is not None:
+                y = Fn.adaptive_avg_pool2d(y[:, None], self.output_size)[:, 0]
+            return y.flatten(1)
+        embedding, logits = model.cls_head(model.backbone.norm(final)[:, 0])
+        return logits if self.decoder == "cls" else embedding
+
+
+class _BoundDemoProbe(Probe):
+    """A depth ``DemoProbe`` with the frozen hooks of one image fixed (any batch of its F)."""
+
+    def __init__(self, parent: DemoProbe, frozen: dict[int, Tensor]) -> None:
+        super().__init__(parent.layer, parent.num_tokens, parent.dim, parent.num_prefix_tokens, parent.output_transform)
+        self.parent = parent
+        self.frozen = frozen
+
+    @property
+    def output_dim(self) -> int:
+        return self.parent.output_dim
+
+    def outputs(self, F: Tensor) -> Tensor:
+        self.check_features(F)
+        batch = F[None] if F.dim() == 2 else F
+        y = self.parent.decode(batch, {h: t.expand(batch.shape[0], -1, -1) for h, t in self.frozen.items()})
+        return y[0] if F.dim() == 2 else y
+
+
+def demo_probe(model: torch.nn.Module, layer: int, decoder: str = "cls", output_size=None,
+               output_transform: Optional[Tensor] = None) -> DemoProbe:
+    """The probe map ψ_ℓ of the demo model at block ``layer`` for ``decoder`` (see :class:`DemoProbe`)."""
+    return DemoProbe(model, layer, decoder, output_size, output_transform)

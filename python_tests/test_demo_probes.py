@@ -1,0 +1,88 @@
+"""Demo probe maps against the full model (random weights: the wiring, not the training)."""
+
+import pytest
+import torch
+
+from pullback_ext.demo.model import DemoModel
+from pullback_ext.demo.probes import demo_probe
+from pullback_ext.demo.scenes import render
+
+
+@pytest.fixture(scope="module")
+def model_and_images():
+    torch.manual_seed(0)
+    model = DemoModel().eval()
+    return model, render(2, seed=3)["images"]
+
+
+@pytest.mark.parametrize("layer", [0, 2, 5, 7])
+@pytest.mark.parametrize("decoder", ["cls", "embedding", "depth"])
+def test_probe_reproduces_model_outputs(model_and_images, layer, decoder):
+    model, images = model_and_images
+    probe = demo_probe(model, layer, decoder)
+    with torch.no_grad():
+        full = model(images)
+        y = probe(probe.features(images))
+    expected = {"cls": full["logits"], "embedding": full["embedding"], "depth": full["depth"].flatten(1)}[decoder]
+    assert y.shape == (2, probe.output_dim)
+    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+    assert (probe.layer, probe.num_tokens, probe.dim, probe.num_prefix_tokens) == (layer, 197, 192, 1)
+
+
+def test_depth_probe_pooling_and_single_image(model_and_images):
+    model, images = model_and_images
+    probe = demo_probe(model, 4, "depth", output_size=8)
+    with torch.no_grad():
+        F = probe.features(images)
+        pooled = probe(F)
+        full = model(images)["depth"]
+        # Row 1 alone must use the frozen hooks of image 1, not of image 0.
+        single = probe.for_image(1)(F[1:2])
+    with pytest.raises(ValueError, match="for_image"):
+        probe(F[1:2])
+    assert pooled.shape == (2, 64)
+    torch.testing.assert_close(pooled, torch.nn.functional.avg_pool2d(full[:, None], 14).flatten(1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(single, pooled[1:2])
+
+
+def test_depth_probe_needs_features_first(model_and_images):
+    model, _ = model_and_images
+    probe = demo_probe(model, 4, "depth", output_size=4)
+    with pytest.raises(RuntimeError, match="features"):
+        probe(torch.zeros(1, 197, 192))
+    assert probe.output_dim == 16
+
+
+@pytest.mark.parametrize("decoder", ["embedding", "depth"])
+def test_forward_mode_jvp_matches_finite_differences(model_and_images, decoder):
+    model, images = model_and_images
+    probe = demo_probe(model.double(), 3, decoder, output_size=4 if decoder == "depth" else None)
+    model.float()
+    F = probe.features(images[:1].double())
+    v = torch.randn(F.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    _, jv = torch.func.jvp(probe, (F,), (v,))
+    # Small step: the depth head's ReLUs make larger central differences only first-order accurate.
+    h = 1e-6
+    with torch.no_grad():
+        fd = (probe(F + h * v) - probe(F - h * v)) / (2 * h)
+    assert jv.abs().max() > 1e-3
+    torch.testing.assert_close(jv, fd, rtol=1e-4, atol=1e-6)
+    y, vjp = torch.func.vjp(probe, F)
+    u = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    torch.testing.assert_close((vjp(u)[0] * v).sum(), (u * jv).sum())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"layer": 8}, "layer"), ({"layer": -1}, "layer"), ({"layer": 2, "decoder": "pose"}, "decoder"),
+    ({"layer": 2, "decoder": "cls", "output_size": 4}, "output_size"),
+    ({"layer": 2, "decoder": "depth", "output_size": 0}, "output_size"),
+])
+def test_bad_probe_arguments(model_and_images, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        demo_probe(model_and_images[0], **kwargs)
+
+
+def test_probe_rejects_wrong_feature_shape(model_and_images):
+    probe = demo_probe(model_and_images[0], 2, "cls")
+    with pytest.raises(ValueError, match="197,192"):
+        probe(torch.zeros(1, 196, 192))
