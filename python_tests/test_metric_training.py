@@ -196,12 +196,18 @@ def test_sigkill_while_writing_a_checkpoint_resumes_to_the_uninterrupted_result(
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert list((tmp_path / "cut").glob(".*.tmp-*")), "the kill should have left a half-written temporary file"
     build, task, make_data = CASES["head"]
-    torch.manual_seed(0)
-    resumed = build().double()
-    fit(task, resumed, make_data(), TrainConfig(**settings), tmp_path / "cut", resume=True, progress=False)
-    torch.manual_seed(0)
-    full = build().double()
-    fit(task, full, make_data(), TrainConfig(**settings), tmp_path / "full", progress=False)
+    # Same thread count as the killed worker: float64 reductions are only bit-identical for a fixed one.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        resumed = build().double()
+        fit(task, resumed, make_data(), TrainConfig(**settings), tmp_path / "cut", resume=True, progress=False)
+        torch.manual_seed(0)
+        full = build().double()
+        fit(task, full, make_data(), TrainConfig(**settings), tmp_path / "full", progress=False)
+    finally:
+        torch.set_num_threads(threads)
     for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
     assert not list((tmp_path / "cut").glob(".*.tmp-*"))
