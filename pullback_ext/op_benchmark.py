@@ -15,11 +15,9 @@ none of them.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -28,6 +26,8 @@ import torch
 from torch import Tensor
 
 from pullback_ext import ops, reference
+from pullback_ext.fileio import atomic_write_json
+from pullback_ext.plots import save_figure
 
 N_TOKENS, DIM, RANK = 257, 768, 20
 
@@ -267,13 +267,7 @@ def format_table(result: dict) -> str:
 
 def write_outputs(result: dict, path: str) -> list[str]:
     """Atomically write the JSON to ``path`` and a speed-up bar plot next to it; returns the paths."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
-        json.dump(result, f, indent=2)
-        tmp = f.name
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    atomic_write_json(path, result)
     plot_path = os.path.splitext(path)[0] + ".png"
     _plot(result, plot_path)
     return [path, plot_path]
@@ -298,10 +292,4 @@ def _plot(result: dict, path: str) -> None:
     ax.set_title(f"pullback_ext ops on {result['device']} ({result['threads']} threads)")
     ax.legend()
     fig.tight_layout()
-    folder = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".png", delete=False) as f:
-        tmp = f.name
-    fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    save_figure(fig, path)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from pullback_ext.fileio import atomic_path
 
 
 def _pyplot():
@@ -24,15 +24,10 @@ def _pyplot():
 def save_figure(fig, path: str | Path) -> Path:
     """Write ``fig`` to ``path`` atomically (temporary file in the same folder, then os.replace)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120, bbox_inches="tight", format=path.suffix.lstrip(".") or "png")
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         _pyplot().close(fig)
     return path
 

@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext import __version__
     from pullback_ext.demo import heldout, load
     from pullback_ext.demo.metrics import evaluate
-    from pullback_ext.demo.weights_io import CARD_JSON, atomic_write_json
+    from pullback_ext.demo.weights_io import CARD_JSON
+    from pullback_ext.fileio import atomic_write_json
     from pullback_ext.errors import PullbackError
 
     out_dir = Path(args.out)

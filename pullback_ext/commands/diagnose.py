@@ -44,20 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder")
 
 
-def _write_text_atomic(path, text: str) -> None:
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def summary_table(result, description: dict) -> str:
     """Table-1-style rows: one line per setting with mean ± std over images."""
     from pullback_ext.diagnostics import REGIMES
@@ -92,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.errors import PullbackError
     from pullback_ext.images import check_readable, list_images, load_images
     from pullback_ext.model_loading import build
+    from pullback_ext.fileio import atomic_write_text
     from pullback_ext.plots import plot_spectrum, plot_token_energy
 
     if args.layer is None and args.decoder != "depth-multi":
@@ -149,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     )
     full = Diagnosis(gathered, agg, regime, method, settings)
     out.mkdir(parents=True, exist_ok=True)
-    _write_text_atomic(out / "diagnosis.json", json.dumps(full.to_dict(include_vectors=args.save_vectors), indent=1))
+    atomic_write_text(out / "diagnosis.json", json.dumps(full.to_dict(include_vectors=args.save_vectors), indent=1))
     plot_spectrum([d.sigma for d in gathered], [d.trace for d in gathered], out / "spectrum.png", kappa_threshold=thresholds.kappa)
     plot_token_energy(
         [d.token_energy for d in gathered], probe.num_prefix_tokens, out / "token_energy.png",

@@ -22,7 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     from dataclasses import asdict, replace
     from pathlib import Path
 
@@ -30,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
 
     from pullback_ext import distributed
     from pullback_ext.errors import PullbackError
-    from pullback_ext.metric.checkpoint import atomic_write_text, load_model
+    from pullback_ext.fileio import atomic_write_json
+    from pullback_ext.metric.checkpoint import load_model
     from pullback_ext.metric.data import ProbeSpec, build_probe, features, image_sources
     from pullback_ext.metric.evaluation import spearman_per_image, summarize
     from pullback_ext.metric.targets import compute_targets
@@ -77,5 +77,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"Spearman rho vs {'imp*' if args.target == 'imp' else 'block norms'}: {s['mean']:.4f} ± {s['std']:.4f} "
           f"(min {s['min']:.4f}, {s['count']} images)")
     if args.out:
-        atomic_write_text(json.dumps(result, indent=2) + "\n", Path(args.out))
+        atomic_write_json(args.out, result)
     return 0

@@ -71,7 +71,7 @@ def cached_training_set(num_images: int, seed: int, cache_dir: Path | None) -> d
 
     import torch
 
-    from pullback_ext.demo.weights_io import atomic_write_bytes
+    from pullback_ext.fileio import atomic_write_bytes
 
     if cache_dir is None:
         return render_training_set(num_images, seed)
@@ -107,7 +107,7 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
 
 
 def write_model_card(out: Path, card: dict) -> None:
-    from pullback_ext.demo.weights_io import atomic_write_bytes, atomic_write_json
+    from pullback_ext.fileio import atomic_write_bytes, atomic_write_json
 
     atomic_write_json(out / "model_card.json", card)
     held = card["heldout"]

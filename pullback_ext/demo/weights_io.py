@@ -2,41 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from pullback_ext.errors import CheckpointError
+from pullback_ext.fileio import atomic_write_bytes
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 WEIGHTS_FILE = WEIGHTS_DIR / "demo_vit.safetensors"
 CARD_JSON = WEIGHTS_DIR / "model_card.json"
 CARD_MD = WEIGHTS_DIR / "MODEL_CARD.md"
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and os.replace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
 def save_weights(model: torch.nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:

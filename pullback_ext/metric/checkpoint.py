@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from pullback_ext.errors import CheckpointError
+from pullback_ext.fileio import atomic_path, atomic_write_text
 
 FORMAT = "pullback_ext.metric/1"
 MODEL_FILE = "model.safetensors"
@@ -34,32 +35,12 @@ def _model_classes() -> dict[str, type]:
     return {"spn": SPN, "head": ImportanceHead, "vae": FeatureVAE}
 
 
-def _tmp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def atomic_save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
     """Write a safetensors file via a temporary name in the same folder and ``os.replace``."""
     from safetensors.torch import save_file
 
-    tmp = _tmp_path(path)
-    try:
+    with atomic_path(path) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def atomic_write_text(text: str, path: str | os.PathLike) -> None:
-    path = Path(path)
-    tmp = _tmp_path(path)
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _sha256(path: Path) -> str:
@@ -100,7 +81,7 @@ def save_model(directory: str | os.PathLike, kind: str, model: nn.Module, extra:
     weights = directory / MODEL_FILE
     atomic_save_tensors(dict(model.state_dict()), weights, {"format": FORMAT, "kind": kind, "config": text})
     readable = dict(config, weights_sha256=_sha256(weights))
-    atomic_write_text(json.dumps(readable, indent=2, sort_keys=True) + "\n", directory / CONFIG_FILE)
+    atomic_write_text(directory / CONFIG_FILE, json.dumps(readable, indent=2, sort_keys=True) + "\n")
     return directory
 
 

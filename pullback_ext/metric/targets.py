@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from pullback_ext.errors import CheckpointError
-from pullback_ext.metric.checkpoint import atomic_save_tensors, atomic_write_text
+from pullback_ext.fileio import atomic_write_json
+from pullback_ext.metric.checkpoint import atomic_save_tensors
 
 EXACT_MAX_SIDE = 4096
 
@@ -210,7 +211,7 @@ class TargetCache:
         if missing:
             raise CheckpointError(f"{self.directory}: target shards missing: {missing[:3]}")
         manifest = {"key": key, "config": asdict(config), "source": source, "num_images": num_images, "shards": shards}
-        atomic_write_text(json.dumps(manifest, indent=2), self.manifest_path)
+        atomic_write_json(self.manifest_path, manifest)
 
     def load(self, config: TargetConfig | None = None, source: dict | None = None) -> dict[str, Tensor]:
         """All cached tensors concatenated over images; checks the manifest matches when given."""

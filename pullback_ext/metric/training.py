@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from torch import Tensor, nn
 
+from pullback_ext.fileio import atomic_write_text
 from pullback_ext.metric import checkpoint
 from pullback_ext.metric.targets import image_generator
 
@@ -118,7 +119,7 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
                 kept.append(line)
         except json.JSONDecodeError:
             continue
-    checkpoint.atomic_write_text("".join(f"{line}\n" for line in kept), path)
+    atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
 
 def fit(

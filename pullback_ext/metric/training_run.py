@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pullback_ext.metric.checkpoint import atomic_write_text
+from pullback_ext.fileio import atomic_write_json
 from pullback_ext.metric.data import ProbeSpec, build_probe, features, image_sources
 from pullback_ext.metric.targets import EXACT_MAX_SIDE, TargetCache, TargetConfig, compute_targets
 
@@ -144,7 +144,7 @@ class TrainingRun:
             results["parameters"] = parameter_count(model)
         if a.kind == "vae" and a.diagnose_images > 0:
             results["diagnosis"] = self._diagnose_latent(probe, model, held_src)
-        atomic_write_text(json.dumps(results, indent=2) + "\n", self.out / "results.json")
+        atomic_write_json(self.out / "results.json", results)
         plot_training(self.out / METRICS_FILE, self.out / "training.png", heldout.get("per_image") if a.kind == "head" else None)
         return results
 

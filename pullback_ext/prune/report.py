@@ -2,32 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from pullback_ext.fileio import atomic_write_json, atomic_write_text
 from pullback_ext.prune.evaluation import METRICS
-
-
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def write_json(obj: dict, path: str | os.PathLike) -> Path:
     path = Path(path)
-    _atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n"))
+    atomic_write_json(path, obj)
     return path
 
 
 def write_text(text: str, path: str | os.PathLike) -> Path:
     path = Path(path)
-    _atomic_write(path, lambda tmp: tmp.write_text(text))
+    atomic_write_text(path, text)
     return path
 
 
