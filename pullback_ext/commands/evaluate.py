@@ -69,13 +69,13 @@ def _subspace(args: argparse.Namespace, backbone, model) -> int:
     import json
     from pathlib import Path
 
-    from pullback_ext.prune import setup
+    from pullback_ext.prune import options
     from pullback_ext.prune.report import write_json
 
     layer = backbone.depth // 2 if args.subspace_layer is None else args.subspace_layer
     ks = _ints(args.subspace_k, "--subspace-k")
-    image_sets = setup.image_sets(args.images, model, args.demo, args.num_images, 1, backbone.image_size)
-    result = setup.subspace_report(args.subspace_probe, model, backbone, layer, ks, image_sets[0], args.demo)
+    image_sets = options.image_sets(args.images, model, args.demo, args.num_images, 1, backbone.image_size)
+    result = options.subspace_report(args.subspace_probe, model, backbone, layer, ks, image_sets[0], args.demo)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(result, out / "subspace.json")
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pullback_ext.errors import PullbackError
-    from pullback_ext.prune import setup
+    from pullback_ext.prune import options
     from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
     from pullback_ext.prune.report import plot_quality, write_json, write_text
 
@@ -105,24 +105,24 @@ def run(args: argparse.Namespace) -> int:
             raise PullbackError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
     ratios = _floats(args.ratios, "--ratios")
     time_batches = _ints(args.time_batches, "--time-batches")
-    backbone, model = setup.load_backbone(demo=args.demo, model_name=args.model, weights=args.weights)
+    backbone, model = options.load_backbone(demo=args.demo, model_name=args.model, weights=args.weights)
     if args.subspace_probe is not None:
         return _subspace(args, backbone, model)
-    layers = setup.stage_layers(args.stages, backbone.depth, absolute=args.absolute_layers)
+    layers = options.stage_layers(args.stages, backbone.depth, absolute=args.absolute_layers)
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
-    scorers, spn = setup.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)
-    strategies = setup.strategy_list(args.strategies, scorers)
+    scorers, spn = options.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)
+    strategies = options.strategy_list(args.strategies, scorers)
     llf = {"on": (True,), "off": (False,), "both": (True, False)}[args.llf]
     plan = Plan(task=args.task, strategies=strategies, ratios=ratios, layers=layers, mode=mode, llf=llf, scorers=scorers, spn=spn,
                 prop_attn=args.prop_attn, batch_size=args.batch_size)
     check_plan(plan, backbone)
-    image_sets = setup.image_sets(args.images, model, args.demo, args.num_images, args.seeds, backbone.image_size)
+    image_sets = options.image_sets(args.images, model, args.demo, args.num_images, args.seeds, backbone.image_size)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = run_quality(backbone, image_sets, plan, progress=not args.quiet)
     if not args.no_timing:
-        timed = setup.strategy_list(args.time_strategies, scorers) if args.time_strategies else strategies
+        timed = options.strategy_list(args.time_strategies, scorers) if args.time_strategies else strategies
         result["cost"] = run_cost(backbone, image_sets[0]["images"], plan, time_batches, args.time_repeats, timed, progress=not args.quiet)
     result["command"] = "pullback " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result["model"] = backbone.name
