@@ -13,8 +13,6 @@ fewer repeats, for shared machines.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -23,6 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pullback_ext.fileio import atomic_write_json  # noqa: E402
 
 
 def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
@@ -120,10 +120,7 @@ def main(argv=None) -> int:
         print(f"{row['op']:<26}{row['B']:>3}{k:>4}{row['kernel_s'] * 1e3:>11.3f}{row['eager_s'] * 1e3:>10.3f}{row['speedup']:>9.2f}  {row['compiled']}")
     result = {"quick": args.quick, "threads": torch.get_num_threads(), "torch": torch.__version__, "head": head, "kernels": kernels}
     if args.out:
-        out = Path(args.out)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, out)
+        atomic_write_json(args.out, result)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 
 # run from a source checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pullback_ext.fileio import atomic_write_json  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -151,11 +152,7 @@ def main(argv=None) -> int:
         result["speedup"] = speedup(args, layers)
         print(json.dumps(result["speedup"], indent=2))
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, out)
+        atomic_write_json(args.out, result)
     return 0
 
 
