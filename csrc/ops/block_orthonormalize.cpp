@@ -74,12 +74,8 @@ std::tuple<at::Tensor, at::Tensor> cholesky_step(const at::Tensor& G, bool check
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> block_orthonormalize(const at::Tensor& X_in, bool check_finite) {
-  check_rank(X_in, "X", 3, "[B, P, r]");
-  check_batch(X_in, "X");
-  check_float_input(X_in, "X");
-  const int64_t B = X_in.size(0), P = X_in.size(1), r = X_in.size(2);
-  TORCH_CHECK_VALUE(r >= 1, "X must have r >= 1 columns (shape [B, P, r]), got shape ", shape_str(X_in));
-  TORCH_CHECK_VALUE(r <= P, "X must be tall: r <= P (shape [B, P, r]), got r = ", r, " > P = ", P);
+  check_tall_skinny(X_in, "X");
+  const int64_t B = X_in.size(0), r = X_in.size(2);
   if (check_finite) check_all_finite(X_in, "X");
   const at::Tensor X = X_in.contiguous();
   const auto on_device = [&](const at::Tensor& t) { return t.to(X.device()); };

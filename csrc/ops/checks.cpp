@@ -81,6 +81,15 @@ void check_batch(const at::Tensor& t, const char* name) {
                     " has an empty batch (B = 0, shape ", shape_str(t), "); expected B >= 1");
 }
 
+void check_tall_skinny(const at::Tensor& t, const char* name) {
+  check_rank(t, name, 3, "[B, P, r]");
+  check_batch(t, name);
+  check_float_input(t, name);
+  const int64_t P = t.size(1), r = t.size(2);
+  TORCH_CHECK_VALUE(r >= 1 && r <= P, name, " must be tall with 1 <= r <= P (shape [B, P, r]), got r = ", r,
+                    ", P = ", P);
+}
+
 void check_nonnegative(const at::Tensor& t, const char* name) {
   if (t.numel() == 0) return;
   const double lowest = t.min().item<double>();

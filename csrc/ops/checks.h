@@ -34,6 +34,8 @@ void check_index_tensor(const at::Tensor& idx, const char* name, const at::Tenso
 
 // Batch size at least 1.
 void check_batch(const at::Tensor& t, const char* name);
+// A non-empty batch of tall-skinny floating matrices [B, P, r] with 1 <= r <= P.
+void check_tall_skinny(const at::Tensor& t, const char* name);
 
 // Every element >= 0 (NaN is left to check_finite).
 void check_nonnegative(const at::Tensor& t, const char* name);

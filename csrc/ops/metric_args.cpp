@@ -10,12 +10,8 @@ namespace pullback {
 namespace ops {
 
 void check_factor_args(const at::Tensor& U, const at::Tensor& lam, bool check_finite) {
-  check_rank(U, "U", 3, "[B, P, r]");
-  check_batch(U, "U");
-  check_float_input(U, "U");
-  const int64_t B = U.size(0), P = U.size(1), r = U.size(2);
-  TORCH_CHECK_VALUE(r >= 1, "U must have rank r >= 1 (shape [B, P, r]), got shape ", shape_str(U));
-  TORCH_CHECK_VALUE(r <= P, "U must have r <= P (shape [B, P, r]), got r = ", r, " > P = ", P);
+  check_tall_skinny(U, "U");
+  const int64_t B = U.size(0), r = U.size(2);
   check_shape(lam, "lam", {B, r}, "[B, r]");
   check_same_device(lam, "lam", U, "U");
   check_same_dtype(lam, "lam", U, "U");
