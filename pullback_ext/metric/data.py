@@ -47,16 +47,8 @@ def build_probe(spec: ProbeSpec, dtype: torch.dtype = torch.float32):
     """(probe, preprocess) for ``spec``; the probe is cast to ``dtype``."""
     from pullback_ext.model_loading import build
 
-    if spec.model == "demo" and spec.decoder == "embedding":
-        import pullback_ext.demo
-        from pullback_ext.demo.probes import demo_probe
-        from pullback_ext.images import unit_range_preprocess
-
-        model = pullback_ext.demo.load(spec.weights)
-        probe, preprocess = demo_probe(model, spec.layer, "embedding"), unit_range_preprocess(model.image_size)
-    else:
-        setup = build(spec.model, spec.weights, spec.layer, spec.decoder, spec.output_size, spec.img_size)
-        probe, preprocess = setup.probe, setup.preprocess
+    setup = build(spec.model, spec.weights, spec.layer, spec.decoder, spec.output_size, spec.img_size)
+    probe, preprocess = setup.probe, setup.preprocess
     if spec.vae is not None:
         from pullback_ext.metric.checkpoint import load_model
         from pullback_ext.metric.vae import LatentProbe
