@@ -20,6 +20,7 @@ COMMANDS = {
     "train": ("pullback_ext.commands.train", "train an SPN, an importance head or a feature VAE"),
     "eval-head": ("pullback_ext.commands.eval_head", "Spearman rho of an importance head against imp*"),
     "evaluate": ("pullback_ext.commands.evaluate", "token pruning / merging quality and cost against baselines"),
+    "subprobe": ("pullback_ext.commands.subprobe", "interventions on a linear token probe's geometric subspace (Geosubprobe)"),
     "bench": ("pullback_ext.commands.bench", "run the kernel microbenchmarks"),
 }
 

@@ -31,7 +31,7 @@ def _is_patched(model) -> bool:
 
 def timm(
     model,
-    head: Optional[Callable] = None,
+    head=None,
     ratio=0.3,
     layers=(4,),
     mode: str = "merge",
@@ -41,17 +41,20 @@ def timm(
     spn: Optional[Callable] = None,
     matching: str = "auto",
     eps: Optional[float] = None,
-    prop_attn: bool = False,
+    prop_attn="auto",
     weights: str = "auto",
+    selection: str = "auto",
     seed: Optional[int] = 0,
 ):
     """Patch a timm ``VisionTransformer`` in place (re-patching replaces the previous plan).
 
     ``head``: importance head ``F [B, K, D] -> [B, K]`` (or an SPN) for ``importance``, or a
-    callable giving imp* for ``oracle``. ``spn``: returns ``(U [B, K*D, r], lam [B, r])`` for the
+    callable giving imp* for ``oracle``; a sequence gives one per stage of ``layers``. ``spn``: returns ``(U [B, K*D, r], lam [B, r])`` for the
     pullback matching of merge mode. ``prop_attn``: add ``log(size)`` to attention logits after
-    merges. ``weights``: ``auto``/``size``/``importance`` for merged averages. ``seed``: for
-    ``random``. Returns the model.
+    merges (``auto``: on in merge mode). ``weights``: ``auto``/``size``/``importance`` for merged
+    averages. ``selection``: ``auto``/``lowest``/``bound``, which tokens a scorer strategy merges
+    away (see :func:`pullback_ext.prune.pipeline.make_config`). ``seed``: for ``random``.
+    Returns the model.
     """
     from pullback_ext.prune import timm_vit
     from pullback_ext.prune.pipeline import make_config
@@ -65,7 +68,7 @@ def timm(
     cfg = make_config(
         depth=len(model.blocks), num_prefix=int(model.num_prefix_tokens), has_cls=getattr(model, "cls_token", None) is not None,
         head=head, ratio=ratio, layers=layers, mode=mode, strategy=strategy, llf=llf, spn=spn, matching=matching,
-        eps=eps, prop_attn=prop_attn, weights=weights, seed=seed,
+        eps=eps, prop_attn=prop_attn, weights=weights, selection=selection, seed=seed,
     )
     model.forward_features = types.MethodType(_with_config(timm_vit.forward_features, cfg), model)
     model.forward_intermediates = types.MethodType(_with_config(timm_vit.forward_intermediates, cfg), model)
@@ -75,7 +78,7 @@ def timm(
 
 def hf_dpt(
     model,
-    head: Optional[Callable] = None,
+    head=None,
     ratio=0.3,
     layers=(4,),
     mode: str = "prune",
@@ -87,6 +90,7 @@ def hf_dpt(
     eps: Optional[float] = None,
     prop_attn: bool = False,
     weights: str = "auto",
+    selection: str = "auto",
     seed: Optional[int] = 0,
 ):
     """Patch a Hugging Face ``DPTForDepthEstimation`` / ``DPTModel`` (ViT backbone) in place.
@@ -105,7 +109,8 @@ def hf_dpt(
         unpatch(model)
     cfg = make_config(
         depth=len(encoder.layer), num_prefix=1, has_cls=True, head=head, ratio=ratio, layers=layers, mode=mode,
-        strategy=strategy, llf=llf, spn=spn, matching=matching, eps=eps, prop_attn=False, weights=weights, seed=seed,
+        strategy=strategy, llf=llf, spn=spn, matching=matching, eps=eps, prop_attn=False, weights=weights,
+        selection=selection, seed=seed,
     )
     hf.install(encoder, cfg)
     setattr(encoder, _ATTR, ("hf_dpt", cfg))

@@ -24,6 +24,15 @@ def test_scores_shape_and_bad_input():
         head(torch.randn(3, 7, 11))
     with pytest.raises(ValueError, match="heads"):
         ImportanceHead(12, hidden=16, heads=3)
+    with pytest.raises(ValueError, match="mlp_hidden"):
+        ImportanceHead(12, hidden=16, heads=2, mlp_hidden=-1)
+
+
+def test_mlp_blocks_add_two_small_layers_per_block():
+    plain, with_mlp = ImportanceHead(12, hidden=16, heads=2), ImportanceHead(12, hidden=16, heads=2, mlp_hidden=8)
+    per_block = 2 * 16 + (16 * 8 + 8) + (8 * 16 + 16)  # LayerNorm + two linear layers
+    assert parameter_count(with_mlp) - parameter_count(plain) == 2 * per_block
+    assert with_mlp.config()["mlp_hidden"] == 8 and with_mlp(torch.randn(2, 5, 12)).shape == (2, 5)
 
 
 def test_head_learns_imp_star_of_a_cls_probe(tmp_path):

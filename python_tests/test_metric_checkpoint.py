@@ -15,6 +15,7 @@ from pullback_ext.metric.checkpoint import MODEL_FILE, read_config
     [
         ("spn", lambda: SPN(12, 3, hidden=16, heads=2, eps=0.01)),
         ("head", lambda: ImportanceHead(12, hidden=16, heads=2)),
+        ("head", lambda: ImportanceHead(12, hidden=16, heads=2, mlp_hidden=8)),
         ("vae", lambda: FeatureVAE(12, 4, hidden=8)),
     ],
 )

@@ -20,7 +20,7 @@ def test_stage_trains_then_reuses_its_checkpoint(tmp_path, monkeypatch):
     assert first["parameters"] > 0 and first["spearman"]["count"] == 2
     assert -1 <= first["spearman"]["mean"] <= 1
     config = json.loads((tmp_path / "importance_head" / "config.json").read_text())
-    assert config["probe"] == {"model": "demo", "layer": 6, "decoder": "cls"} and config["step"] == 3
+    assert config["probe"] == {"model": "demo", "layer": 1, "decoder": "embedding"} and config["step"] == 3
     shards = {p: p.stat().st_mtime_ns for p in (tmp_path / "importance_head" / "targets").glob("*.safetensors")}
     assert shards
     monkeypatch.setattr("pullback_ext.metric.tasks.HeadTask.loss", lambda *a, **k: pytest.fail("the head was retrained"))

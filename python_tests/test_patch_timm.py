@@ -117,8 +117,26 @@ def test_merge_matches_a_hand_written_reference(strategy):
         for blk in model.blocks[1:]:
             seq = blk(seq)
         refs.append(model.norm(seq)[:, 0])
-    patch.timm(model, head=HEADS.get(strategy), ratio=5 / 16, layers=(1,), mode="merge", strategy=strategy, matching="cosine")
+    patch.timm(model, head=HEADS.get(strategy), ratio=5 / 16, layers=(1,), mode="merge", strategy=strategy, matching="cosine",
+               prop_attn=False, selection="lowest" if strategy == "importance" else "auto")
     torch.testing.assert_close(model.forward_features(x)[:, 0], torch.cat(refs), rtol=1e-5, atol=1e-5)
+
+
+def test_one_head_per_stage_scores_its_own_stage():
+    model = tiny_vit()
+    calls = []
+
+    def scorer(name):
+        def score(f):
+            calls.append((name, f.shape[1]))
+            return norm_scorer(f)
+        return score
+
+    patch.timm(model, head=[scorer("first"), scorer("second")], ratio=0.5, layers=(1, 2), mode="prune", strategy="importance", llf=False)
+    model.forward_features(images(1))
+    assert calls == [("first", 17), ("second", 13)]
+    with pytest.raises(PullbackError, match="one per stage"):
+        patch.timm(model, head=[norm_scorer] * 3, ratio=0.5, layers=(1, 2), mode="prune", strategy="importance")
 
 
 def test_proportional_attention_equals_attending_to_duplicates():
@@ -202,6 +220,8 @@ def test_torch_compile_runs_a_patched_model():
         (dict(strategy="evit", layers=(0,)), "layers must start at 1"),
         (dict(strategy="norm", matching="pullback"), "needs spn="),
         (dict(strategy="norm", weights="importance"), "weights='importance' needs"),
+        (dict(strategy="norm", selection="bound"), "selection='bound' needs"),
+        (dict(strategy="norm", prop_attn="sometimes"), "prop_attn must be"),
     ],
 )
 def test_invalid_options_give_clear_errors(kwargs, match):

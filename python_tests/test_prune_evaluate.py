@@ -172,14 +172,13 @@ def test_cli_subspace_interventions_with_a_probe_file(image_dir, tmp_path):
 
     w = torch.randn(2, 192, generator=torch.Generator().manual_seed(0))
     save_file({"weight": w, "bias": torch.zeros(2)}, str(tmp_path / "probe.safetensors"))
-    code = main(["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--num-images", "2",
-                 "--subspace-probe", str(tmp_path / "probe.safetensors"), "--subspace-layer", "3", "--subspace-k", "1,2",
-                 "--out", str(tmp_path / "o"), "--quiet"])
+    code = main(["subprobe", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--num-images", "2",
+                 "--probe", str(tmp_path / "probe.safetensors"), "--layer", "3", "--k", "1,2", "--out", str(tmp_path / "o")])
     assert code == 0
     result = json.loads((tmp_path / "o" / "subspace.json").read_text())
     assert result["rank"] == 2 and result["layer"] == 3
     top = {r["k"]: r for r in result["results"]["subspace"]}
     assert top[2]["output_change"] < 1e-6 and top[2]["energy"] == pytest.approx(1.0)
     save_file({"weight": torch.randn(2, 5)}, str(tmp_path / "bad.safetensors"))
-    assert main(["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--subspace-probe",
-                 str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "o2"), "--quiet"]) == 2
+    assert main(["subprobe", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--probe",
+                 str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "o2")]) == 2

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from pullback_ext.prune.matching import nearest_destinations, pullback_distances
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune.matching import merge_drift, nearest_destinations, pullback_distances, select_with_partners
+from pullback_ext.prune.pipeline import apply_stage, make_config
 from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.strategies import StageContext, lowest, make_strategy
 from pullback_ext.prune.tokens import TokenState, split_budget
@@ -119,6 +121,95 @@ def test_destinations_are_never_prefix_or_sources(matching):
     dst = nearest_destinations(x, src, num_prefix=1, matching=matching, spn=spn)
     for b in range(2):
         assert not set(dst[b].tolist()) & (set(src[b].tolist()) | {0})
+
+
+@pytest.mark.parametrize("matching", ["pullback", "cosine"])
+def test_merge_drift_matches_brute_force(matching):
+    x = _tokens(b=2, k=8, d=5)
+    x[:, 5] = x[:, 3]  # an exact duplicate moves nowhere when merged
+    x[:, 0] = x[:, 6]  # a prefix twin must not count as a destination
+    g = torch.Generator().manual_seed(1)
+    u = torch.linalg.qr(torch.randn(2, 8 * 5, 3, generator=g, dtype=torch.float64)).Q
+    lam = torch.rand(2, 3, generator=g, dtype=torch.float64) + 0.5
+
+    def spn(f):
+        return u, lam
+
+    got, nearest = merge_drift(x, 1, matching, spn=spn, eps=1e-3)
+    assert bool((nearest >= 1).all()) and bool((nearest != torch.arange(1, 8)).all())
+    for b in range(2):
+        for i, s in enumerate(range(1, 8)):
+            others = [t for t in range(1, 8) if t != s]
+            if matching == "pullback":
+                us = u[b].view(8, 5, 3)[s]
+                d2 = [float((lam[b] * ((x[b, s] - x[b, t]) @ us) ** 2).sum() + 1e-3 * (x[b, s] - x[b, t]).square().sum()) for t in others]
+                assert float(got[b, i]) == pytest.approx(min(d2) ** 0.5, rel=1e-5, abs=1e-6)  # float32 distances
+            else:
+                cos = [float(torch.nn.functional.cosine_similarity(x[b, s], x[b, t], dim=0)) for t in others]
+                t = others[int(np.argmax(cos))]
+                assert float(got[b, i]) == pytest.approx(float((x[b, s] - x[b, t]).norm()), abs=1e-12)
+    assert got[:, 2].abs().max() < 1e-3 and got[:, 4].abs().max() < 1e-3  # tokens 3 and 5 (eps floor aside, no move)
+
+
+def _greedy_reference(cost, nearest, count):
+    """Loop version of select_with_partners for one image (patch-relative indices)."""
+    chosen, protected = [], set()
+    for t in sorted(range(len(cost)), key=lambda i: (cost[i], i)):
+        if len(chosen) < count and t not in protected:
+            chosen.append(t)
+            protected.add(nearest[t])
+    for t in sorted(range(len(cost)), key=lambda i: (cost[i], i)):
+        if len(chosen) < count and t not in chosen:
+            chosen.append(t)
+    return sorted(chosen)
+
+
+def test_select_with_partners_matches_a_loop_reference():
+    g = torch.Generator().manual_seed(3)
+    for count in (1, 3, 6, 9):
+        cost = torch.rand(4, 10, generator=g, dtype=torch.float64)
+        nearest = torch.randint(0, 10, (4, 10), generator=g) + 2  # indices into a sequence with 2 prefix tokens
+        got = select_with_partners(cost, nearest, count, num_prefix=2)
+        for b in range(4):
+            expected = _greedy_reference(cost[b].tolist(), (nearest[b] - 2).tolist(), count)
+            assert sorted((got[b] - 2).tolist()) == expected
+
+
+def test_bound_selection_merges_the_lowest_importance_times_drift():
+    x = _tokens(b=1, k=7, d=4)
+    x[:, 4] = x[:, 2] * 1.0001  # token 4 sits next to token 2: tiny drift despite high importance
+    importance = torch.tensor([[10.0, 1.0, 9.0, 0.5, 8.0, 0.6, 7.0]], dtype=x.dtype)
+
+    def head(f):
+        return importance.expand(f.shape[0], -1)
+
+    drift, nearest = merge_drift(x, 1, "cosine")
+    expected = [t + 1 for t in _greedy_reference((importance[0, 1:] * drift[0]).tolist(), (nearest[0] - 1).tolist(), 2)]
+    assert 4 in expected and 2 not in expected  # the near-duplicate goes, its twin stays as the destination
+    common = dict(depth=2, num_prefix=1, has_cls=True, head=head, ratio=2 / 6, layers=(1,), mode="merge", strategy="importance")
+    bound = make_config(**common)
+    assert bound.selection == "bound" and bound.prop_attn
+    for cfg, want in ((bound, expected), (make_config(**common, selection="lowest"), [3, 5])):
+        calls = []
+        state = TokenState.start(x, 1)
+        merge = state.merge
+        state.merge = lambda src, dst, w=None: calls.append((src, dst)) or merge(src, dst, w)
+        apply_stage(cfg, state, 2, [], None)
+        assert sorted(calls[0][0][0].tolist()) == want
+    assert calls[0][1] is not None
+
+
+def test_selection_and_prop_attn_options_are_validated():
+    common = dict(depth=4, num_prefix=1, has_cls=True, ratio=0.2, layers=(1,))
+    assert make_config(**common, mode="prune", strategy="tome").selection == "lowest"
+    assert not make_config(**common, mode="prune", strategy="tome").prop_attn
+    assert make_config(**common, mode="merge", strategy="tome").prop_attn
+    with pytest.raises(PullbackError, match="selection='bound' needs mode='merge'"):
+        make_config(**common, mode="merge", strategy="tome", selection="bound")
+    with pytest.raises(PullbackError, match="selection must be one of"):
+        make_config(**common, mode="merge", strategy="tome", selection="best")
+    with pytest.raises(PullbackError, match="prop_attn must be"):
+        make_config(**common, mode="merge", strategy="tome", prop_attn="yes")
 
 
 def test_token_state_merge_tracks_sizes_weights_and_owner():

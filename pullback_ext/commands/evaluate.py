@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     red = parser.add_argument_group("reduction")
     red.add_argument("--task", choices=("cls", "depth"), default="cls")
     red.add_argument("--mode", choices=("auto", "merge", "prune"), default="auto", help="auto: merge for cls, prune for depth")
-    red.add_argument("--head", help="importance head or SPN checkpoint (enables strategy 'importance')")
+    red.add_argument("--head", help="importance head or SPN checkpoint (enables strategy 'importance'); a comma list gives one per stage")
     red.add_argument("--spn", help="SPN checkpoint for pullback-distance matching in merge mode (default: --head if it is an SPN)")
     red.add_argument("--strategies", default=None, help="comma list (default: importance when --head is given, oracle with --oracle, and every training-free rule)")
     red.add_argument("--oracle", action="store_true", help="add the imp* oracle (demo only; slow: a randomized SVD per image)")
@@ -25,12 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     red.add_argument("--stages", default="4", help="stage layers for a 12-block ViT-B (e.g. 4, 4,8, 1,4,7,10, 2stage), scaled to the model's depth")
     red.add_argument("--absolute-layers", action="store_true", help="use --stages as the model's own block indices, unscaled")
     red.add_argument("--llf", choices=("on", "off", "both"), default="on", help="Last-Layer Fusion in prune mode (both: two tables)")
-    red.add_argument("--prop-attn", action="store_true", help="proportional attention after merges")
-    sub = parser.add_argument_group("subspace interventions (Geosubprobe-style analysis instead of the tables)")
-    sub.add_argument("--subspace-probe", metavar="FILE|fit",
-                     help="linear token probe (weights file with 'weight' [C,D], optional 'bias'), or 'fit' (--demo: a per-token depth probe fitted on rendered scenes)")
-    sub.add_argument("--subspace-layer", type=int, default=None, help="block whose output the probe reads (default: the middle block)")
-    sub.add_argument("--subspace-k", default="1,2,4,8", help="subspace dimensions (default 1,2,4,8)")
+    red.add_argument("--prop-attn", choices=("auto", "on", "off"), default="auto",
+                     help="proportional attention after merges (auto: on in merge mode)")
+    red.add_argument("--selection", choices=("auto", "lowest", "bound"), default="auto",
+                     help="tokens importance/oracle merge away: lowest importance, or lowest imp·drift bound (auto: bound in merge mode)")
     run = parser.add_argument_group("run")
     run.add_argument("--seeds", type=int, default=3, help="image sets (demo scene seeds / random-strategy seeds)")
     run.add_argument("--batch-size", type=int, default=16)
@@ -43,47 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def _floats(text: str, name: str) -> tuple:
-    from pullback_ext.errors import PullbackError
-
-    try:
-        values = tuple(float(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise PullbackError(f"{name} must be comma-separated numbers; got {text!r}") from None
-    if not values:
-        raise PullbackError(f"{name} must name at least one value")
-    return values
-
-
-def _ints(text: str, name: str) -> tuple:
-    from pullback_ext.errors import PullbackError
-
-    values = _floats(text, name)
-    if any(v != int(v) or v < 1 for v in values):
-        raise PullbackError(f"{name} must be positive integers; got {text!r}")
-    return tuple(int(v) for v in values)
-
-
-def _subspace(args: argparse.Namespace, backbone, model) -> int:
-    """The Geosubprobe-style analysis: interventions on a linear probe's geometric subspace."""
-    import json
-    from pathlib import Path
-
-    from pullback_ext.prune import options
-    from pullback_ext.prune.report import write_json
-
-    layer = backbone.depth // 2 if args.subspace_layer is None else args.subspace_layer
-    ks = _ints(args.subspace_k, "--subspace-k")
-    image_sets = options.image_sets(args.images, model, args.demo, args.num_images, 1, backbone.image_size)
-    result = options.subspace_report(args.subspace_probe, model, backbone, layer, ks, image_sets[0], args.demo)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(result, out / "subspace.json")
-    print(json.dumps(result["results"], indent=1))
-    print(f"wrote {out / 'subspace.json'}")
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
     import shlex
     import sys
@@ -91,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from pullback_ext.commands.values import comma_floats, comma_ints
     from pullback_ext.errors import PullbackError
     from pullback_ext.prune import options
     from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
@@ -103,18 +61,17 @@ def run(args: argparse.Namespace) -> int:
     for name in ("num_images", "seeds", "batch_size", "time_repeats"):
         if getattr(args, name) < 1:
             raise PullbackError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
-    ratios = _floats(args.ratios, "--ratios")
-    time_batches = _ints(args.time_batches, "--time-batches")
+    ratios = comma_floats(args.ratios, "--ratios")
+    time_batches = comma_ints(args.time_batches, "--time-batches")
     backbone, model = options.load_backbone(demo=args.demo, model_name=args.model, weights=args.weights)
-    if args.subspace_probe is not None:
-        return _subspace(args, backbone, model)
     layers = options.stage_layers(args.stages, backbone.depth, absolute=args.absolute_layers)
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
     scorers, spn = options.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)
     strategies = options.strategy_list(args.strategies, scorers)
     llf = {"on": (True,), "off": (False,), "both": (True, False)}[args.llf]
     plan = Plan(task=args.task, strategies=strategies, ratios=ratios, layers=layers, mode=mode, llf=llf, scorers=scorers, spn=spn,
-                prop_attn=args.prop_attn, batch_size=args.batch_size)
+                prop_attn={"auto": "auto", "on": True, "off": False}[args.prop_attn], selection=args.selection,
+                batch_size=args.batch_size)
     check_plan(plan, backbone)
     image_sets = options.image_sets(args.images, model, args.demo, args.num_images, args.seeds, backbone.image_size)
 

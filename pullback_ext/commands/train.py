@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--hidden", type=_positive, default=256)
     model.add_argument("--heads", type=_positive, default=4)
+    model.add_argument("--mlp-hidden", type=int, default=0, help="head: width of a per-token MLP in each encoder block (0: none)")
     model.add_argument("--eps", type=float, default=1e-3, help="spn: isotropic floor ε")
     model.add_argument("--latent-dim", type=_positive, default=32, help="vae: latent channels per token")
     model.add_argument("--beta", type=float, default=1e-3, help="vae: KL weight")
@@ -87,9 +88,9 @@ def probe_spec(args: argparse.Namespace):
 def _check(args: argparse.Namespace) -> None:
     from pullback_ext.errors import PullbackError
 
-    for name in ("power", "oversample", "warmup"):
+    for name in ("power", "oversample", "warmup", "mlp_hidden"):
         if getattr(args, name) < 0:
-            raise PullbackError(f"--{name}: expected an int >= 0, got {getattr(args, name)}")
+            raise PullbackError(f"--{name.replace('_', '-')}: expected an int >= 0, got {getattr(args, name)}")
     if not args.lr > 0:
         raise PullbackError(f"--lr: expected > 0, got {args.lr}")
     if not args.eps >= 0:

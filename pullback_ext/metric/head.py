@@ -12,17 +12,18 @@ class ImportanceHead(nn.Module):
     """``head(F[B,N,D]) -> scores[B,N]``, the predicted log imp(t).
 
     Token encoder + per-token scalar; ≈0.33M parameters at D = 768 with the defaults.
-    ``importance(F)`` returns exp(scores), comparable to imp* itself.
+    ``mlp_hidden > 0`` adds a per-token MLP of that width to each encoder block (≈ +2·2·H·mlp_hidden
+    parameters). ``importance(F)`` returns exp(scores), comparable to imp* itself.
     """
 
-    def __init__(self, dim: int, hidden: int = 256, heads: int = 4) -> None:
+    def __init__(self, dim: int, hidden: int = 256, heads: int = 4, mlp_hidden: int = 0) -> None:
         super().__init__()
-        self.dim, self.hidden, self.heads = dim, hidden, heads
-        self.encoder = TokenEncoder(dim, hidden, heads)
+        self.dim, self.hidden, self.heads, self.mlp_hidden = dim, hidden, heads, mlp_hidden
+        self.encoder = TokenEncoder(dim, hidden, heads, mlp_hidden=mlp_hidden)
         self.score = nn.Linear(hidden, 1)
 
     def config(self) -> dict:
-        return {"dim": self.dim, "hidden": self.hidden, "heads": self.heads}
+        return {"dim": self.dim, "hidden": self.hidden, "heads": self.heads, "mlp_hidden": self.mlp_hidden}
 
     @torch.no_grad()
     def set_score_offset(self, target: Tensor) -> None:

@@ -121,9 +121,10 @@ class TrainingRun:
                 sample = data if "sigma" in data else compute_targets(probe, data["features"][:8], config)
                 model.set_energy_scale(sample["sigma"][:, : min(a.rank, sample["V"].shape[-1])] ** 2)
             else:
-                model = ImportanceHead(probe.dim, a.hidden, a.heads).to(self.dtype)
+                model = ImportanceHead(probe.dim, a.hidden, a.heads, a.mlp_hidden).to(self.dtype)
                 if self.info.is_main:
-                    print(f"ImportanceHead(dim={probe.dim}, hidden={a.hidden}, heads={a.heads}): {parameter_count(model):,} parameters", flush=True)
+                    print(f"ImportanceHead(dim={probe.dim}, hidden={a.hidden}, heads={a.heads}, mlp_hidden={a.mlp_hidden}): "
+                          f"{parameter_count(model):,} parameters", flush=True)
                 task.target = "block_norm" if a.target == "block-norm" else "importance"
                 if a.target.startswith("spn:"):
                     data["importance"] = self._distilled(a.target[4:], data["features"])

@@ -19,6 +19,8 @@ from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.strategies import TRAINING_FREE
 
 QUICK = {"images": 16, "seeds": 1, "cls_ratios": (0.1, 0.3, 0.5), "depth_ratios": (0.25, 0.5), "batches": (1, 16), "repeats": 2}
+TITLES = {"cls": "CLS soft merge, cosine ×100 against the unpruned embedding (lower is better)",
+          "depth": "dense prune, additional SILog ×100 against the unpruned depth (lower is better)"}
 FULL = {"images": 32, "seeds": 3, "cls_ratios": (0.05, 0.1, 0.2, 0.3, 0.5), "depth_ratios": (0.1, 0.2, 0.3, 0.5),
         "batches": (1, 64), "repeats": 3}
 
@@ -131,7 +133,9 @@ def run_demo_stage(model, scenes=None, out_dir: str | Path = "out/demo/prune", q
         folder = out / task
         folder.mkdir(parents=True, exist_ok=True)
         write_json(result, folder / "results.json")
-        write_text("\n".join(markdown_table(result, key) for key in result["tables"]), folder / "table.md")
+        tables = "\n".join(markdown_table(result, key) for key in result["tables"])
+        write_text(tables, folder / "table.md")
+        print(f"[pruning] {task}: {TITLES[task]}\n{tables}", flush=True)
         plot_quality(result, folder / "quality.png")
         results[task] = result
     from pullback_ext.demo import heldout

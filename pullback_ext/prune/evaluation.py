@@ -19,7 +19,7 @@ from pullback_ext.prune import quality
 from pullback_ext.prune.backbones import Backbone
 from pullback_ext.prune.cost import count_flops, wall_clock
 from pullback_ext.prune.pipeline import make_config
-from pullback_ext.prune.strategies import TRAINING_FREE
+from pullback_ext.prune.strategies import NEEDS_SCORER, TRAINING_FREE
 
 METRICS = {"cls": ("cosine_x100",), "depth": ("silog_x100", "cosine_x100")}
 PRIMARY = {"cls": "cosine_x100", "depth": "silog_x100"}
@@ -27,7 +27,8 @@ PRIMARY = {"cls": "cosine_x100", "depth": "silog_x100"}
 
 @dataclass
 class Plan:
-    """What to evaluate. ``scorers``: {strategy name: scorer} for ``importance`` / ``oracle``."""
+    """What to evaluate. ``scorers``: {strategy name: scorer} for ``importance`` / ``oracle``;
+    ``selection`` applies to those two (the training-free rules have no importance to weigh)."""
 
     task: str
     strategies: tuple
@@ -37,7 +38,8 @@ class Plan:
     llf: tuple = (True,)
     scorers: dict = field(default_factory=dict)
     spn: Optional[object] = None
-    prop_attn: bool = False
+    prop_attn: object = "auto"
+    selection: str = "auto"
     batch_size: int = 16
     knn_k: int = 10
 
@@ -46,6 +48,7 @@ class Plan:
             depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls,
             head=self.scorers.get(strategy), ratio=ratio, layers=self.layers, mode=self.mode, strategy=strategy,
             llf=llf, spn=self.spn, prop_attn=self.prop_attn, seed=seed,
+            selection=self.selection if strategy in NEEDS_SCORER else "auto",
         )
 
 
@@ -75,9 +78,18 @@ def _batched(fn, images: torch.Tensor, batch_size: int, before=None) -> dict:
 
 
 def _prepare_scorers(plan: Plan, strategy: str):
+    """A function recording per-image state in the strategy's scorer(s) before each batch, or None."""
     scorer = plan.scorers.get(strategy)
-    prepare = getattr(scorer, "prepare", None)
-    return prepare if callable(prepare) else None
+    found = [getattr(s, "prepare", None) for s in (scorer if isinstance(scorer, (list, tuple)) else (scorer,))]
+    found = [p for p in found if callable(p)]
+    if not found:
+        return None
+
+    def prepare(images):
+        for p in found:
+            p(images)
+
+    return prepare
 
 
 def _errors(task: str, reduced: dict, full: dict) -> dict:

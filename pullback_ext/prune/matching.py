@@ -43,6 +43,28 @@ def pullback_distances(x: torch.Tensor, src: torch.Tensor, u: torch.Tensor, lam:
     return dist
 
 
+def token_distances(
+    x: torch.Tensor, src: torch.Tensor, matching: str, spn: Optional[Callable] = None, eps: Optional[float] = None
+) -> torch.Tensor:
+    """The matching's dissimilarity ``[B, R, K]`` from each source ``src [B, R]`` to every token of
+    ``x [B, K, D]``: squared pullback distance, or negative cosine similarity.
+
+    ``eps`` is the isotropic floor of the pullback distance (default: the SPN's ``eps``, else 0).
+    """
+    if matching == "pullback":
+        if spn is None:
+            raise PullbackError("matching='pullback' needs spn= (an SPN returning U and lam); use matching='cosine' without one")
+        out = spn(x)
+        u, lam = out[0], out[1]
+        eps = float(getattr(spn, "eps", 0.0)) if eps is None else float(eps)
+        return pullback_distances(x, src, u, lam, eps)
+    if matching == "cosine":
+        xn = torch.nn.functional.normalize(x if x.dtype in (torch.float32, torch.float64) else x.float(), dim=-1)
+        x_src = torch.gather(xn, 1, src[:, :, None].expand(-1, -1, x.shape[-1]))
+        return -(x_src @ xn.transpose(1, 2))
+    raise PullbackError(f"matching must be one of {', '.join(MATCHINGS)}; got {matching!r}")
+
+
 def nearest_destinations(
     x: torch.Tensor,
     src: torch.Tensor,
@@ -51,24 +73,64 @@ def nearest_destinations(
     spn: Optional[Callable] = None,
     eps: Optional[float] = None,
 ) -> torch.Tensor:
-    """Destination ``[B, R]`` (indices into ``x``) of each source token ``src [B, R]``.
-
-    ``eps`` is the isotropic floor of the pullback distance (default: the SPN's ``eps``, else 0).
-    """
-    k = x.shape[1]
-    if matching == "pullback":
-        if spn is None:
-            raise PullbackError("matching='pullback' needs spn= (an SPN returning U and lam); use matching='cosine' without one")
-        out = spn(x)
-        u, lam = out[0], out[1]
-        eps = float(getattr(spn, "eps", 0.0)) if eps is None else float(eps)
-        dist = pullback_distances(x, src, u, lam, eps)
-    elif matching == "cosine":
-        xn = torch.nn.functional.normalize(x if x.dtype in (torch.float32, torch.float64) else x.float(), dim=-1)
-        x_src = torch.gather(xn, 1, src[:, :, None].expand(-1, -1, x.shape[-1]))
-        dist = -(x_src @ xn.transpose(1, 2))
-    else:
-        raise PullbackError(f"matching must be one of {', '.join(MATCHINGS)}; got {matching!r}")
-    allowed = _candidate_mask(k, src, num_prefix)
+    """Destination ``[B, R]`` (indices into ``x``) of each source token ``src [B, R]``."""
+    dist = token_distances(x, src, matching, spn, eps)
+    allowed = _candidate_mask(x.shape[1], src, num_prefix)
     dist = dist.masked_fill(~allowed[:, None, :], float("inf"))
     return dist.argmin(dim=-1)
+
+
+def merge_drift(
+    x: torch.Tensor, num_prefix: int, matching: str, spn: Optional[Callable] = None, eps: Optional[float] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far each patch token moves when merged into its nearest other patch token:
+    ``(drift [B, n], nearest [B, n])``, ``nearest`` indexing ``x``.
+
+    ``pullback``: the single-token pullback distance itself (it already carries the token's
+    sensitivity); ``cosine``: the Euclidean length ``‖x_t − x_s‖`` of the move to the cosine-nearest
+    token, to be scaled by the token's importance. Used to rank merge candidates by the first-order
+    error bound ``imp(s) · ‖x_t − x_s‖`` (SPEC §4, Theorem 4 with the merge drift as residual).
+    """
+    b, k, d = x.shape
+    src = torch.arange(num_prefix, k, device=x.device).expand(b, k - num_prefix)
+    dist = token_distances(x, src, matching, spn, eps)
+    allowed = torch.ones(k - num_prefix, k, dtype=torch.bool, device=x.device)
+    allowed[:, :num_prefix] = False
+    allowed[torch.arange(k - num_prefix, device=x.device), src[0]] = False
+    dist = dist.masked_fill(~allowed, float("inf"))
+    nearest = dist.argmin(dim=-1)  # [B, n]
+    if matching == "pullback":
+        return torch.gather(dist, 2, nearest[..., None]).squeeze(-1).clamp_min(0).sqrt(), nearest
+    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return (xf[:, num_prefix:] - torch.gather(xf, 1, nearest[..., None].expand(-1, -1, d))).norm(dim=-1), nearest
+
+
+def select_with_partners(cost: torch.Tensor, nearest: torch.Tensor, count: int, num_prefix: int) -> torch.Tensor:
+    """``count`` merge sources per image ``[B, count]`` (indices into the sequence): greedily in
+    order of increasing ``cost [B, n]``, skipping any token already chosen as the ``nearest`` partner
+    ``[B, n]`` (indices into the sequence) of a selected source, so that the partner a cost was
+    measured against stays. Groups of near-duplicates thus lose half their members per stage
+    instead of all of them. Should the partners block the budget, the cheapest remaining tokens
+    fill it.
+    """
+    b, n = cost.shape
+    order = torch.argsort(cost, dim=1, stable=True)
+    partner = torch.gather(nearest - num_prefix, 1, order)  # partner of the j-th cheapest token
+    chosen = torch.zeros(b, n, dtype=torch.bool, device=cost.device)
+    protected = torch.zeros_like(chosen)
+    taken = torch.zeros(b, dtype=torch.long, device=cost.device)
+    rows = torch.arange(b, device=cost.device)
+    for j in range(n):
+        if bool((taken >= count).all()):
+            break
+        candidate = order[:, j]
+        ok = ~protected[rows, candidate] & (taken < count)
+        chosen[rows, candidate] |= ok
+        protected[rows, partner[:, j]] |= ok
+        taken += ok.long()
+    missing = count - taken  # [B]
+    if bool((missing > 0).any()):
+        spare = (~torch.gather(chosen, 1, order)).long()
+        fill = spare.bool() & (spare.cumsum(1) <= missing[:, None])
+        chosen |= torch.zeros_like(chosen).scatter(1, order, fill)
+    return torch.nonzero(chosen)[:, 1].view(b, count) + num_prefix

@@ -58,14 +58,18 @@ def load_scorers(head: Optional[str], spn: Optional[str], model, backbone: Backb
     scorers: dict = {}
     spn_model = None
     if head is not None:
-        scorer, config = load_metric(head, backbone.features_dim)
-        scorers["importance"] = scorer
-        trained_on = config.get("probe", {}).get("layer")
-        if isinstance(trained_on, int) and layers[0] != trained_on + 1:
-            print(f"warning: --head was trained on the output of block {trained_on}, i.e. stage layer {trained_on + 1}, "
-                  f"but the first stage is at layer {layers[0]} (use --stages {trained_on + 1} --absolute-layers)", file=sys.stderr)
-        if config["kind"] == "spn":
-            spn_model = scorer
+        paths = [h.strip() for h in head.split(",") if h.strip()]
+        if len(paths) not in (1, len(layers)):
+            raise PullbackError(f"--head: give one checkpoint or one per stage ({len(layers)} for layers {list(layers)}); got {len(paths)}")
+        loaded = [load_metric(path, backbone.features_dim) for path in paths]
+        for stage, (path, (_, config)) in enumerate(zip(paths, loaded)):
+            trained_on = config.get("probe", {}).get("layer")
+            if isinstance(trained_on, int) and layers[stage] != trained_on + 1:
+                print(f"warning: --head {path} was trained on the output of block {trained_on}, i.e. stage layer {trained_on + 1}, "
+                      f"but stage {stage} is at layer {layers[stage]} (use --absolute-layers with matching --stages)", file=sys.stderr)
+        scorers["importance"] = loaded[0][0] if len(loaded) == 1 else [scorer for scorer, _ in loaded]
+        if len(loaded) == 1 and loaded[0][1]["kind"] == "spn":
+            spn_model = loaded[0][0]
     if spn is not None:
         spn_model, config = load_metric(spn, backbone.features_dim)
         if config["kind"] != "spn":
@@ -124,10 +128,10 @@ def subspace_report(probe: str, model, backbone: Backbone, layer: int, ks: tuple
     from pullback_ext.prune.subspace import interventions
 
     if not 0 <= layer < backbone.depth:
-        raise PullbackError(f"--subspace-layer must lie in [0, {backbone.depth - 1}]; got {layer}")
+        raise PullbackError(f"--layer must lie in [0, {backbone.depth - 1}]; got {layer}")
     if probe == "fit":
         if not demo:
-            raise PullbackError("--subspace-probe fit needs --demo (depth targets of rendered scenes); give a probe file otherwise")
+            raise PullbackError("--probe fit needs --demo (depth targets of rendered scenes); give a probe file otherwise")
         from pullback_ext.prune.demo_stage import subspace_analysis
 
         return subspace_analysis(model, layer, 128, _with_depth(data), quick=False, ks=ks)
@@ -137,9 +141,9 @@ def subspace_report(probe: str, model, backbone: Backbone, layer: int, ks: tuple
     weight, bias = state.get("weight"), state.get("bias")
     if weight is None or weight.dim() != 2 or weight.shape[1] != backbone.features_dim:
         got = None if weight is None else tuple(weight.shape)
-        raise CheckpointError(f"--subspace-probe: {probe} needs 'weight' of shape [C, {backbone.features_dim}]; got {got}")
+        raise CheckpointError(f"--probe: {probe} needs 'weight' of shape [C, {backbone.features_dim}]; got {got}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise CheckpointError(f"--subspace-probe: 'bias' must have shape [{weight.shape[0]}]; got {tuple(bias.shape)}")
+        raise CheckpointError(f"--probe: 'bias' must have shape [{weight.shape[0]}]; got {tuple(bias.shape)}")
     tokens = block_output_tokens(model, backbone, data["images"], layer)
     result = interventions(tokens, weight.to(tokens.dtype), None if bias is None else bias.to(tokens.dtype), ks=ks)
     result["layer"] = layer

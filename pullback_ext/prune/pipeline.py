@@ -16,12 +16,13 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.matching import MATCHINGS, nearest_destinations
+from pullback_ext.prune.matching import MATCHINGS, merge_drift, nearest_destinations, select_with_partners
 from pullback_ext.prune.strategies import STRATEGIES, StageContext, Strategy, lowest, make_strategy
 from pullback_ext.prune.tokens import TokenState, split_budget
 
 MODES = ("merge", "prune")
 WEIGHTS = ("size", "importance")
+SELECTIONS = ("lowest", "bound")
 
 
 @dataclass
@@ -38,6 +39,7 @@ class ReductionConfig:
     eps: Optional[float]
     prop_attn: bool
     weights: str
+    selection: str
     seed: Optional[int]
     depth: int
     num_prefix: int
@@ -93,15 +95,20 @@ def make_config(
     spn=None,
     matching: str = "auto",
     eps: Optional[float] = None,
-    prop_attn: bool = False,
+    prop_attn="auto",
     weights: str = "auto",
+    selection: str = "auto",
     seed: Optional[int] = 0,
 ) -> ReductionConfig:
     """Validate the user's options against a backbone with ``depth`` blocks and return the plan.
 
     ``matching='auto'`` is ``pullback`` when an SPN is given, else ``cosine``; ``weights='auto'``
     averages merged tokens by importance for the ``importance``/``oracle`` strategies and by size
-    for the training-free ones.
+    for the training-free ones. ``prop_attn='auto'`` is on in merge mode (a merged token keeps the
+    attention mass of every token it absorbed, as in ToMe). ``selection``: which tokens a scorer
+    strategy merges away: ``lowest`` importance, or the lowest first-order error ``bound``
+    ``imp(s) · ‖x_t − x_s‖`` with ``t`` the token it would merge into (the pullback distance when
+    matching in the pullback metric); ``auto`` is ``bound`` for merges and ``lowest`` for pruning.
     """
     if mode not in MODES:
         raise PullbackError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -110,6 +117,8 @@ def make_config(
     layers = _check_layers(layers, depth, mode, bool(llf))
     ratio = _check_ratio(ratio, len(layers))
     built = make_strategy(strategy, head)
+    if isinstance(head, (list, tuple)) and strategy in ("importance", "oracle") and len(head) not in (1, len(layers)):
+        raise PullbackError(f"head: give one scorer or one per stage; got {len(head)} for {len(layers)} stages {layers}")
     if strategy in ("evit", "cls_sim") and not has_cls:
         raise PullbackError(f"strategy {strategy!r} needs a class token; this model has none")
     if built.attention != "none" and layers[0] == 0:
@@ -126,9 +135,19 @@ def make_config(
         raise PullbackError(f"weights must be one of auto, {', '.join(WEIGHTS)}; got {weights!r}")
     if weights == "importance" and strategy not in ("importance", "oracle"):
         raise PullbackError(f"weights='importance' needs strategy 'importance' or 'oracle'; got {strategy!r}")
+    if prop_attn == "auto":
+        prop_attn = mode == "merge"
+    if not isinstance(prop_attn, bool):
+        raise PullbackError(f"prop_attn must be True, False or 'auto'; got {prop_attn!r}")
+    if selection == "auto":
+        selection = "bound" if (mode == "merge" and strategy in ("importance", "oracle")) else "lowest"
+    if selection not in SELECTIONS:
+        raise PullbackError(f"selection must be one of auto, {', '.join(SELECTIONS)}; got {selection!r}")
+    if selection == "bound" and (mode != "merge" or strategy not in ("importance", "oracle")):
+        raise PullbackError(f"selection='bound' needs mode='merge' and strategy 'importance' or 'oracle'; got {mode!r}, {strategy!r}")
     return ReductionConfig(
         mode=mode, ratio=ratio, layers=layers, strategy=built, llf=bool(llf), matching=matching, spn=spn,
-        eps=eps, prop_attn=bool(prop_attn), weights=weights, seed=seed, depth=depth, num_prefix=num_prefix,
+        eps=eps, prop_attn=prop_attn, weights=weights, selection=selection, seed=seed, depth=depth, num_prefix=num_prefix,
         has_cls=has_cls,
     )
 
@@ -163,10 +182,18 @@ def _random_generator(cfg: ReductionConfig, device: torch.device) -> Optional[to
     return g
 
 
-def apply_stage(cfg: ReductionConfig, state: TokenState, count: int, attentions: list, generator) -> TokenState:
-    """Remove ``count`` patch tokens from ``state`` by pruning or merging."""
-    ctx = StageContext(x=state.x, num_prefix=state.num_prefix, has_cls=cfg.has_cls, attentions=attentions, generator=generator)
-    selected = lowest(cfg.strategy.keep_scores(ctx), count, state.num_prefix)
+def apply_stage(cfg: ReductionConfig, state: TokenState, count: int, attentions: list, generator, stage: int = 0) -> TokenState:
+    """Remove ``count`` patch tokens from ``state`` by pruning or merging (``stage``: index of the
+    stage in ``cfg.layers``)."""
+    ctx = StageContext(x=state.x, num_prefix=state.num_prefix, has_cls=cfg.has_cls, attentions=attentions, generator=generator,
+                       stage=stage)
+    keep = cfg.strategy.keep_scores(ctx)
+    if cfg.selection == "bound":
+        drift, nearest = merge_drift(state.x, state.num_prefix, cfg.matching, cfg.spn, cfg.eps)
+        cost = drift if cfg.matching == "pullback" else keep.to(drift.dtype) * drift
+        selected = select_with_partners(cost, nearest, count, state.num_prefix)
+    else:
+        selected = lowest(keep, count, state.num_prefix)
     if cfg.mode == "prune":
         return state.prune(selected)
     dst = nearest_destinations(state.x, selected, state.num_prefix, cfg.matching, cfg.spn, cfg.eps)
@@ -197,7 +224,7 @@ def run_blocks(
     taken = {}
     for i, block in enumerate(blocks):
         if i in budgets:
-            state = apply_stage(cfg, state, budgets[i], attentions, generator)
+            state = apply_stage(cfg, state, budgets[i], attentions, generator, cfg.layers.index(i))
             attentions = []
         if cfg.mode == "prune" and cfg.llf and i == cfg.depth - 1 and state.reduced:
             state = state.restore()

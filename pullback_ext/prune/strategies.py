@@ -38,6 +38,7 @@ class StageContext:
     has_cls: bool
     attentions: list = field(default_factory=list)
     generator: Optional[torch.Generator] = None
+    stage: int = 0  # index of the stage in the schedule
     importance: Optional[torch.Tensor] = None  # [B, K], set by scorer strategies for merge weights
 
 
@@ -61,17 +62,19 @@ class ScorerStrategy(Strategy):
     ``scorer.importance(F [B, K, D]) -> [B, K]`` (the importance head) when the scorer has that
     method, else ``scorer(F) -> [B, K]`` non-negative importance for every current token; an SPN
     returning ``(U [B, K*D, r], lam [B, r])`` is reduced to ``imp_θ`` with the
-    ``token_importance`` kernel.
+    ``token_importance`` kernel. ``scorer`` may also be a sequence with one scorer per stage of
+    the schedule (e.g. heads trained at each stage's layer).
     """
 
-    def __init__(self, name: str, scorer: Callable):
+    def __init__(self, name: str, scorer):
         self.name = name
-        self.scorer = scorer
+        self.scorers = tuple(scorer) if isinstance(scorer, (list, tuple)) else (scorer,)
 
-    def importance(self, x: torch.Tensor) -> torch.Tensor:
-        """Importance ``[B, K]`` of all current tokens."""
-        method = getattr(self.scorer, "importance", None)
-        out = method(x) if callable(method) else self.scorer(x)
+    def importance(self, x: torch.Tensor, stage: int = 0) -> torch.Tensor:
+        """Importance ``[B, K]`` of all current tokens, from the scorer of stage ``stage``."""
+        scorer = self.scorers[stage if len(self.scorers) > 1 else 0]
+        method = getattr(scorer, "importance", None)
+        out = method(x) if callable(method) else scorer(x)
         if isinstance(out, (tuple, list)):
             u, lam = out[0], out[1]
             out = ops.token_importance(u, lam, x.shape[1])
@@ -81,11 +84,11 @@ class ScorerStrategy(Strategy):
         return out.to(x.dtype)
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
-        ctx.importance = self.importance(ctx.x)
+        ctx.importance = self.importance(ctx.x, ctx.stage)
         return ctx.importance[:, ctx.num_prefix:]
 
     def merge_weights(self, ctx: StageContext) -> Optional[torch.Tensor]:
-        w = ctx.importance if ctx.importance is not None else self.importance(ctx.x)
+        w = ctx.importance if ctx.importance is not None else self.importance(ctx.x, ctx.stage)
         return w.clamp_min(torch.finfo(w.dtype).tiny)
 
 
@@ -180,11 +183,14 @@ def _work(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def make_strategy(name: str, scorer: Optional[Callable] = None) -> Strategy:
-    """Build a strategy by name; ``importance`` and ``oracle`` need ``scorer``."""
+def make_strategy(name: str, scorer=None) -> Strategy:
+    """Build a strategy by name; ``importance`` and ``oracle`` need ``scorer`` (a callable, or a
+    non-empty sequence of callables: one per stage)."""
     if name not in STRATEGIES:
         raise PullbackError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}")
     if name in NEEDS_SCORER:
+        if isinstance(scorer, (list, tuple)) and scorer and all(callable(s) for s in scorer):
+            return ScorerStrategy(name, scorer)
         if scorer is None or not callable(scorer):
             what = "an importance head or SPN" if name == "importance" else "a callable returning imp* per token"
             raise PullbackError(f"strategy {name!r} needs head= ({what}); got {scorer!r}")
