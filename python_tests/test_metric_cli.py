@@ -31,7 +31,7 @@ def _train(kind, out, image_dir, *extra):
 def test_train_head_then_eval_head(tmp_path, image_dir, capsys):
     assert _train("head", tmp_path / "head", image_dir, "--rank", "4", "--power", "1") == 0
     printed = capsys.readouterr().out
-    assert "ImportanceHead(dim=192, hidden=16, heads=2):" in printed and "parameters" in printed
+    assert "ImportanceHead(dim=192, hidden=16, heads=2, mlp_hidden=0):" in printed and "parameters" in printed
     results = json.loads((tmp_path / "head" / "results.json").read_text())
     assert results["heldout"]["count"] == 4 and -1 <= results["heldout"]["mean"] <= 1
     config = json.loads((tmp_path / "head" / "config.json").read_text())

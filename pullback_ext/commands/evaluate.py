@@ -8,12 +8,11 @@ DEFAULT_RATIOS = "0.05,0.1,0.15,0.2,0.3,0.4,0.5"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    src = parser.add_argument_group("model and images")
-    src.add_argument("--demo", action="store_true", help="the embedded demo model on held-out demo scenes")
-    src.add_argument("--model", help="timm model name (random weights unless --weights), CLS task only")
-    src.add_argument("--weights", help="backbone weights: demo weights file with --demo, a timm state dict (.pth/.safetensors) with --model")
-    src.add_argument("--images", help="folder of images (class subfolders give k-NN labels); default with --demo: rendered scenes")
-    src.add_argument("--num-images", type=int, default=32, help="images per seed (default 32)")
+    from pullback_ext.commands.values import add_backbone_arguments
+
+    add_backbone_arguments(parser, "timm model name (random weights unless --weights), CLS task only",
+                           "folder of images (class subfolders give k-NN labels); default with --demo: rendered scenes",
+                           "images per seed (default 32)")
     red = parser.add_argument_group("reduction")
     red.add_argument("--task", choices=("cls", "depth"), default="cls")
     red.add_argument("--mode", choices=("auto", "merge", "prune"), default="auto", help="auto: merge for cls, prune for depth")

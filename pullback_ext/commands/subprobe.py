@@ -13,12 +13,10 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    src = parser.add_argument_group("model and images")
-    src.add_argument("--demo", action="store_true", help="the embedded demo model on held-out demo scenes")
-    src.add_argument("--model", help="timm model name (random weights unless --weights)")
-    src.add_argument("--weights", help="backbone weights: demo weights file with --demo, a timm state dict (.pth/.safetensors) with --model")
-    src.add_argument("--images", help="folder of images (default with --demo: rendered scenes)")
-    src.add_argument("--num-images", type=int, default=32, help="images to intervene on (default 32)")
+    from pullback_ext.commands.values import add_backbone_arguments
+
+    add_backbone_arguments(parser, "timm model name (random weights unless --weights)",
+                           "folder of images (default with --demo: rendered scenes)", "images to intervene on (default 32)")
     parser.add_argument("--probe", required=True, metavar="FILE|fit",
                         help="linear token probe: a weights file with 'weight' [C, D] and optional 'bias' [C], or 'fit' "
                              "(--demo: a per-token depth probe fitted on rendered scenes)")

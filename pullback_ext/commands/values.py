@@ -1,8 +1,21 @@
-"""Comma-separated numeric command-line values, validated with the option named in errors."""
+"""Shared command-line pieces: the backbone/image options of ``evaluate`` and ``subprobe``, and
+comma-separated numeric values validated with the option named in errors."""
 
 from __future__ import annotations
 
+import argparse
+
 from pullback_ext.errors import PullbackError
+
+
+def add_backbone_arguments(parser: argparse.ArgumentParser, model_help: str, images_help: str, count_help: str) -> None:
+    """``--demo | --model NAME``, ``--weights``, ``--images``, ``--num-images`` as one group."""
+    src = parser.add_argument_group("model and images")
+    src.add_argument("--demo", action="store_true", help="the embedded demo model on held-out demo scenes")
+    src.add_argument("--model", help=model_help)
+    src.add_argument("--weights", help="backbone weights: demo weights file with --demo, a timm state dict (.pth/.safetensors) with --model")
+    src.add_argument("--images", help=images_help)
+    src.add_argument("--num-images", type=int, default=32, help=count_help)
 
 
 def comma_floats(text: str, name: str) -> tuple:
