@@ -1,8 +1,9 @@
 """The token encoder shared by the SPN and the importance head (SPEC §3).
 
 ``LayerNorm → Linear(D→H)`` plus a per-token log-RMS channel, then two pre-norm multi-head
-self-attention blocks (optionally each with a small per-token MLP). The probe Jacobian depends on each token's scale (a LayerNorm downstream
-divides by it), which the input LayerNorm would otherwise hide, hence the extra channel.
+self-attention blocks (optionally each with a small per-token MLP). The probe Jacobian depends on
+each token's scale (a LayerNorm downstream divides by it), which the input LayerNorm would
+otherwise hide, hence the extra channel.
 """
 
 from __future__ import annotations
