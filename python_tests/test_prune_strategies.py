@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.matching import merge_drift, nearest_destinations, pullback_distances, select_with_partners
+from pullback_ext.prune.matching import merge_drift, nearest_destinations, patch_distances, pullback_distances, select_with_partners
 from pullback_ext.prune.pipeline import apply_stage, make_config
 from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.strategies import StageContext, lowest, make_strategy
@@ -162,6 +162,29 @@ def _greedy_reference(cost, nearest, count):
         if len(chosen) < count and t not in chosen:
             chosen.append(t)
     return sorted(chosen)
+
+
+@pytest.mark.parametrize("matching", ["pullback", "cosine"])
+def test_bound_merge_runs_the_matching_once_and_reuses_it_for_destinations(matching):
+    x = _tokens(b=2, k=9, d=4)
+    g = torch.Generator().manual_seed(2)
+    u = torch.linalg.qr(torch.randn(2, 9 * 4, 2, generator=g, dtype=torch.float64)).Q
+    calls = []
+
+    def spn(f):
+        calls.append(f.shape)
+        return u, torch.ones(2, 2, dtype=torch.float64)
+
+    src = torch.tensor([[1, 4, 7], [8, 2, 3]])
+    direct = nearest_destinations(x, src, 1, matching, spn=spn, eps=0.0)
+    shared = nearest_destinations(x, src, 1, matching, patch_dist=patch_distances(x, 1, matching, spn=spn, eps=0.0))
+    assert torch.equal(direct, shared)
+
+    cfg = make_config(depth=2, num_prefix=1, has_cls=True, head=lambda f: f.norm(dim=-1), ratio=3 / 8, layers=(1,),
+                      mode="merge", strategy="importance", spn=spn if matching == "pullback" else None, matching=matching)
+    calls.clear()
+    merged = apply_stage(cfg, TokenState.start(x, 1), 3, [], None)
+    assert merged.x.shape[1] == 6 and len(calls) == (1 if matching == "pullback" else 0)
 
 
 def test_select_with_partners_matches_a_loop_reference():

@@ -72,16 +72,38 @@ def nearest_destinations(
     matching: str,
     spn: Optional[Callable] = None,
     eps: Optional[float] = None,
+    patch_dist: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Destination ``[B, R]`` (indices into ``x``) of each source token ``src [B, R]``."""
-    dist = token_distances(x, src, matching, spn, eps)
+    """Destination ``[B, R]`` (indices into ``x``) of each source token ``src [B, R]``.
+
+    ``patch_dist``: :func:`patch_distances` of ``x`` when already computed (its rows are reused
+    instead of running the matching, e.g. the SPN, again).
+    """
+    if patch_dist is None:
+        dist = token_distances(x, src, matching, spn, eps)
+    else:
+        dist = torch.gather(patch_dist, 1, (src - num_prefix)[..., None].expand(-1, -1, patch_dist.shape[-1]))
     allowed = _candidate_mask(x.shape[1], src, num_prefix)
     dist = dist.masked_fill(~allowed[:, None, :], float("inf"))
     return dist.argmin(dim=-1)
 
 
-def merge_drift(
+def patch_distances(
     x: torch.Tensor, num_prefix: int, matching: str, spn: Optional[Callable] = None, eps: Optional[float] = None
+) -> torch.Tensor:
+    """:func:`token_distances` from every patch token of ``x [B, K, D]``: ``[B, K - num_prefix, K]``."""
+    b, k, _ = x.shape
+    src = torch.arange(num_prefix, k, device=x.device).expand(b, k - num_prefix)
+    return token_distances(x, src, matching, spn, eps)
+
+
+def merge_drift(
+    x: torch.Tensor,
+    num_prefix: int,
+    matching: str,
+    spn: Optional[Callable] = None,
+    eps: Optional[float] = None,
+    patch_dist: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """How far each patch token moves when merged into its nearest other patch token:
     ``(drift [B, n], nearest [B, n])``, ``nearest`` indexing ``x``.
@@ -90,14 +112,15 @@ def merge_drift(
     sensitivity); ``cosine``: the Euclidean length ``‖x_t − x_s‖`` of the move to the cosine-nearest
     token, to be scaled by the token's importance. Used to rank merge candidates by the first-order
     error bound ``imp(s) · ‖x_t − x_s‖`` (SPEC §4, Theorem 4 with the merge drift as residual).
+    ``patch_dist``: :func:`patch_distances` of ``x`` when already computed.
     """
     b, k, d = x.shape
-    src = torch.arange(num_prefix, k, device=x.device).expand(b, k - num_prefix)
-    dist = token_distances(x, src, matching, spn, eps)
+    if patch_dist is None:
+        patch_dist = patch_distances(x, num_prefix, matching, spn, eps)
     allowed = torch.ones(k - num_prefix, k, dtype=torch.bool, device=x.device)
     allowed[:, :num_prefix] = False
-    allowed[torch.arange(k - num_prefix, device=x.device), src[0]] = False
-    dist = dist.masked_fill(~allowed, float("inf"))
+    allowed[torch.arange(k - num_prefix, device=x.device), torch.arange(num_prefix, k, device=x.device)] = False
+    dist = patch_dist.masked_fill(~allowed, float("inf"))
     nearest = dist.argmin(dim=-1)  # [B, n]
     if matching == "pullback":
         return torch.gather(dist, 2, nearest[..., None]).squeeze(-1).clamp_min(0).sqrt(), nearest

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.matching import MATCHINGS, merge_drift, nearest_destinations, select_with_partners
+from pullback_ext.prune.matching import MATCHINGS, merge_drift, nearest_destinations, patch_distances, select_with_partners
 from pullback_ext.prune.strategies import STRATEGIES, StageContext, Strategy, lowest, make_strategy
 from pullback_ext.prune.tokens import TokenState, split_budget
 
@@ -188,15 +188,17 @@ def apply_stage(cfg: ReductionConfig, state: TokenState, count: int, attentions:
     ctx = StageContext(x=state.x, num_prefix=state.num_prefix, has_cls=cfg.has_cls, attentions=attentions, generator=generator,
                        stage=stage)
     keep = cfg.strategy.keep_scores(ctx)
+    patch_dist = None  # distances from every patch token, shared by selection and matching
     if cfg.selection == "bound":
-        drift, nearest = merge_drift(state.x, state.num_prefix, cfg.matching, cfg.spn, cfg.eps)
+        patch_dist = patch_distances(state.x, state.num_prefix, cfg.matching, cfg.spn, cfg.eps)
+        drift, nearest = merge_drift(state.x, state.num_prefix, cfg.matching, patch_dist=patch_dist)
         cost = drift if cfg.matching == "pullback" else keep.to(drift.dtype) * drift
         selected = select_with_partners(cost, nearest, count, state.num_prefix)
     else:
         selected = lowest(keep, count, state.num_prefix)
     if cfg.mode == "prune":
         return state.prune(selected)
-    dst = nearest_destinations(state.x, selected, state.num_prefix, cfg.matching, cfg.spn, cfg.eps)
+    dst = nearest_destinations(state.x, selected, state.num_prefix, cfg.matching, cfg.spn, cfg.eps, patch_dist=patch_dist)
     weights = cfg.strategy.merge_weights(ctx) if (cfg.weights == "importance" and state.owner is None) else None
     return state.merge(selected, dst, weights)
 
