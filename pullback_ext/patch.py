@@ -7,8 +7,11 @@
 ``mode="merge"`` (CLS decoders): the ``ratio`` fraction of patch tokens with the lowest keep scores
 merge into their nearest remaining token (pullback distance with ``spn=``, cosine otherwise).
 ``mode="prune"`` (dense decoders): they are removed, their features frozen and re-inserted wherever
-features are read; with ``llf=True`` the last block runs on the full sequence (Last-Layer Fusion;
-``llf`` has no effect in merge mode). ``layers`` are 0-based block indices whose *input* is
+features are read; with ``llf`` the last block runs on the full sequence (Last-Layer Fusion; no
+effect in merge mode). ``llf=True`` is the ``"masked"`` fusion: the re-inserted tokens attend to
+every token but the kept tokens do not attend to them, so the kept tokens' outputs are exactly
+those without LLF and only the stale re-inserted features are updated; ``llf="full"`` lets every
+token attend to every token (Token Cropr's fusion, meant for a backbone trained with it). ``layers`` are 0-based block indices whose *input* is
 reduced; several layers form a multi-stage schedule (``ratio`` is then the total fraction, split
 evenly, or one fraction per layer) — see :func:`pullback_ext.prune.schedules.scale_layers` to map
 ViT-B schedules to other depths. CLS and register tokens are never merged or pruned.
@@ -36,7 +39,7 @@ def timm(
     layers=(4,),
     mode: str = "merge",
     strategy: str = "importance",
-    llf: bool = True,
+    llf=True,
     *,
     spn: Optional[Callable] = None,
     matching: str = "auto",
@@ -83,12 +86,12 @@ def hf_dpt(
     layers=(4,),
     mode: str = "prune",
     strategy: str = "importance",
-    llf: bool = True,
+    llf=True,
     *,
     spn: Optional[Callable] = None,
     matching: str = "auto",
     eps: Optional[float] = None,
-    prop_attn: bool = False,
+    prop_attn="auto",
     weights: str = "auto",
     selection: str = "auto",
     seed: Optional[int] = 0,
@@ -96,20 +99,17 @@ def hf_dpt(
     """Patch a Hugging Face ``DPTForDepthEstimation`` / ``DPTModel`` (ViT backbone) in place.
 
     Same options as :func:`timm`; the encoder's hidden states (what the DPT neck reads at
-    ``config.backbone_out_indices``) are full-length. ``prop_attn`` is not available here.
-    Returns the model.
+    ``config.backbone_out_indices``) are full-length. Returns the model.
     """
     from pullback_ext.prune import hf_dpt as hf
     from pullback_ext.prune.pipeline import make_config
 
     encoder = hf.find_encoder(model)
-    if prop_attn:
-        raise PullbackError("prop_attn is not supported for Hugging Face DPT (its attention takes no additive bias)")
     if _is_patched(encoder):
         unpatch(model)
     cfg = make_config(
         depth=len(encoder.layer), num_prefix=1, has_cls=True, head=head, ratio=ratio, layers=layers, mode=mode,
-        strategy=strategy, llf=llf, spn=spn, matching=matching, eps=eps, prop_attn=False, weights=weights,
+        strategy=strategy, llf=llf, spn=spn, matching=matching, eps=eps, prop_attn=prop_attn, weights=weights,
         selection=selection, seed=seed,
     )
     hf.install(encoder, cfg)

@@ -70,12 +70,31 @@ def _manual_prune(model, x, layer, count, keep_fn):
     return model.norm(torch.cat(out))
 
 
-def test_prune_with_llf_matches_a_hand_written_reference():
+def test_full_llf_matches_a_hand_written_reference():
     model = tiny_vit(reg_tokens=1)
     x = images(2)
     expected = _manual_prune(model, x, layer=1, count=6, keep_fn=lambda t: t.norm(dim=-1))
-    patch.timm(model, ratio=6 / 16, layers=(1,), mode="prune", strategy="norm", llf=True)
+    patch.timm(model, ratio=6 / 16, layers=(1,), mode="prune", strategy="norm", llf="full")
     torch.testing.assert_close(model.forward_features(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_llf_leaves_kept_tokens_as_without_llf_and_updates_the_reinserted_ones():
+    """Masked LLF (the default): kept tokens do not see the re-inserted ones, so their outputs are
+    those without LLF; a re-inserted token attends to every token, as in full LLF."""
+    model = tiny_vit(reg_tokens=1)
+    x = images(2)
+    outputs = {}
+    for llf in (True, "full", False):
+        patch.timm(model, ratio=6 / 16, layers=(1,), mode="prune", strategy="norm", llf=llf)
+        outputs[llf] = model.forward_features(x)
+    patch.unpatch(model)
+    removed = torch.argsort(block_inputs(model, x)[1][:, 2:].norm(dim=-1), dim=1)[:, :6] + 2
+    for b in range(2):
+        pruned = torch.zeros(18, dtype=torch.bool).scatter(0, removed[b], True)
+        torch.testing.assert_close(outputs[True][b, ~pruned], outputs[False][b, ~pruned], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(outputs[True][b, pruned], outputs["full"][b, pruned], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(outputs[True][b, pruned], outputs[False][b, pruned], atol=1e-3)
+        assert not torch.allclose(outputs[True][b, ~pruned], outputs["full"][b, ~pruned], atol=1e-3)
 
 
 def test_llf_restores_token_order_and_frozen_features_in_intermediates():
@@ -222,6 +241,7 @@ def test_torch_compile_runs_a_patched_model():
         (dict(strategy="norm", weights="importance"), "weights='importance' needs"),
         (dict(strategy="norm", selection="bound"), "selection='bound' needs"),
         (dict(strategy="norm", prop_attn="sometimes"), "prop_attn must be"),
+        (dict(strategy="norm", mode="prune", llf="partial"), "llf must be"),
     ],
 )
 def test_invalid_options_give_clear_errors(kwargs, match):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_RATIOS = "0.05,0.1,0.15,0.2,0.3,0.4,0.5"
+LLF_CHOICES = {"on": (True,), "full": ("full",), "off": (False,), "both": (True, False), "all": (True, "full", False)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     red.add_argument("--ratios", default=DEFAULT_RATIOS, help=f"comma list of prune ratios (default {DEFAULT_RATIOS})")
     red.add_argument("--stages", default="4", help="stage layers for a 12-block ViT-B (e.g. 4, 4,8, 1,4,7,10, 2stage), scaled to the model's depth")
     red.add_argument("--absolute-layers", action="store_true", help="use --stages as the model's own block indices, unscaled")
-    red.add_argument("--llf", choices=("on", "off", "both"), default="on", help="Last-Layer Fusion in prune mode (both: two tables)")
+    red.add_argument("--llf", choices=tuple(LLF_CHOICES), default="on",
+                     help="Last-Layer Fusion in prune mode: on (masked: kept tokens do not attend to the re-inserted ones), "
+                          "full (every token attends to every token), off; both: on and off; all: all three (one table each)")
     red.add_argument("--prop-attn", choices=("auto", "on", "off"), default="auto",
                      help="proportional attention after merges (auto: on in merge mode)")
     red.add_argument("--selection", choices=("auto", "lowest", "bound"), default="auto",
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
     scorers, spn = options.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)
     strategies = options.strategy_list(args.strategies, scorers)
-    llf = {"on": (True,), "off": (False,), "both": (True, False)}[args.llf]
+    llf = LLF_CHOICES[args.llf]
     plan = Plan(task=args.task, strategies=strategies, ratios=ratios, layers=layers, mode=mode, llf=llf, scorers=scorers, spn=spn,
                 prop_attn={"auto": "auto", "on": True, "off": False}[args.prop_attn], selection=args.selection,
                 batch_size=args.batch_size)

@@ -140,9 +140,12 @@ def run_quality(backbone: Backbone, image_sets: list, plan: Plan, progress: bool
     return _assemble(plan, image_sets, per_image, knn)
 
 
-def table_key(mode: str, llf: bool) -> str:
-    """Name of a table in the results: ``merge``, or ``llf`` / ``no_llf`` for prune mode."""
-    return "merge" if mode == "merge" else ("llf" if llf else "no_llf")
+def table_key(mode: str, llf) -> str:
+    """Name of a table in the results: ``merge``, or for prune mode ``llf`` (the default masked
+    fusion, ``llf=True``), ``llf_full`` or ``no_llf``."""
+    if mode == "merge":
+        return "merge"
+    return {True: "llf", "masked": "llf", "full": "llf_full", False: "no_llf"}[llf]
 
 
 def _assemble(plan: Plan, image_sets: list, per_image: dict, knn: dict) -> dict:

@@ -4,6 +4,10 @@ Transformers records ``hidden_states`` (what the DPT neck reads) with forward ho
 ``DPTViTLayer``, so each layer must *return* full-length features: a patched layer runs on the
 current (reduced) tokens and hands back the full sequence (pruned tokens frozen, merged tokens
 unmerged); the encoder gathers the current tokens again before the next layer.
+
+Transformers' DPT attention takes no additive mask, so when the pipeline needs one (proportional
+attention after merges, masked LLF) the patched layer computes the same operations itself with the
+bias added to the attention logits (:func:`biased_layer_forward`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.nn.functional as F
 
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
@@ -29,19 +34,37 @@ def find_encoder(model):
 
 
 def attention_probs(layer, x: torch.Tensor, bias=None) -> torch.Tensor:
-    """Head-averaged attention probabilities ``[B, K, K]`` of a ``DPTViTLayer`` on input ``x``."""
+    """Head-averaged attention probabilities ``[B, K, K]`` of a ``DPTViTLayer`` on input ``x``
+    (``bias``: additive logit mask or None)."""
     attn = layer.attention.attention
     h = layer.layernorm_before(x)
     b, k, _ = h.shape
     shape = (b, k, attn.num_attention_heads, attn.attention_head_size)
     q = attn.query(h).view(shape).transpose(1, 2)
     key = attn.key(h).view(shape).transpose(1, 2)
-    return ((q @ key.transpose(-2, -1)) * attn.scaling).softmax(dim=-1).mean(dim=1)
+    logits = (q @ key.transpose(-2, -1)) * attn.scaling
+    if bias is not None:
+        logits = logits + bias
+    return logits.softmax(dim=-1).mean(dim=1)
+
+
+def biased_layer_forward(layer, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``DPTViTLayer.forward`` on ``x [B, K, D]`` with ``bias`` (``[B, 1, 1|K, K]``) added to the
+    attention logits of every head (inference: no dropout)."""
+    attn = layer.attention.attention
+    h = layer.layernorm_before(x)
+    b, k, _ = h.shape
+    shape = (b, k, attn.num_attention_heads, attn.attention_head_size)
+    q, key, v = (proj(h).view(shape).transpose(1, 2) for proj in (attn.query, attn.key, attn.value))
+    context = F.scaled_dot_product_attention(q, key, v, attn_mask=bias.to(q.dtype), scale=attn.scaling)
+    x = layer.attention.output(context.transpose(1, 2).reshape(b, k, attn.all_head_size), h) + x
+    return layer.output(layer.intermediate(layer.layernorm_after(x)), x)
 
 
 def _layer_forward(holder: dict):
     def forward(layer, x: torch.Tensor, *args, **kwargs):
-        out = type(layer).forward(layer, x, *args, **kwargs)
+        bias = holder.get("bias")
+        out = type(layer).forward(layer, x, *args, **kwargs) if bias is None else biased_layer_forward(layer, x, bias)
         state = holder.get("state")
         return state.full(out) if state is not None and state.reduced else out
 
@@ -53,14 +76,14 @@ def encoder_forward(encoder, cfg: ReductionConfig, holder: dict, hidden_states: 
     from transformers.modeling_outputs import BaseModelOutput
 
     def call_layer(layer, state: TokenState, bias) -> torch.Tensor:
-        holder["state"] = state
+        holder["state"], holder["bias"] = state, bias
         out = layer(state.x)
         return ops.gather_tokens(out, state.positions) if state.reduced else out
 
     try:
         final, _ = run_blocks(cfg, hidden_states, encoder.layer, call_layer, attention_probs)
     finally:
-        holder["state"] = None
+        holder["state"] = holder["bias"] = None
     return BaseModelOutput(last_hidden_state=final)
 
 

@@ -3,7 +3,8 @@ the scheduled layers, restoring full-length features where they are read.
 
 A stage at layer ``ℓ`` acts on the input of block ``ℓ`` (0-based), i.e. on the features after
 ``ℓ`` blocks. In ``prune`` mode with Last-Layer Fusion the pruned tokens are re-inserted before the
-final block, which then runs on the full sequence. Outputs and intermediates are always
+final block, which then runs on the full sequence (``masked``: the kept tokens do not attend to the
+re-inserted ones, whose frozen features are stale for a backbone that never saw them there). Outputs and intermediates are always
 full-length ``[B, N, D]`` (frozen or unmerged features at the reduced positions), so decoders that
 read token grids work unchanged.
 """
@@ -33,7 +34,7 @@ class ReductionConfig:
     ratio: object
     layers: tuple
     strategy: Strategy
-    llf: bool
+    llf: object
     matching: str
     spn: Optional[Callable]
     eps: Optional[float]
@@ -58,6 +59,18 @@ def _check_ratio(ratio, num_layers: int):
     if not isinstance(ratio, (int, float)) and sum(float(v) for v in values) >= 1.0:
         raise PullbackError(f"per-layer ratios must add up to less than 1; got {values}")
     return float(ratio) if isinstance(ratio, (int, float)) else tuple(float(v) for v in values)
+
+
+LLF_MODES = ("masked", "full")
+
+
+def _check_llf(llf):
+    """``True`` is the default ``masked`` fusion; returns ``masked``, ``full`` or False."""
+    if llf is True:
+        return "masked"
+    if llf is False or llf in LLF_MODES:
+        return llf
+    raise PullbackError(f"llf must be True, False, 'masked' or 'full'; got {llf!r}")
 
 
 def _check_layers(layers, depth: int, mode: str, llf: bool) -> tuple:
@@ -91,7 +104,7 @@ def make_config(
     layers=(4,),
     mode: str = "merge",
     strategy: str = "importance",
-    llf: bool = True,
+    llf=True,
     spn=None,
     matching: str = "auto",
     eps: Optional[float] = None,
@@ -114,6 +127,7 @@ def make_config(
         raise PullbackError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise PullbackError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+    llf = _check_llf(llf)
     layers = _check_layers(layers, depth, mode, bool(llf))
     ratio = _check_ratio(ratio, len(layers))
     built = make_strategy(strategy, head)
@@ -146,7 +160,7 @@ def make_config(
     if selection == "bound" and (mode != "merge" or strategy not in ("importance", "oracle")):
         raise PullbackError(f"selection='bound' needs mode='merge' and strategy 'importance' or 'oracle'; got {mode!r}, {strategy!r}")
     return ReductionConfig(
-        mode=mode, ratio=ratio, layers=layers, strategy=built, llf=bool(llf), matching=matching, spn=spn,
+        mode=mode, ratio=ratio, layers=layers, strategy=built, llf=llf, matching=matching, spn=spn,
         eps=eps, prop_attn=prop_attn, weights=weights, selection=selection, seed=seed, depth=depth, num_prefix=num_prefix,
         has_cls=has_cls,
     )
@@ -229,8 +243,8 @@ def run_blocks(
             state = apply_stage(cfg, state, budgets[i], attentions, generator, cfg.layers.index(i))
             attentions = []
         if cfg.mode == "prune" and cfg.llf and i == cfg.depth - 1 and state.reduced:
-            state = state.restore()
-        bias = state.attention_bias() if cfg.prop_attn else None
+            state = state.restore(masked=cfg.llf == "masked")
+        bias = state.attention_bias(proportional=cfg.prop_attn)
         if i in need_attention:
             attentions.append(attention_probs(block, state.x, bias))
         state.x = call_block(block, state, bias)

@@ -34,11 +34,11 @@ def plot_quality(result: dict, path: str | os.PathLike) -> Path:
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, metric in zip(axes[0], metrics):
-        for llf_key, style in (("merge", "-"), ("llf", "-"), ("no_llf", "--")):
+        for llf_key, style, suffix in (("merge", "-", ""), ("llf", "-", ""), ("llf_full", ":", " (full LLF)"), ("no_llf", "--", " (no LLF)")):
             for i, (strategy, cells) in enumerate(result["tables"].get(llf_key, {}).items()):
                 means = [cells[f"{r:g}"][metric]["mean"] for r in ratios]
                 stds = [cells[f"{r:g}"][metric]["std"] for r in ratios]
-                label = f"{strategy} (no LLF)" if llf_key == "no_llf" else strategy
+                label = strategy + suffix
                 ax.errorbar(ratios, means, yerr=stds, linestyle=style, marker="o", ms=3, capsize=2,
                             color=colours[i % len(colours)], label=label)
         ax.set_xlabel("prune ratio η")

@@ -28,7 +28,8 @@ class TokenState:
 
     Shapes: ``x [B, K, D]``, ``positions [B, K]`` (original index of each current token, int64),
     ``sizes [B, K]`` and ``weights [B, K]`` (float, x's dtype), ``frozen [B, R, D]`` and
-    ``frozen_positions [B, R]`` (pruned tokens), ``owner [B, N]`` (merge map, int64).
+    ``frozen_positions [B, R]`` (pruned tokens), ``owner [B, N]`` (merge map, int64), ``stale [B, K]``
+    (bool: re-inserted frozen tokens that the other tokens must not attend to; masked LLF).
     """
 
     x: torch.Tensor
@@ -40,6 +41,7 @@ class TokenState:
     frozen: Optional[torch.Tensor] = None
     frozen_positions: Optional[torch.Tensor] = None
     owner: Optional[torch.Tensor] = None
+    stale: Optional[torch.Tensor] = None
 
     @classmethod
     def start(cls, x: torch.Tensor, num_prefix: int) -> "TokenState":
@@ -119,15 +121,30 @@ class TokenState:
             return ops.reinsert_tokens(x, self.positions, self.frozen, self.frozen_positions)
         return x
 
-    def restore(self) -> "TokenState":
-        """Last-Layer Fusion: continue with the full sequence (pruned tokens re-inserted)."""
-        return TokenState.start(self.full(), self.num_prefix)
+    def restore(self, masked: bool = False) -> "TokenState":
+        """Last-Layer Fusion: continue with the full sequence (pruned tokens re-inserted).
 
-    def attention_bias(self) -> Optional[torch.Tensor]:
-        """Proportional-attention bias ``log(size)`` as an additive mask ``[B, 1, 1, K]``."""
-        if self.owner is None:
-            return None
-        return self.sizes.log()[:, None, None, :]
+        ``masked``: mark the re-inserted tokens stale, so that :meth:`attention_bias` hides them
+        from every token that was kept (those then compute exactly what they would without LLF).
+        """
+        state = TokenState.start(self.full(), self.num_prefix)
+        if masked and self.frozen is not None:
+            b, n, _ = state.x.shape
+            state.stale = torch.zeros(b, n, dtype=torch.bool, device=state.x.device).scatter(1, self.frozen_positions, True)
+        return state
+
+    def attention_bias(self, proportional: bool = True) -> Optional[torch.Tensor]:
+        """Additive attention mask for the current tokens, or None when there is nothing to add.
+
+        Proportional attention (``proportional``, merge mode): ``log(size)``, ``[B, 1, 1, K]``.
+        Masked LLF: ``-inf`` where a kept query meets a stale key, ``[B, 1, K, K]``.
+        """
+        bias = self.sizes.log()[:, None, None, :] if (proportional and self.owner is not None) else None
+        if self.stale is not None:
+            hidden = ~self.stale[:, :, None] & self.stale[:, None, :]
+            mask = torch.zeros(hidden.shape, dtype=self.x.dtype, device=self.x.device).masked_fill(hidden, float("-inf"))
+            bias = mask[:, None] if bias is None else bias + mask[:, None]
+        return bias
 
 
 def _complement(remove: torch.Tensor, k: int) -> torch.Tensor:
