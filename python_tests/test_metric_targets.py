@@ -95,6 +95,26 @@ def test_cache_round_trip_reuse_and_mismatch(tmp_path, vit_probe, monkeypatch):
     assert not list(tmp_path.glob(".*tmp*"))
 
 
+def test_demo_render_shards_are_reused_by_a_larger_run(tmp_path, vit_probe, monkeypatch):
+    """Rendered training scenes come in fixed blocks, so the key of their shards does not depend on
+    the image count: a larger run recomputes only the new shards."""
+    from pullback_ext.metric.data import ImageSource
+
+    probe, F = vit_probe
+    cfg = TargetConfig(mode="exact", rank=3)
+    small, large = ({"probe": "tiny", "images": ImageSource(n).describe()} for n in (1, 2))
+    assert small == large and ImageSource(1, heldout=True).describe() != ImageSource(2, heldout=True).describe()
+    TargetCache(tmp_path).build(probe, lambda s, e: F[s:e], 1, cfg, small, shard_size=1, progress=False)
+    import pullback_ext.metric.targets as targets
+
+    computed = []
+    real = targets.compute_targets
+    monkeypatch.setattr(targets, "compute_targets", lambda p, f, c, stream: computed.append(list(stream)) or real(p, f, c, stream=stream))
+    built = TargetCache(tmp_path).build(probe, lambda s, e: F[s:e], 2, cfg, large, shard_size=1, progress=False)
+    assert computed == [[1]]
+    assert torch.equal(built["importance"], real(probe, F, cfg)["importance"])
+
+
 def test_bad_configs():
     with pytest.raises(ValueError, match="mode"):
         TargetConfig(mode="svd")

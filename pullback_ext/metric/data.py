@@ -77,9 +77,14 @@ class ImageSource:
         return self.count
 
     def describe(self) -> dict:
+        """What identifies image i (part of the target cache's key). Rendered training scenes come
+        in fixed blocks, so scene i does not depend on ``count`` and a larger run reuses the
+        shards of a smaller one; folders and held-out scenes are described by their full set."""
         if self.folder is not None:
             return {"folder": str(Path(self.folder).resolve()), "files": [p.name for p in self.paths]}
-        return {"demo": "heldout" if self.heldout else "render", "seed": 0 if self.heldout else DEMO_TRAIN_SEED, "count": self.count}
+        if self.heldout:
+            return {"demo": "heldout", "seed": 0, "count": self.count}
+        return {"demo": "render", "seed": DEMO_TRAIN_SEED, "block": DEMO_BLOCK}
 
     def images(self, start: int, stop: int) -> Tensor:
         """images[stop-start,3,H,W] (float32)."""

@@ -95,7 +95,7 @@ class TrainingRun:
         if a.rank > P:
             raise PullbackError(f"--rank: expected r <= P = N·D = {P}, got {a.rank}")
         torch.manual_seed(a.seed)  # the model's initialisation must not depend on how the probe was built
-        extra: dict[str, Any] = {"probe": self.spec.to_dict(), "images": train_src.describe()}
+        extra: dict[str, Any] = {"probe": self.spec.to_dict(), "images": dict(train_src.describe(), count=len(train_src))}
         if a.kind == "vae":
             data = {"features": features(probe, train_src, 0, len(train_src))}
             model = FeatureVAE(probe.dim, a.latent_dim, a.hidden).to(self.dtype)
