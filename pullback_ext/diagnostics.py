@@ -27,6 +27,7 @@ REGIMES = {
 }
 
 TRACE_METHODS = ("auto", "exact", "hutchinson", "hutch++")
+SVD_METHODS = ("auto", "randomized", "dense")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class ImageDiagnosis:
 
     sigma[r], V[r,N,D] (right singular vectors as token maps, in the features' dtype; None when not
     kept), token_energy[N], importance[N] = imp*, kappa_curve[r] = κ_cap(k) for k = 1..r.
+    ``svd_method``: ``randomized`` (sketch and power rounds) or ``dense`` (J formed from the exact
+    trace's products: σ, V, trace and r_eff_slq are then exact and ``power`` is 0).
     """
 
     index: int
@@ -81,6 +84,7 @@ class ImageDiagnosis:
     regime: str
     method: str
     tangent_passes: int
+    svd_method: str = "randomized"
 
     def to_dict(self, include_vectors: bool = False) -> dict[str, Any]:
         """JSON-ready dict; V (r·N·D numbers) only with ``include_vectors``."""
@@ -144,7 +148,7 @@ def aggregate(images: Sequence[ImageDiagnosis], thresholds: Thresholds = Thresho
     return agg, regime, REGIMES[regime][1]
 
 
-def _check_settings(rank, oversample, power, probes, slq_steps, trace, seed, chunk_size) -> None:
+def _check_settings(rank, oversample, power, probes, slq_steps, trace, seed, chunk_size, svd="auto") -> None:
     for name, value, low in (
         ("rank", rank, 1),
         ("oversample", oversample, 0),
@@ -156,6 +160,8 @@ def _check_settings(rank, oversample, power, probes, slq_steps, trace, seed, chu
             raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
     if trace not in TRACE_METHODS:
         raise ValueError(f"trace: expected one of {TRACE_METHODS}, got {trace!r}")
+    if svd not in SVD_METHODS:
+        raise ValueError(f"svd: expected one of {SVD_METHODS}, got {svd!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
@@ -182,11 +188,15 @@ def diagnose_one(
     adaptive_tol: Optional[float] = None,
     thresholds: Thresholds = Thresholds(),
     keep_vectors: bool = True,
+    svd: str = "auto",
 ) -> ImageDiagnosis:
     """Diagnostic of ψ = ``fn`` at one feature map F[N,D] (see ``diagnose``)."""
     from pullback_ext.linalg import (
         EXACT_TRACE_MAX,
         JacobianOperator,
+        TraceEstimate,
+        dense_fits,
+        dense_spectrum,
         exact_trace,
         hutchinson,
         hutchpp,
@@ -202,19 +212,32 @@ def diagnose_one(
         raise ValueError(f"rank: expected r < P = N·D = {P}, got {rank}")
     r = min(rank, M)
     gen = _generator(seed, index)
-    svd = randomized_svd(op, r, oversample, power, gen, adaptive_tol)
-    sigma = svd.sigma.double()
-    energy = float((sigma**2).sum())
-
     method = "exact" if trace == "exact" or (trace == "auto" and min(M, P) <= EXACT_TRACE_MAX) else trace
     if method == "auto":
         method = "hutch++"
-    if method == "exact":
-        est = exact_trace(op)
-    elif method == "hutchinson":
-        est = hutchinson(op, probes, gen)
+    if svd == "auto":
+        svd = "dense" if method == "exact" and dense_fits(op) else "randomized"
+    elif svd == "dense" and not dense_fits(op):
+        raise ValueError(f"svd: 'dense' needs J [{M}, {P}] to fit in 1 GiB; use 'randomized'")
+    r_eff_slq: Optional[float] = None
+    if svd == "dense":
+        dense = dense_spectrum(op, r)
+        V, sigma, power_run, defects = dense.V, dense.sigma[:r], 0, []
+        est = TraceEstimate(dense.trace, 0.0, "exact")
+        r_eff_slq = dense.entropy.r_eff
     else:
-        est = hutchpp(op, svd.V, probes, gen, energy=energy)
+        rsvd = randomized_svd(op, r, oversample, power, gen, adaptive_tol)
+        V, sigma, power_run, defects = rsvd.V, rsvd.sigma.double(), rsvd.power, rsvd.defects
+    energy = float((sigma**2).sum())
+    if svd == "randomized":
+        if method == "exact":
+            est = exact_trace(op)
+        elif method == "hutchinson":
+            est = hutchinson(op, probes, gen)
+        else:
+            est = hutchpp(op, V, probes, gen, energy=energy)
+        if slq_steps > 0:
+            r_eff_slq = slq_effective_rank(op, probes, slq_steps, gen).r_eff
     T = est.value
     if not (torch.isfinite(sigma).all() and math.isfinite(T) and math.isfinite(est.stderr)):
         raise ValueError(f"probe: Jacobian products at image {index} are not finite (sigma={sigma.tolist()}, trace={T})")
@@ -223,16 +246,13 @@ def diagnose_one(
     above = (kappa_curve >= 0.9).nonzero()
     r90 = int(above[0]) + 1 if above.numel() else None
 
-    e = token_energy(svd.V, svd.sigma, N)
+    e = token_energy(V, sigma.to(V.dtype), N)
     mean_e = float(e.mean())
     cv = float(e.std(unbiased=False) / mean_e) if mean_e > 0 else 0.0
     p = sigma**2 / energy if energy > 0 else torch.zeros_like(sigma)
     p = p[p > 0]
     r_eff_trunc = float(torch.exp(-(p * p.log()).sum())) if p.numel() else 0.0
 
-    r_eff_slq: Optional[float] = None
-    if slq_steps > 0:
-        r_eff_slq = slq_effective_rank(op, probes, slq_steps, gen).r_eff
     regime = classify(M, rank, kappa, cv, thresholds)
     return ImageDiagnosis(
         index=index,
@@ -242,7 +262,7 @@ def diagnose_one(
         D=D,
         rank=r,
         sigma=sigma,
-        V=svd.V.T.reshape(r, N, D).clone() if keep_vectors else None,
+        V=V.T.reshape(r, N, D).clone() if keep_vectors else None,
         trace=T,
         trace_stderr=est.stderr,
         trace_method=est.method,
@@ -255,11 +275,12 @@ def diagnose_one(
         r_eff_slq=r_eff_slq,
         tail_richness=(r_eff_slq / r_eff_trunc) if r_eff_slq is not None and r_eff_trunc > 0 else None,
         r90=r90,
-        power=svd.power,
-        power_defects=svd.defects,
+        power=power_run,
+        power_defects=defects,
         regime=regime,
         method=REGIMES[regime][1],
         tangent_passes=op.num_jvp + op.num_vjp,
+        svd_method=svd,
     )
 
 
@@ -279,6 +300,7 @@ def diagnose(
     indices: Optional[Sequence[int]] = None,
     progress: bool = False,
     keep_vectors: bool = True,
+    svd: str = "auto",
 ) -> Diagnosis:
     """Matrix-free diagnostic of the probe map ψ (F[B,N,D] -> y[B,M]) at each feature map.
 
@@ -288,8 +310,12 @@ def diagnose(
         rank: r, the captured subspace (κ_cap(r), CV, imp*); must be < P = N·D; capped at M.
         oversample, power: randomized-SVD sketch r + oversample and q power rounds.
         probes: Rademacher probes for Hutchinson / Hutch++ and SLQ.
-        slq_steps: Lanczos steps for r_eff^SLQ (0 skips it).
+        slq_steps: Lanczos steps for r_eff^SLQ (0 skips it; with the dense SVD r_eff is exact and free).
         trace: "auto" (exact when min(M, P) ≤ 512, else Hutch++), "exact", "hutchinson", "hutch++".
+        svd: "auto" (dense whenever the trace is exact and J fits in 1 GiB, else randomized),
+            "randomized" (sketch + ``power`` rounds) or "dense": the min(M, P) products of an exact
+            trace already form J, so one small float64 eigendecomposition gives σ, V, the trace
+            and the full-spectrum r_eff exactly, with no power rounds or Lanczos probes.
         seed: every random draw of image i comes from a generator seeded by (seed, indices[i]).
         chunk_size: tangents per vmap call (bounds memory).
         adaptive_tol: if set, power rounds continue until the subspace defect falls below it.
@@ -309,7 +335,7 @@ def diagnose(
     check = getattr(probe, "check_features", None)
     if check is not None:
         check(F)
-    _check_settings(rank, oversample, power, probes, slq_steps, trace, seed, chunk_size)
+    _check_settings(rank, oversample, power, probes, slq_steps, trace, seed, chunk_size, svd)
     if not isinstance(thresholds, Thresholds):
         raise TypeError(f"thresholds: expected a Thresholds, got {type(thresholds).__name__}")
     if indices is None:
@@ -325,7 +351,7 @@ def diagnose(
         per_image.append(
             diagnose_one(
                 fn, F[b], int(indices[b]), rank, oversample, power, probes, slq_steps, trace, seed, chunk_size, adaptive_tol,
-                thresholds, keep_vectors,
+                thresholds, keep_vectors, svd,
             )
         )
     agg, regime, method = aggregate(per_image, thresholds)
@@ -336,6 +362,7 @@ def diagnose(
         probes=probes,
         slq_steps=slq_steps,
         trace=trace,
+        svd=svd,
         seed=seed,
         adaptive_tol=adaptive_tol,
         thresholds=asdict(thresholds),

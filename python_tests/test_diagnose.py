@@ -32,16 +32,22 @@ def assert_matches_oracle(d, J, rank, N, slq=True):
     return ref
 
 
+@pytest.mark.parametrize("svd", ["randomized", "dense"])
 @pytest.mark.parametrize("layer,output", [(0, "cls"), (1, "tokens")])
-def test_timm_probe_against_dense_oracle(vit, layer, output):
+def test_timm_probe_against_dense_oracle(vit, layer, output, svd):
     probe = from_timm(vit, layer, output)
     F = probe.features(images(2))
-    result = diagnose(probe, F, rank=6, power=6, probes=60, slq_steps=30, trace="exact", chunk_size=16)
+    result = diagnose(probe, F, rank=6, power=6, probes=60, slq_steps=30, trace="exact", chunk_size=16, svd=svd)
     assert isinstance(result, Diagnosis) and len(result) == 2
     for b in range(2):
         J = dense_jacobian(probe, F[b])
-        assert_matches_oracle(result[b], J, 6, probe.num_tokens)
-        assert result[b].M == J.shape[0] and result[b].P == J.shape[1]
+        ref = assert_matches_oracle(result[b], J, 6, probe.num_tokens)
+        assert result[b].M == J.shape[0] and result[b].P == J.shape[1] and result[b].svd_method == svd
+        if svd == "dense":
+            # exact, from min(M, P) products and nothing else
+            torch.testing.assert_close(result[b].sigma, ref["sigma"][:6], rtol=1e-9, atol=1e-12 * float(ref["sigma"][0]))
+            assert result[b].r_eff_slq == pytest.approx(ref["r_eff"], rel=1e-9)
+            assert result[b].tangent_passes == min(J.shape) and result[b].power == 0
 
 
 def test_hutchinson_kappa_within_three_standard_errors(vit):
@@ -57,11 +63,12 @@ def test_hutchinson_kappa_within_three_standard_errors(vit):
         assert d.r_eff_slq is None
 
 
-def test_dpt_depth_probe_against_dense_oracle():
+@pytest.mark.parametrize("svd", ["randomized", "dense"])
+def test_dpt_depth_probe_against_dense_oracle(svd):
     model = tiny_dpt()
     probe = from_hf_dpt(model, 1, output_size=4)  # M = 16: SLQ runs exactly, SLQ itself is checked on the ViTs
     F = probe.features(images(2))
-    result = diagnose(probe, F, rank=5, power=4, probes=60, slq_steps=30, trace="exact", chunk_size=16)
+    result = diagnose(probe, F, rank=5, power=4, probes=60, slq_steps=30, trace="exact", chunk_size=16, svd=svd)
     for b in range(2):
         J = dense_jacobian(probe.for_image(b), F[b])
         assert_matches_oracle(result[b], J, 5, probe.num_tokens)
@@ -86,6 +93,30 @@ def test_linear_probe_closed_form():
     assert d.r_eff_trunc == pytest.approx(N, rel=1e-8)
     p = s**2 / (s**2).sum()
     assert d.r_eff_slq == pytest.approx(N * math.exp(float(-(p * p.log()).sum())), rel=0.05)
+
+
+def test_auto_svd_is_dense_only_when_the_trace_is_exact(vit):
+    probe = from_timm(vit, 0, "cls")
+    F = probe.features(images(1))
+    assert diagnose(probe, F, rank=4, power=1, probes=10, slq_steps=0)[0].svd_method == "dense"
+    for trace in ("hutchinson", "hutch++"):
+        assert diagnose(probe, F, rank=4, power=1, probes=10, slq_steps=0, trace=trace)[0].svd_method == "randomized"
+
+
+def test_dense_spectrum_completes_null_directions_and_uses_the_smaller_side():
+    from pullback_ext.linalg import DenseOperator, dense_spectrum
+
+    g = torch.Generator().manual_seed(3)
+    for M, P in ((4, 9), (9, 4)):
+        J = torch.randn(M, 2, generator=g, dtype=torch.float64) @ torch.randn(2, P, generator=g, dtype=torch.float64)  # rank 2
+        op = DenseOperator(J)
+        spec = dense_spectrum(op, 3)
+        assert op.num_jvp + op.num_vjp == min(M, P)
+        torch.testing.assert_close(spec.sigma, torch.linalg.svdvals(J), rtol=1e-10, atol=1e-7)
+        torch.testing.assert_close(spec.V.T @ spec.V, torch.eye(3, dtype=torch.float64), rtol=0, atol=1e-10)
+        _, _, Vh = torch.linalg.svd(J)
+        assert subspace_alignment(spec.V[:, :2], Vh[:2].T) == pytest.approx(1.0, abs=1e-10)
+        assert spec.entropy.exact and spec.trace == pytest.approx(float(J.square().sum()), rel=1e-12)
 
 
 def test_reproducible_and_independent_of_batching(vit):
@@ -142,6 +173,8 @@ def test_bad_inputs(vit):
         diagnose(probe, F, rank=0)
     with pytest.raises(ValueError, match="trace"):
         diagnose(probe, F, trace="magic")
+    with pytest.raises(ValueError, match="svd"):
+        diagnose(probe, F, svd="magic")
     with pytest.raises(ValueError, match="probes"):
         diagnose(probe, F, probes=1)
     with pytest.raises(ValueError, match="seed"):

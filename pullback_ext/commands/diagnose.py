@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probes", type=_positive, default=100, help="m Rademacher probes (Hutchinson / Hutch++ / SLQ)")
     parser.add_argument("--slq-steps", type=int, default=30, help="Lanczos steps for r_eff^SLQ (0 skips it)")
     parser.add_argument("--trace", default="auto", choices=["auto", "exact", "hutchinson", "hutch++"], help="auto: exact when min(M, P) <= 512, else hutch++")
+    parser.add_argument("--svd", default="auto", choices=["auto", "randomized", "dense"],
+                        help="auto: dense (exact, from the exact trace's products) whenever the trace is exact and J fits in 1 GiB")
     parser.add_argument("--seed", type=int, default=0, help="image i draws from a stream seeded by (seed, i)")
     parser.add_argument("--chunk-size", type=_positive, default=32, help="tangents per vmap call (bounds memory)")
     parser.add_argument("--batch-size", type=_positive, default=8, help="images per feature-extraction batch")
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                 F = probe.features(images)
                 result = diagnose(
                     probe, F, rank=args.rank, oversample=args.oversample, power=args.power, probes=args.probes,
-                    slq_steps=args.slq_steps, trace=args.trace, seed=args.seed, chunk_size=args.chunk_size,
+                    slq_steps=args.slq_steps, trace=args.trace, seed=args.seed, chunk_size=args.chunk_size, svd=args.svd,
                     adaptive_tol=args.adaptive_tol, thresholds=thresholds, indices=indices, keep_vectors=args.save_vectors,
                 )
                 per_image.extend(result.images)
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     settings = dict(
         setup.description, images=str(args.images), num_images=len(paths), rank=args.rank, oversample=args.oversample,
         power=args.power, adaptive_tol=args.adaptive_tol, probes=args.probes, slq_steps=args.slq_steps, trace=args.trace,
-        seed=args.seed, dtype=args.dtype, world_size=info.world_size, thresholds={"kappa": thresholds.kappa, "cv": thresholds.cv},
+        svd=args.svd, seed=args.seed, dtype=args.dtype, world_size=info.world_size, thresholds={"kappa": thresholds.kappa, "cv": thresholds.cv},
         files=[p.name for p in paths],
     )
     full = Diagnosis(gathered, agg, regime, method, settings)

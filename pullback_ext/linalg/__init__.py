@@ -1,5 +1,6 @@
 """Matrix-free linear algebra on Jacobians: operators, randomized SVD, trace and SLQ estimators."""
 
+from pullback_ext.linalg.dense import DENSE_MAX_BYTES, DenseSpectrum, dense_fits, dense_spectrum
 from pullback_ext.linalg.energy import token_energy
 from pullback_ext.linalg.operator import DenseOperator, JacobianOperator, LinearOperatorBase, math_attention
 from pullback_ext.linalg.orthonormalize import orthonormalize
@@ -8,6 +9,8 @@ from pullback_ext.linalg.slq import Quadrature, SpectralEntropy, lanczos_quadrat
 from pullback_ext.linalg.trace import EXACT_TRACE_MAX, TraceEstimate, exact_trace, hutchinson, hutchpp
 
 __all__ = [
+    "DENSE_MAX_BYTES",
+    "DenseSpectrum",
     "DenseOperator",
     "EXACT_TRACE_MAX",
     "JacobianOperator",
@@ -16,6 +19,8 @@ __all__ = [
     "RSVDResult",
     "SpectralEntropy",
     "TraceEstimate",
+    "dense_fits",
+    "dense_spectrum",
     "exact_trace",
     "hutchinson",
     "hutchpp",
