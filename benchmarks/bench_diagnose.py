@@ -1,5 +1,7 @@
 """Seconds per image for κ_cap(20) (q = 2, m = 100) on a ViT-S/14 CLS probe at layer 10 and a DPT
-(ViT-S) depth probe, random weights, against in the same run:
+(ViT-S) depth probe, random weights. "ours" is ``diagnose`` with its defaults: both probes have
+M ≤ 512, so the trace is exact and the spectrum comes from the same M basis products (dense SVD).
+Against, in the same run:
 
 (a) a straightforward implementation of the paper's algorithm: one JVP / VJP at a time, each
     re-running the probe (``torch.func.jvp`` / ``torch.autograd.grad``), Householder QR
