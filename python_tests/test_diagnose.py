@@ -117,6 +117,11 @@ def test_dense_spectrum_completes_null_directions_and_uses_the_smaller_side():
         _, _, Vh = torch.linalg.svd(J)
         assert subspace_alignment(spec.V[:, :2], Vh[:2].T) == pytest.approx(1.0, abs=1e-10)
         assert spec.entropy.exact and spec.trace == pytest.approx(float(J.square().sum()), rel=1e-12)
+    J[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        dense_spectrum(DenseOperator(J), 2)
+    with pytest.raises(ValueError, match="rank"):
+        dense_spectrum(DenseOperator(torch.ones(3, 5)), 4)
 
 
 def test_reproducible_and_independent_of_batching(vit):

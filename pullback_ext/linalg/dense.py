@@ -74,6 +74,8 @@ def dense_spectrum(op: LinearOperatorBase, rank: int, chunk: int = 64) -> DenseS
     if not 1 <= rank <= n:
         raise ValueError(f"rank: expected 1 <= r <= min(M, P) = {n}, got {rank}")
     A = _basis_products(op, chunk)
+    if not bool(torch.isfinite(A).all()):
+        raise ValueError("probe: Jacobian products are not finite (NaN or inf in J)")
     lam, W = torch.linalg.eigh(_gram(A))
     lam, W = lam.flip(0).clamp_min(0), W.flip(1)
     sigma = lam.sqrt()
