@@ -11,10 +11,10 @@ features are read; with ``llf`` the last block runs on the full sequence (Last-L
 effect in merge mode). ``llf=True`` is the ``"masked"`` fusion: the re-inserted tokens attend to
 every token but the kept tokens do not attend to them, so the kept tokens' outputs are exactly
 those without LLF and only the stale re-inserted features are updated; ``llf="full"`` lets every
-token attend to every token (Token Cropr's fusion, meant for a backbone trained with it). ``layers`` are 0-based block indices whose *input* is
-reduced; several layers form a multi-stage schedule (``ratio`` is then the total fraction, split
-evenly, or one fraction per layer) — see :func:`pullback_ext.prune.schedules.scale_layers` to map
-ViT-B schedules to other depths. CLS and register tokens are never merged or pruned.
+token attend to every token (Token Cropr's fusion, meant for a backbone trained with it).
+``layers`` are 0-based block indices whose *input* is reduced; several layers form a multi-stage
+schedule (``ratio`` is then the total fraction, split evenly, or one fraction per layer) — see
+:func:`pullback_ext.prune.schedules.scale_layers` to map ViT-B schedules to other depths. CLS and register tokens are never merged or pruned.
 The gather, merge and re-insert steps run through the ``pullback_ext.ops`` kernels.
 """
 
@@ -52,8 +52,9 @@ def timm(
     """Patch a timm ``VisionTransformer`` in place (re-patching replaces the previous plan).
 
     ``head``: importance head ``F [B, K, D] -> [B, K]`` (or an SPN) for ``importance``, or a
-    callable giving imp* for ``oracle``; a sequence gives one per stage of ``layers``. ``spn``: returns ``(U [B, K*D, r], lam [B, r])`` for the
-    pullback matching of merge mode. ``prop_attn``: add ``log(size)`` to attention logits after
+    callable giving imp* for ``oracle``; a sequence gives one per stage of ``layers``. ``llf``:
+    ``True`` (= ``"masked"``), ``"full"`` or ``False`` (see the module docstring). ``spn``: returns
+    ``(U [B, K*D, r], lam [B, r])`` for the pullback matching of merge mode. ``prop_attn``: add ``log(size)`` to attention logits after
     merges (``auto``: on in merge mode). ``weights``: ``auto``/``size``/``importance`` for merged
     averages. ``selection``: ``auto``/``lowest``/``bound``, which tokens a scorer strategy merges
     away (see :func:`pullback_ext.prune.pipeline.make_config`). ``seed``: for ``random``.

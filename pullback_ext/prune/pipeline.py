@@ -4,9 +4,9 @@ the scheduled layers, restoring full-length features where they are read.
 A stage at layer ``ℓ`` acts on the input of block ``ℓ`` (0-based), i.e. on the features after
 ``ℓ`` blocks. In ``prune`` mode with Last-Layer Fusion the pruned tokens are re-inserted before the
 final block, which then runs on the full sequence (``masked``: the kept tokens do not attend to the
-re-inserted ones, whose frozen features are stale for a backbone that never saw them there). Outputs and intermediates are always
-full-length ``[B, N, D]`` (frozen or unmerged features at the reduced positions), so decoders that
-read token grids work unchanged.
+re-inserted ones, whose frozen features are stale for a backbone that never saw them there).
+Outputs and intermediates are always full-length ``[B, N, D]`` (frozen or unmerged features at the
+reduced positions), so decoders that read token grids work unchanged.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ReductionConfig:
     ratio: object
     layers: tuple
     strategy: Strategy
-    llf: object
+    llf: object  # "masked", "full" or False
     matching: str
     spn: Optional[Callable]
     eps: Optional[float]
