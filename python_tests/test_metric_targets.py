@@ -122,3 +122,14 @@ def test_bad_configs():
         TargetConfig(rank=0)
     with pytest.raises(ValueError, match="power"):
         TargetConfig(power=-1)
+
+
+@pytest.mark.parametrize("M,P", [(4, 12), (12, 6)])
+def test_exact_block_norms_from_either_side(M, P):
+    """Exact block norms ‖J_{:,t}‖_F take J from the smaller side (VJPs or JVPs) alike."""
+    from pullback_ext.linalg import DenseOperator
+    from pullback_ext.metric.targets import block_norms
+
+    J = torch.randn(M, P, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    expected = J.view(M, 3, P // 3).pow(2).sum((0, 2)).sqrt()
+    torch.testing.assert_close(block_norms(DenseOperator(J), 3, 8, None), expected)

@@ -18,6 +18,7 @@ from torch import Tensor
 from pullback_ext.linalg.operator import LinearOperatorBase
 from pullback_ext.linalg.orthonormalize import orthonormalize
 from pullback_ext.linalg.slq import SpectralEntropy, _xlogx
+from pullback_ext.linalg.trace import basis_products
 
 DENSE_MAX_BYTES = 1 << 30
 _ROWS = 16384  # rows of the tall factor converted to float64 at a time
@@ -41,17 +42,16 @@ def dense_fits(op: LinearOperatorBase, max_bytes: int = DENSE_MAX_BYTES) -> bool
     return M * P * torch.empty((), dtype=op.dtype).element_size() <= max_bytes
 
 
-def _basis_products(op: LinearOperatorBase, chunk: int) -> Tensor:
-    """The tall factor: Jᵀ [P, M] when M ≤ P (VJPs), else J [M, P] (JVPs)."""
+def _tall_factor(op: LinearOperatorBase, chunk: int) -> Tensor:
+    """Jᵀ [P, M] when M ≤ P, else J [M, P]: the basis products side by side."""
+    return torch.cat(list(basis_products(op, chunk)), dim=1)
+
+
+def jacobian_transposed(op: LinearOperatorBase, chunk: int = 64) -> Tensor:
+    """Jᵀ [P, M] from ``min(M, P)`` products with the standard basis of the smaller side."""
     M, P = op.shape
-    n = min(M, P)
-    parts = []
-    for start in range(0, n, chunk):
-        stop = min(start + chunk, n)
-        E = torch.zeros(n, stop - start, dtype=op.dtype, device=op.device)
-        E[torch.arange(start, stop), torch.arange(stop - start)] = 1
-        parts.append(op.vjp(E) if M <= P else op.jvp(E))
-    return torch.cat(parts, dim=1)
+    A = _tall_factor(op, chunk)
+    return A if M <= P else A.T
 
 
 def _gram(A: Tensor) -> Tensor:
@@ -73,7 +73,7 @@ def dense_spectrum(op: LinearOperatorBase, rank: int, chunk: int = 64) -> DenseS
     n = min(M, P)
     if not 1 <= rank <= n:
         raise ValueError(f"rank: expected 1 <= r <= min(M, P) = {n}, got {rank}")
-    A = _basis_products(op, chunk)
+    A = _tall_factor(op, chunk)
     if not bool(torch.isfinite(A).all()):
         raise ValueError("probe: Jacobian products are not finite (NaN or inf in J)")
     lam, W = torch.linalg.eigh(_gram(A))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -34,17 +34,21 @@ def rademacher(n: int, k: int, generator: Optional[torch.Generator], dtype: torc
     return (2 * signs - 1).to(dtype=dtype, device=device)
 
 
-def exact_trace(op: LinearOperatorBase, chunk: int = 64) -> TraceEstimate:
-    """Tr(JᵀJ) exactly, from products against the standard basis of the smaller side (≤ chunk at a time)."""
+def basis_products(op: LinearOperatorBase, chunk: int = 64) -> Iterator[Tensor]:
+    """J's products with the standard basis of its smaller side, ≤ ``chunk`` columns at a time:
+    blocks of columns of Jᵀ [P, c] (VJPs) when M ≤ P, else of J [M, c] (JVPs)."""
     M, P = op.shape
-    total = 0.0
     n = min(M, P)
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         E = torch.zeros(n, stop - start, dtype=op.dtype, device=op.device)
         E[torch.arange(start, stop), torch.arange(stop - start)] = 1
-        cols = op.vjp(E) if M <= P else op.jvp(E)
-        total += float((cols.double() ** 2).sum())
+        yield op.vjp(E) if M <= P else op.jvp(E)
+
+
+def exact_trace(op: LinearOperatorBase, chunk: int = 64) -> TraceEstimate:
+    """Tr(JᵀJ) exactly, from products against the standard basis of the smaller side (≤ chunk at a time)."""
+    total = sum(float((cols.double() ** 2).sum()) for cols in basis_products(op, chunk))
     return TraceEstimate(total, 0.0, "exact")
 
 

@@ -55,9 +55,9 @@ def _dense_jacobian_transposed(op) -> Tensor:
     M, P = op.shape
     if min(M, P) > EXACT_MAX_SIDE:
         raise ValueError(f"mode: 'exact' needs min(M, P) <= {EXACT_MAX_SIDE}, got M={M}, P={P}; use 'randnla'")
-    if M <= P:
-        return op.vjp(torch.eye(M, dtype=op.dtype, device=op.device))
-    return op.jvp(torch.eye(P, dtype=op.dtype, device=op.device)).T
+    from pullback_ext.linalg import jacobian_transposed
+
+    return jacobian_transposed(op)
 
 
 def _modes(op, config: TargetConfig, generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -89,8 +89,9 @@ def block_norms(op, num_tokens: int, probes: int, generator: torch.Generator) ->
 
     M, P = op.shape
     if M <= EXACT_TRACE_MAX:
-        rows = op.vjp(torch.eye(M, dtype=op.dtype, device=op.device))
-        return rows.double().pow(2).view(num_tokens, -1).sum(1).sqrt().to(op.dtype)
+        from pullback_ext.linalg import jacobian_transposed
+
+        return jacobian_transposed(op).double().pow(2).reshape(num_tokens, -1).sum(1).sqrt().to(op.dtype)
     Z = rademacher(M, probes, generator, op.dtype, op.device)
     est = op.vjp(Z).double().pow(2).view(num_tokens, -1, probes).sum(1).mean(1)
     return est.sqrt().to(op.dtype)

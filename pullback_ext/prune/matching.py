@@ -17,6 +17,11 @@ from pullback_ext.errors import PullbackError
 MATCHINGS = ("pullback", "cosine")
 
 
+def working_precision(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself in float32/float64; reduced-precision tokens are scored in float32."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def _candidate_mask(k: int, src: torch.Tensor, num_prefix: int) -> torch.Tensor:
     """``[B, K]`` bool: tokens that may receive a merge."""
     mask = torch.ones(src.shape[0], k, dtype=torch.bool, device=src.device).scatter(1, src, False)
@@ -59,7 +64,7 @@ def token_distances(
         eps = float(getattr(spn, "eps", 0.0)) if eps is None else float(eps)
         return pullback_distances(x, src, u, lam, eps)
     if matching == "cosine":
-        xn = torch.nn.functional.normalize(x if x.dtype in (torch.float32, torch.float64) else x.float(), dim=-1)
+        xn = torch.nn.functional.normalize(working_precision(x), dim=-1)
         x_src = torch.gather(xn, 1, src[:, :, None].expand(-1, -1, x.shape[-1]))
         return -(x_src @ xn.transpose(1, 2))
     raise PullbackError(f"matching must be one of {', '.join(MATCHINGS)}; got {matching!r}")
@@ -124,7 +129,7 @@ def merge_drift(
     nearest = dist.argmin(dim=-1)  # [B, n]
     if matching == "pullback":
         return torch.gather(dist, 2, nearest[..., None]).squeeze(-1).clamp_min(0).sqrt(), nearest
-    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    xf = working_precision(x)
     return (xf[:, num_prefix:] - torch.gather(xf, 1, nearest[..., None].expand(-1, -1, d))).norm(dim=-1), nearest
 
 

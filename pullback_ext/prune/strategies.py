@@ -18,6 +18,7 @@ import torch
 
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
+from pullback_ext.prune.matching import working_precision
 
 STRATEGIES = ("importance", "random", "tome", "evit", "norm", "cls_sim", "asap", "oracle")
 TRAINING_FREE = ("random", "tome", "evit", "norm", "cls_sim", "asap")
@@ -108,7 +109,7 @@ class ToMeStrategy(Strategy):
     name = "tome"
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
-        t = torch.nn.functional.normalize(_work(ctx.x[:, ctx.num_prefix:]), dim=-1)
+        t = torch.nn.functional.normalize(working_precision(ctx.x[:, ctx.num_prefix:]), dim=-1)
         a, b = t[:, 0::2], t[:, 1::2]
         sim = a @ b.transpose(1, 2)  # [B, |A|, |B|]
         score_a = -sim.amax(dim=2)  # in [-1, 1]
@@ -135,7 +136,7 @@ class NormStrategy(Strategy):
     name = "norm"
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
-        return _work(ctx.x[:, ctx.num_prefix:]).norm(dim=-1)
+        return working_precision(ctx.x[:, ctx.num_prefix:]).norm(dim=-1)
 
 
 class ClsSimilarityStrategy(Strategy):
@@ -144,7 +145,7 @@ class ClsSimilarityStrategy(Strategy):
     name = "cls_sim"
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
-        x = _work(ctx.x)
+        x = working_precision(ctx.x)
         return torch.nn.functional.cosine_similarity(x[:, ctx.num_prefix:], x[:, :1], dim=-1)
 
 
@@ -178,11 +179,6 @@ class ASAPStrategy(Strategy):
         return d[:, ctx.num_prefix:].to(ctx.x.dtype)
 
 
-def _work(x: torch.Tensor) -> torch.Tensor:
-    """Reduced-precision tokens are scored in float32."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
 def make_strategy(name: str, scorer=None) -> Strategy:
     """Build a strategy by name; ``importance`` and ``oracle`` need ``scorer`` (a callable, or a
     non-empty sequence of callables: one per stage)."""
@@ -207,5 +203,5 @@ def make_strategy(name: str, scorer=None) -> Strategy:
 
 def lowest(keep_scores: torch.Tensor, count: int, num_prefix: int) -> torch.Tensor:
     """Indices ``[B, count]`` (into the current sequence) of the lowest-scoring patch tokens."""
-    idx = torch.topk(_work(keep_scores), count, dim=1, largest=False, sorted=False).indices
+    idx = torch.topk(working_precision(keep_scores), count, dim=1, largest=False, sorted=False).indices
     return idx + num_prefix
