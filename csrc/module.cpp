@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "cpu/simd.h"
+#include "ops/checks.h"
 #include "ops/ops.h"
 
 namespace pullback {
@@ -67,6 +68,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reinsert_tokens", &reinsert_tokens, py::arg("kept"), py::arg("kept_idx"), py::arg("pruned"),
         py::arg("pruned_idx"), py::arg("check_finite") = false);
   m.def("cuda_available", &cuda_built, "Whether the CUDA kernels were compiled into this build.");
+  m.def("set_sync_checks", &set_sync_checks, py::arg("enabled"),
+        "Switch the value checks that synchronise with a CUDA device on or off for this thread.");
+  m.def("sync_checks_enabled", &sync_checks_enabled,
+        "Whether this thread runs the value checks that synchronise with a CUDA device.");
   m.def("cpu_isa", [] { return std::string(pullback::cpu::isa_name(pullback::cpu::active_isa())); },
         "Instruction set of the CPU row kernels chosen for this machine (baseline, avx2, avx512).");
 }

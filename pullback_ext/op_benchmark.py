@@ -11,6 +11,13 @@ The eager baselines are the pure-torch references of :mod:`pullback_ext.referenc
 against ToMe-style code (gather + scatter_reduce / scatter), as the targets are stated. The
 candidates of a row are timed in turn, repeat by repeat, so that load from other processes biases
 none of them.
+
+On CUDA every call is timed with device events after the L2 cache was flushed (so B = 1, whose
+U fits in the 50-60 MB L2 of recent GPUs, is read from device memory like the others), the repeats
+default to 50, B = 32 is added to show the bandwidth-bound regime, and the device-to-device copy
+bandwidth (bytes read + written) is reported beside the read bandwidth. A CUDA row also times the
+fused op under ``ops.sync_checks(False)``, without the value checks that synchronise with the
+device (the speed-ups are those of the default, checked call).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class Row:
     compiled_ms: float | None
     bytes_moved: int
     extra: dict = field(default_factory=dict)
+    unchecked_ms: float | None = None
 
     @property
     def speedup_eager(self) -> float:
@@ -84,11 +92,49 @@ def interleaved_medians_ms(fns: list[Callable[[], object]], repeats: int, device
     return [statistics.median(t) for t in times]
 
 
+def cuda_interleaved_medians_ms(fns: list[Callable[[], object]], repeats: int,
+                                flush_mbytes: int = 256) -> list[float]:
+    """Median device times (CUDA events) of several functions timed in turn, each call preceded
+    by a read over ``flush_mbytes`` of memory that evicts the L2 cache (a read, so that no dirty
+    lines are left to be written back during the timed call); two warm-up calls each."""
+    flush = torch.ones(flush_mbytes * 2**20 // 4, device="cuda")
+    for fn in fns:
+        fn()
+        fn()
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+               for _ in range(repeats)] for _ in fns]
+    torch.cuda.synchronize()
+    for rep in range(repeats):
+        for fn, pairs in zip(fns, events):
+            flush.sum()
+            start, end = pairs[rep]
+            start.record()
+            fn()
+            end.record()
+    torch.cuda.synchronize()
+    return [statistics.median(s.elapsed_time(e) for s, e in pairs) for pairs in events]
+
+
+def timed_medians_ms(fns: list[Callable[[], object]], repeats: int, device: str) -> list[float]:
+    """Medians of interleaved repeats: device events on CUDA, wall time on the CPU."""
+    if device == "cuda":
+        return cuda_interleaved_medians_ms(fns, repeats)
+    return interleaved_medians_ms(fns, repeats, device)
+
+
 def read_bandwidth_gbps(device: str, repeats: int, mbytes: int = 512) -> float:
     """GB/s of a ``sum()`` over a float32 tensor far larger than the last-level cache."""
     x = torch.ones(mbytes * 2**20 // 4, device=device)
-    ms = median_ms(lambda: x.sum(), repeats, device)
+    (ms,) = timed_medians_ms([lambda: x.sum()], repeats, device)
     return x.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def copy_bandwidth_gbps(device: str, repeats: int, mbytes: int = 1024) -> float:
+    """GB/s of a device-to-device copy, counting the bytes read and the bytes written."""
+    x = torch.ones(mbytes * 2**20 // 4, device=device)
+    y = torch.empty_like(x)
+    (ms,) = timed_medians_ms([lambda: y.copy_(x)], repeats, device)
+    return 2 * x.numel() * 4 / (ms * 1e-3) / 1e9
 
 
 def _nbytes(*tensors: Tensor) -> int:
@@ -129,11 +175,12 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, co
     """Run every benchmark case; returns the JSON-ready result (see ``format_table``)."""
     from tqdm import tqdm
 
-    repeats = repeats or (3 if quick else 7)
+    cuda = device == "cuda"
+    repeats = repeats or (3 if quick else 50 if cuda else 7)
     torch.manual_seed(0)
     dtype = torch.float32
     P = N_TOKENS * DIM
-    batches = (1, 8) if not quick else (1, 4)
+    batches = ((1, 8, 32) if cuda else (1, 8)) if not quick else (1, 4)
     ks = (1, 20) if not quick else (1,)
     token_batch = 64 if not quick else 16
     cases: list[tuple[str, str, Callable, Callable, Callable | None, int, Callable | None]] = []
@@ -217,10 +264,15 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, co
     for name, shape, fused, eager, compiled, nbytes, extra in tqdm(cases, desc="bench_ops", unit="case"):
         if progress:
             progress(f"{name} {shape}")
-        timed = interleaved_medians_ms([f for f in (fused, eager, compiled) if f is not None], repeats, device)
-        row = Row(name, shape, timed[0], timed[1], timed[2] if compiled else None, nbytes, extra() if extra else {})
+        fns = [f for f in (fused, eager, compiled) if f is not None]
+        if cuda:
+            fns.append(_unchecked(fused))
+        timed = timed_medians_ms(fns, repeats, device)
+        row = Row(name, shape, timed[0], timed[1], timed[2] if compiled else None, nbytes, extra() if extra else {},
+                  timed[-1] if cuda else None)
         rows.append(row)
     bandwidth = max(bandwidth, read_bandwidth_gbps(device, repeats))  # before and after, the better
+    copy_bandwidth = copy_bandwidth_gbps(device, repeats) if cuda else None
     return {
         "device": device,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
@@ -231,6 +283,7 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, co
         "quick": quick,
         "repeats": repeats,
         "read_bandwidth_gbps": bandwidth,
+        "copy_bandwidth_gbps": copy_bandwidth,
         "rows": [
             {**asdict(r), "speedup_vs_eager": r.speedup_eager,
              "speedup_vs_compiled": (r.compiled_ms / r.fused_ms) if r.compiled_ms else None,
@@ -238,6 +291,13 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, co
             for r in rows
         ],
     }
+
+
+def _unchecked(fn: Callable[[], object]) -> Callable[[], object]:
+    def call():
+        with ops.sync_checks(False):
+            return fn()
+    return call
 
 
 def _cpu_isa() -> str | None:
@@ -249,19 +309,25 @@ def _cpu_isa() -> str | None:
 
 def format_table(result: dict) -> str:
     """The printed table: one line per case."""
+    unchecked = any(r.get("unchecked_ms") is not None for r in result["rows"])
     head = (f"{'op':<24} {'shape':<30} {'fused ms':>9} {'eager ms':>9} {'compile ms':>10} "
-            f"{'x eager':>8} {'x compile':>9} {'GB/s':>7} {'% read bw':>9}")
+            f"{'x eager':>8} {'x compile':>9} {'GB/s':>7} {'% read bw':>9}"
+            + (f" {'unchecked ms':>12}" if unchecked else ""))
     lines = [f"device {result['device']} ({result['device_name']}), {result['threads']} threads, "
-             f"read bandwidth {result['read_bandwidth_gbps']:.1f} GB/s, kernels: "
+             f"read bandwidth {result['read_bandwidth_gbps']:.1f} GB/s"
+             + (f" (copy {result['copy_bandwidth_gbps']:.1f} GB/s)" if result.get("copy_bandwidth_gbps") else "")
+             + ", kernels: "
              f"{'compiled' if result['compiled_ops'] else 'reference fallback'} (cpu isa {result['cpu_isa']})",
              head, "-" * len(head)]
     for r in result["rows"]:
-        comp = f"{r['compiled_ms']:10.2f}" if r["compiled_ms"] is not None else f"{'-':>10}"
+        comp = f"{r['compiled_ms']:10.3f}" if r["compiled_ms"] is not None else f"{'-':>10}"
         xcomp = f"{r['speedup_vs_compiled']:9.2f}" if r["speedup_vs_compiled"] is not None else f"{'-':>9}"
         note = "".join(f" {k}={v:.2e}" for k, v in r["extra"].items())
-        lines.append(f"{r['op']:<24} {r['shape']:<30} {r['fused_ms']:9.2f} {r['eager_ms']:9.2f} {comp} "
+        lines.append(f"{r['op']:<24} {r['shape']:<30} {r['fused_ms']:9.3f} {r['eager_ms']:9.3f} {comp} "
                      f"{r['speedup_vs_eager']:8.2f} {xcomp} {r['effective_gbps']:7.1f} "
-                     f"{100 * r['share_of_read_bandwidth']:8.0f}%{note}")
+                     f"{100 * r['share_of_read_bandwidth']:8.0f}%"
+                     + (f" {r['unchecked_ms']:12.3f}" if r.get("unchecked_ms") is not None
+                        else f" {'-':>12}" if unchecked else "") + note)
     return "\n".join(lines)
 
 

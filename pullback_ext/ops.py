@@ -8,10 +8,23 @@ devices raise ``ValueError``/``TypeError``, out-of-range indices ``IndexError``.
 
 ``check_finite=True`` additionally rejects NaN/inf inputs (one extra reduction per input).
 
+The value checks that read tensor data (lam >= 0, w >= 0, indices in range, not repeated, a
+permutation for reinsertion) cost one device-to-host synchronisation per call on CUDA tensors,
+which stalls the host's launch queue. ``with sync_checks(False):`` skips them for CUDA inputs of
+the compiled kernels in the calling thread, for hot loops whose indices are valid by construction
+(the pruning pipeline does this). Shapes, dtypes and devices are still checked, CPU inputs and the
+pure-torch fallback always are, and the CUDA kernels stay memory-safe on invalid values: their
+results are then unspecified (a gathered row with an out-of-range index is NaN), never an
+out-of-bounds access.
+
 Shapes: B batch, N tokens, D channels, P = N·D ambient dimension, r rank, k vectors.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -28,6 +41,9 @@ __all__ = [
     "merge_tokens",
     "reinsert_tokens",
     "uses_compiled",
+    "sync_checks",
+    "set_sync_checks",
+    "sync_checks_enabled",
 ]
 
 _C = load_compiled()
@@ -45,6 +61,33 @@ def uses_compiled(t: Tensor) -> bool:
     if t.device.type == "cuda":
         return _CUDA_BUILT and t.dtype in _CUDA_DTYPES
     return t.device.type == "meta" and t.dtype in _CUDA_DTYPES
+
+
+_sync_state = threading.local()
+
+
+def set_sync_checks(enabled: bool) -> None:
+    """Run (True, the default) or skip (False) the synchronising value checks in this thread."""
+    _sync_state.enabled = bool(enabled)
+    if _C is not None:
+        _C.set_sync_checks(bool(enabled))
+
+
+def sync_checks_enabled() -> bool:
+    """Whether this thread runs the value checks that synchronise with a CUDA device."""
+    return _C.sync_checks_enabled() if _C is not None else getattr(_sync_state, "enabled", True)
+
+
+@contextlib.contextmanager
+def sync_checks(enabled: bool) -> Iterator[None]:
+    """Context manager: ``with sync_checks(False): ...`` skips the value checks of CUDA inputs
+    that need a device-to-host synchronisation (see the module docstring); restored on exit."""
+    previous = sync_checks_enabled()
+    set_sync_checks(enabled)
+    try:
+        yield
+    finally:
+        set_sync_checks(previous)
 
 
 def lowrank_metric_apply(U: Tensor, lam: Tensor, v: Tensor, eps: float, *, check_finite: bool = False) -> Tensor:

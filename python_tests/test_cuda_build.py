@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -140,6 +141,9 @@ def _metric_inputs(B, N, D, r, k, dtype, offset=0, seed=0):
 
 # (B, N, D, r, k): odd sizes, r = 1, k = 1, several chunk tile groups (r*k > 4096 tiles of 4x4),
 # the matrix of the product outside shared memory (r*k*4 bytes > 32 KiB), ViT-B-like rows.
+# With k = 1 the single-column kernels read rows of U in 16-, 8- or 4-byte vectors, whichever
+# divides the row length and the base address (offset 1 misaligns it): r = 2, 8, 24 give each
+# width for some dtype; r = 1100 has too many vectors per row and takes the general kernel.
 METRIC_SHAPES = [
     (1, 3, 5, 1, 1),
     (2, 7, 9, 3, 2),
@@ -147,6 +151,10 @@ METRIC_SHAPES = [
     (1, 257, 24, 20, 1),
     (2, 11, 40, 70, 130),
     (1, 5, 64, 130, 80),
+    (1, 33, 7, 2, 1),
+    (2, 37, 16, 8, 1),
+    (3, 9, 40, 24, 1),
+    (1, 3, 400, 1100, 1),
 ]
 
 
@@ -232,3 +240,98 @@ def test_gpu_merge_is_deterministic():
     first = ops.merge_tokens(x, w, src.cuda(), dst.cuda())
     second = ops.merge_tokens(x, w, src.cuda(), dst.cuda())
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+# Each case raises from the compiled front end; run in a child process so that a crash in the
+# error path (seen once on a GPU machine whose extension was built by another toolchain than its
+# torch) fails this test with the case named instead of ending the whole session.
+_RAISING_CASES = r"""
+import sys, torch
+from pullback_ext import ops
+dev = sys.argv[1]
+x = torch.randn(2, 5, 3, device=dev)
+w = torch.rand(2, 5, device=dev)
+t = lambda v: torch.tensor(v, device=dev)
+cases = {
+    "gather range": (IndexError, r"idx\[1, 0\] = 5 is out of range",
+                     lambda: ops.gather_tokens(x, t([[0, 1], [5, 2]]))),
+    "gather shape": (ValueError, r"idx must have shape",
+                     lambda: ops.gather_tokens(x, t([[0, 1]]))),
+    "merge repeat": (ValueError, r"src_idx must not repeat a token",
+                     lambda: ops.merge_tokens(x, w, t([[0, 0], [1, 2]]), t([[3, 3], [4, 4]]))),
+    "reinsert cover": (ValueError, r"must together cover 0..4 exactly once",
+                       lambda: ops.reinsert_tokens(x[:, :3], t([[0, 1, 2], [0, 1, 2]]), x[:, 3:],
+                                                   t([[3, 3], [3, 4]]))),
+    "lam negative": (ValueError, r"lam must be >= 0 everywhere",
+                     lambda: ops.token_importance(torch.randn(1, 20, 3, device=dev),
+                                                  -torch.ones(1, 3, device=dev), 4)),
+}
+import re
+for name, (kind, pattern, call) in cases.items():
+    print("case", name, flush=True)
+    try:
+        call()
+    except kind as e:
+        assert re.search(pattern, str(e)), (name, str(e))
+    else:
+        raise AssertionError(name + ": no exception")
+print("all raised")
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_checks_raise_from_the_compiled_front_end(device):
+    if device == "cuda":
+        _ops_and_reference()
+    result = subprocess.run([sys.executable, "-c", _RAISING_CASES, device], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT)
+    last_case = [line for line in result.stdout.splitlines() if line.startswith("case ")][-1:]
+    assert result.returncode == 0 and "all raised" in result.stdout, (
+        f"exit {result.returncode} at {last_case}:\n{result.stdout}\n{result.stderr[-3000:]}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_unchecked_calls_match_and_stay_memory_safe(dtype):
+    """Without the synchronising checks valid inputs give the same results, and invalid ones
+    (out-of-range, repeated, negative) run without an out-of-bounds access: the CUDA context stays
+    usable and a gathered row with a bad index is NaN."""
+    ops, _ = _ops_and_reference()
+    g = torch.Generator().manual_seed(5)
+    B, N, D, R = 3, 40, 24, 12
+    x = torch.randn(B, N, D, generator=g).to(dtype).cuda()
+    w = torch.rand(B, N, generator=g).to(dtype).cuda()
+    src, dst = (t.cuda() for t in _index_sets(B, N, R, seed=6))
+    order = torch.argsort(torch.rand(B, N, generator=g), dim=1).cuda()
+    kept_idx, pruned_idx = order[:, : N - R], order[:, N - R:]
+    (U, lam, v), _ = _metric_inputs(2, 7, 8, 4, 1, dtype)
+
+    def run_all(src, dst, kept_idx, pruned_idx, lam):
+        return (ops.gather_tokens(x, kept_idx), *ops.merge_tokens(x, w, src, dst),
+                ops.reinsert_tokens(x[:, : N - R], kept_idx, x[:, N - R:], pruned_idx),
+                ops.lowrank_metric_apply(U, lam, v, 0.3), ops.token_importance(U, lam, 7))
+
+    checked = run_all(src, dst, kept_idx, pruned_idx, lam)
+    with ops.sync_checks(False):
+        unchecked = run_all(src, dst, kept_idx, pruned_idx, lam)
+    for a, b in zip(checked, unchecked):
+        assert torch.equal(a, b)
+
+    bad_kept = kept_idx.clone()
+    bad_kept[0, 0], bad_kept[1, 3] = N + 7, -3
+    bad_src, bad_dst = src.clone(), dst.clone()
+    bad_src[0, 1] = bad_src[0, 0]        # repeated source
+    bad_src[1, 0] = 10**9                # out of range
+    bad_dst[2, 0] = bad_src[2, 1]        # destination merged away
+    bad_dst[2, 2] = -1
+    bad_pruned = pruned_idx.clone()
+    bad_pruned[0, 0] = 10**6
+    with ops.sync_checks(False):
+        out = run_all(bad_src, bad_dst, bad_kept, bad_pruned, -lam)
+    torch.cuda.synchronize()
+    gathered = out[0].float()
+    assert torch.isnan(gathered[0, 0]).all() and torch.isnan(gathered[1, 3]).all()
+    assert torch.equal(gathered[2], checked[0][2].float())
+    assert out[1].shape == (B, N - R, D) and out[3].shape == (B, N, D)
+    # the context is intact: a fresh checked call still matches the reference
+    assert torch.equal(ops.gather_tokens(x, kept_idx), checked[0])

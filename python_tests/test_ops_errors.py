@@ -157,3 +157,22 @@ def test_device_mismatch():
     x = torch.randn(2, 5, 3, device="cuda")
     with pytest.raises(ValueError, match=r"idx must be on the device of x"):
         ops.gather_tokens(x, torch.zeros(2, 1, dtype=torch.long))
+
+
+def test_sync_checks_switch_leaves_cpu_inputs_checked(dtype):
+    assert ops.sync_checks_enabled()
+    x = torch.randn(2, 5, 3, dtype=dtype)
+    U, lam, v = _metric(dtype)
+    with ops.sync_checks(False):
+        assert not ops.sync_checks_enabled()
+        with pytest.raises(IndexError, match=r"idx\[1, 0\] = 5 is out of range"):
+            ops.gather_tokens(x, torch.tensor([[0, 1], [5, 2]]))
+        with pytest.raises(ValueError, match=r"lam must be >= 0 everywhere"):
+            ops.lowrank_metric_apply(U, -lam, v, 0.1)
+        with ops.sync_checks(True):
+            assert ops.sync_checks_enabled()
+        assert not ops.sync_checks_enabled()
+    assert ops.sync_checks_enabled()
+    with pytest.raises(RuntimeError, match="boom"), ops.sync_checks(False):
+        raise RuntimeError("boom")
+    assert ops.sync_checks_enabled()

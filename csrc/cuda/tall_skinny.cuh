@@ -11,6 +11,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "single_column.cuh"
 
 #include <algorithm>
 
@@ -194,32 +195,36 @@ void column_products(const at::Tensor& A, const at::Tensor& C, bool with_norms,
     return;
   }
 
-  int64_t chunk_rows = rows_per_chunk(P, B, tile_rows);
-  const int64_t max_chunks = std::max<int64_t>(1, kMaxPartialElements / (B * n_out));
-  if (ceil_div(P, chunk_rows) > max_chunks) chunk_rows = round_up(ceil_div(P, max_chunks), tile_rows);
-  const int64_t chunks = ceil_div(P, chunk_rows);
-
-  const int64_t stage_bytes = round_up(int64_t(tile_rows) * a * sizeof(T), 16) +
-                              (same ? 0 : int64_t(tile_rows) * c * sizeof(T));
-  const int64_t red_bytes = int64_t(kProductThreads) * kTileValues * sizeof(Acc);
-  const int64_t smem = std::max(stage_bytes, red_bytes);
-  TORCH_INTERNAL_ASSERT(smem <= kMaxDynamicSmem);
-
-  const at::Tensor partial = at::empty({B, chunks, n_out}, out.options());
-  const dim3 grid(static_cast<unsigned>(B * chunks), static_cast<unsigned>(tile_groups));
   const cudaStream_t stream = current_stream();
-  const T* a_ptr = A.data_ptr<T>();
-  const T* c_ptr = C.data_ptr<T>();
-  if (with_norms) {
-    column_products_partial_kernel<T, Acc, true><<<grid, kProductThreads, smem, stream>>>(
-        a_ptr, c_ptr, partial.data_ptr<Acc>(), P, static_cast<int>(a), static_cast<int>(c), same,
-        chunk_rows, static_cast<int>(chunks), tile_rows, static_cast<int>(n_out));
-  } else {
-    column_products_partial_kernel<T, Acc, false><<<grid, kProductThreads, smem, stream>>>(
-        a_ptr, c_ptr, partial.data_ptr<Acc>(), P, static_cast<int>(a), static_cast<int>(c), same,
-        chunk_rows, static_cast<int>(chunks), tile_rows, static_cast<int>(n_out));
+  at::Tensor partial;
+  int64_t chunks = 0;
+  if (same || !single_column_products<T, Acc>(A, C, with_norms, partial, chunks)) {
+    int64_t chunk_rows = rows_per_chunk(P, B, tile_rows);
+    const int64_t max_chunks = std::max<int64_t>(1, kMaxPartialElements / (B * n_out));
+    if (ceil_div(P, chunk_rows) > max_chunks) chunk_rows = round_up(ceil_div(P, max_chunks), tile_rows);
+    chunks = ceil_div(P, chunk_rows);
+
+    const int64_t stage_bytes = round_up(int64_t(tile_rows) * a * sizeof(T), 16) +
+                                (same ? 0 : int64_t(tile_rows) * c * sizeof(T));
+    const int64_t red_bytes = int64_t(kProductThreads) * kTileValues * sizeof(Acc);
+    const int64_t smem = std::max(stage_bytes, red_bytes);
+    TORCH_INTERNAL_ASSERT(smem <= kMaxDynamicSmem);
+
+    partial = at::empty({B, chunks, n_out}, out.options());
+    const dim3 grid(static_cast<unsigned>(B * chunks), static_cast<unsigned>(tile_groups));
+    const T* a_ptr = A.data_ptr<T>();
+    const T* c_ptr = C.data_ptr<T>();
+    if (with_norms) {
+      column_products_partial_kernel<T, Acc, true><<<grid, kProductThreads, smem, stream>>>(
+          a_ptr, c_ptr, partial.data_ptr<Acc>(), P, static_cast<int>(a), static_cast<int>(c), same,
+          chunk_rows, static_cast<int>(chunks), tile_rows, static_cast<int>(n_out));
+    } else {
+      column_products_partial_kernel<T, Acc, false><<<grid, kProductThreads, smem, stream>>>(
+          a_ptr, c_ptr, partial.data_ptr<Acc>(), P, static_cast<int>(a), static_cast<int>(c), same,
+          chunk_rows, static_cast<int>(chunks), tile_rows, static_cast<int>(n_out));
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   const int64_t out_tiles = ceil_div(n_out, 32);
   reduce_chunks_kernel<T, Acc><<<static_cast<unsigned>(B * out_tiles), dim3(32, 8), 0, stream>>>(
@@ -292,6 +297,7 @@ void row_matmul(const at::Tensor& A, const at::Tensor& M, const at::Tensor& V, A
                 const at::Tensor& Y) {
   const int64_t B = A.size(0), P = A.size(1), a = A.size(2), c = M.size(2);
   if (B == 0 || P == 0 || c == 0) return;
+  if (a > 0 && single_column_row_dot<T, Acc>(A, M, V, alpha, Y)) return;
   const int tile_rows = tile_rows_for(a * static_cast<int64_t>(sizeof(T)), kMatmulStageBytes);
   if (a == 0 || tile_rows == 0) {
     const auto acc_type = c10::CppTypeToScalarType<Acc>::value;

@@ -17,10 +17,13 @@ namespace cuda {
 namespace {
 
 constexpr int kCopyThreads = 256;
+constexpr int kCopyUnroll = 8;
 constexpr int kPlanThreads = 256;
 constexpr int kMergeThreads = 256;
 
-// Where row q of a gather comes from and goes to.
+// Where row q of a gather comes from and goes to. The front end checks the indices unless its
+// synchronising checks are switched off; then an out-of-range index gives src = nullptr (the
+// row is filled with NaN) instead of an out-of-bounds read.
 template <typename T>
 struct GatherRows {
   const T* x;
@@ -29,12 +32,14 @@ struct GatherRows {
   int64_t K, N, D;
   __device__ void operator()(int64_t q, const T*& src, T*& dst) const {
     const int64_t b = q / K;
-    src = x + (b * N + idx[q]) * D;
+    const int64_t t = idx[q];
+    src = (t >= 0 && t < N) ? x + (b * N + t) * D : nullptr;
     dst = out + q * D;
   }
 };
 
-// Rows 0..K-1 of each batch entry come from `kept`, rows K..K+R-1 from `pruned`.
+// Rows 0..K-1 of each batch entry come from `kept`, rows K..K+R-1 from `pruned`; a position
+// out of range (unchecked input) gives dst = nullptr and the row is skipped.
 template <typename T>
 struct ReinsertRows {
   const T* kept;
@@ -47,13 +52,9 @@ struct ReinsertRows {
     const int64_t total = K + R;
     const int64_t b = q / total;
     const int64_t i = q % total;
-    if (i < K) {
-      src = kept + (b * K + i) * D;
-      dst = out + (b * total + kept_idx[b * K + i]) * D;
-    } else {
-      src = pruned + (b * R + i - K) * D;
-      dst = out + (b * total + pruned_idx[b * R + i - K]) * D;
-    }
+    const int64_t t = i < K ? kept_idx[b * K + i] : pruned_idx[b * R + i - K];
+    src = i < K ? kept + (b * K + i) * D : pruned + (b * R + i - K) * D;
+    dst = (t >= 0 && t < total) ? out + (b * total + t) * D : nullptr;
   }
 };
 
@@ -68,11 +69,31 @@ __global__ void __launch_bounds__(kCopyThreads)
     const T* src;
     T* dst;
     map(q, src, dst);
+    if (dst == nullptr) continue;
+    if (src == nullptr) {
+      const T nan = detail::from_acc<T>(__int_as_float(0x7fc00000));
+      for (int64_t i = lane; i < row_len; i += detail::kWarpSize) dst[i] = nan;
+      continue;
+    }
     if (kVector) {
+      // All of a lane's loads (up to kCopyUnroll) are issued before its first store: one row's
+      // copy is then a single memory round trip rather than one per 512 bytes.
       const int64_t num_vec = row_len * int64_t(sizeof(T)) / 16;
       const uint4* src4 = reinterpret_cast<const uint4*>(src);
       uint4* dst4 = reinterpret_cast<uint4*>(dst);
-      for (int64_t i = lane; i < num_vec; i += detail::kWarpSize) dst4[i] = __ldg(src4 + i);
+      for (int64_t i0 = lane; i0 < num_vec; i0 += kCopyUnroll * detail::kWarpSize) {
+        uint4 buf[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int64_t i = i0 + u * detail::kWarpSize;
+          if (i < num_vec) buf[u] = __ldg(src4 + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int64_t i = i0 + u * detail::kWarpSize;
+          if (i < num_vec) dst4[i] = buf[u];
+        }
+      }
     } else {
       for (int64_t i = lane; i < row_len; i += detail::kWarpSize) dst[i] = src[i];
     }
@@ -160,10 +181,16 @@ __global__ void __launch_bounds__(kPlanThreads)
   for (int n = threadIdx.x; n < N; n += blockDim.x) pos[n] = 0;
   for (int j = threadIdx.x; j <= M; j += blockDim.x) offsets[j] = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < R; i += blockDim.x) pos[src[i]] = 1;
+  // Indices out of range (possible only when the front end's synchronising checks are off) are
+  // dropped wherever they occur, so that no access leaves the arrays.
+  for (int i = threadIdx.x; i < R; i += blockDim.x) {
+    const int64_t s = src[i];
+    if (s >= 0 && s < N) pos[s] = 1;
+  }
   __syncthreads();
 
-  // Kept tokens in their original order: pos[n] = number of kept tokens before n.
+  // Kept tokens in their original order: pos[n] = number of kept tokens before n, -1 for a
+  // merged token. (A repeated source leaves more than M kept tokens; those past M are dropped.)
   int carry = 0;
   for (int base = 0; base < N; base += blockDim.x) {
     const int n = base + threadIdx.x;
@@ -171,17 +198,19 @@ __global__ void __launch_bounds__(kPlanThreads)
     int tile_total;
     const int before = carry + block_exclusive_scan(keep, warp_sums, tile_total);
     if (n < N) {
-      pos[n] = before;
-      if (keep) kept_src[before] = n;
+      pos[n] = keep ? before : -1;
+      if (keep && before < M) kept_src[before] = n;
     }
     carry += tile_total;
   }
   __syncthreads();
 
   for (int i = threadIdx.x; i < R; i += blockDim.x) {
-    const int j = pos[dst[i]];
+    const int64_t s = src[i], d = dst[i];
+    int j = (d >= 0 && d < N) ? pos[d] : -1;
+    if (j >= M || s < 0 || s >= N) j = -1;
     dst_pos[i] = j;
-    atomicAdd(offsets + j, 1);
+    if (j >= 0) atomicAdd(offsets + j, 1);
   }
   __syncthreads();
 
@@ -194,13 +223,14 @@ __global__ void __launch_bounds__(kPlanThreads)
     if (j < M) offsets[j] = before;
     carry += tile_total;
   }
-  if (threadIdx.x == 0) offsets[M] = R;
+  if (threadIdx.x == 0) offsets[M] = carry;  // R when every index is valid
   __syncthreads();
 
   // Source i goes after the earlier sources of the same destination: lists sorted by i, so the
   // summation order below does not depend on scheduling.
   for (int i = threadIdx.x; i < R; i += blockDim.x) {
     const int j = dst_pos[i];
+    if (j < 0) continue;
     int rank = 0;
     for (int earlier = 0; earlier < i; ++earlier) rank += dst_pos[earlier] == j;
     sources[offsets[j] + rank] = i;

@@ -37,7 +37,16 @@ void check_batch(const at::Tensor& t, const char* name);
 // A non-empty batch of tall-skinny floating matrices [B, P, r] with 1 <= r <= P.
 void check_tall_skinny(const at::Tensor& t, const char* name);
 
-// Every element >= 0 (NaN is left to check_finite).
+// The value checks that read tensor data (lam >= 0, w >= 0, index ranges, repeated indices)
+// cost a device-to-host synchronisation for CUDA tensors. They can be switched off for the
+// calling thread; CPU tensors are always checked, and the CUDA kernels stay memory-safe on
+// invalid values (unspecified results, never an out-of-bounds access).
+void set_sync_checks(bool enabled);
+bool sync_checks_enabled();
+// Whether the value checks of `t` run: always for CPU tensors, else unless switched off.
+bool value_checks(const at::Tensor& t);
+
+// Every element >= 0 (NaN is left to check_finite); skipped when value_checks(t) is false.
 void check_nonnegative(const at::Tensor& t, const char* name);
 
 // Every element finite; only called when the caller asked for it.

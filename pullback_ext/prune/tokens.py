@@ -68,14 +68,16 @@ class TokenState:
         """
         keep = _complement(remove, self.x.shape[1])
         remove = remove.sort(dim=1).values
-        frozen = ops.gather_tokens(self.x, remove)
+        with _internal_indices():
+            frozen = ops.gather_tokens(self.x, remove)
+            kept = ops.gather_tokens(self.x, keep)
         frozen_positions = torch.gather(self.positions, 1, remove)
         if self.frozen is not None:
             frozen = torch.cat([self.frozen, frozen], dim=1)
             frozen_positions = torch.cat([self.frozen_positions, frozen_positions], dim=1)
         return replace(
             self,
-            x=ops.gather_tokens(self.x, keep),
+            x=kept,
             positions=torch.gather(self.positions, 1, keep),
             sizes=torch.gather(self.sizes, 1, keep),
             weights=torch.gather(self.weights, 1, keep),
@@ -91,8 +93,9 @@ class TokenState:
         """
         k = self.x.shape[1]
         w = self.weights if weights is None else weights
-        x, w_new = ops.merge_tokens(self.x, w, src, dst)
-        _, sizes = ops.merge_tokens(self.sizes.unsqueeze(-1), self.sizes, src, dst)
+        with _internal_indices():
+            x, w_new = ops.merge_tokens(self.x, w, src, dst)
+            _, sizes = ops.merge_tokens(self.sizes.unsqueeze(-1), self.sizes, src, dst)
         keep = _complement(src, k)
         # new index of every old token: its rank among the kept ones, or its destination's rank
         kept_mask = torch.ones(self.x.shape[0], k, dtype=torch.long, device=self.x.device).scatter(1, src, 0)
@@ -115,10 +118,11 @@ class TokenState:
         tokens each take the feature of the token they were merged into.
         """
         x = self.x if x is None else x
-        if self.owner is not None:
-            return ops.gather_tokens(x, self.owner)
-        if self.frozen is not None:
-            return ops.reinsert_tokens(x, self.positions, self.frozen, self.frozen_positions)
+        with _internal_indices():
+            if self.owner is not None:
+                return ops.gather_tokens(x, self.owner)
+            if self.frozen is not None:
+                return ops.reinsert_tokens(x, self.positions, self.frozen, self.frozen_positions)
         return x
 
     def restore(self, masked: bool = False) -> "TokenState":
@@ -145,6 +149,12 @@ class TokenState:
             mask = torch.zeros(hidden.shape, dtype=self.x.dtype, device=self.x.device).masked_fill(hidden, float("-inf"))
             bias = mask[:, None] if bias is None else bias + mask[:, None]
         return bias
+
+
+def _internal_indices():
+    """The index sets of a TokenState are built here from topk/argsort, valid by construction:
+    their checks would only add a device-to-host synchronisation per op on CUDA."""
+    return ops.sync_checks(False)
 
 
 def _complement(remove: torch.Tensor, k: int) -> torch.Tensor:
