@@ -57,6 +57,13 @@ def _extension():
     archs = ""
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cxx_flags = ["-O3", "-std=c++20"]
+    link_flags = []
+    # at::parallel_for is an inline `#pragma omp parallel` when ATen uses OpenMP: without -fopenmp
+    # the CPU kernels would silently run on one thread. The library resolves to the libgomp that
+    # torch already loaded (same soname), so torch.set_num_threads governs both.
+    if "OpenMP" in torch.__config__.parallel_info() and sys.platform.startswith("linux"):
+        cxx_flags.append("-fopenmp")
+        link_flags.append("-fopenmp")
     define_macros = []
     if with_cuda:
         archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS
@@ -69,6 +76,7 @@ def _extension():
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++20", "-lineinfo"]},
+            extra_link_args=link_flags,
         )
     else:
         ext = cpp_extension.CppExtension(
@@ -77,6 +85,7 @@ def _extension():
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=link_flags,
         )
     _write_build_info(with_cuda, archs)
     return ext

@@ -3,8 +3,11 @@
 //
 // The fake (meta) kernels and the autograd formulas are registered from Python in
 // pullback_ext/ops.py, which set_python_module points the dispatcher to.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <torch/library.h>
+
+#include <atomic>
 
 #include "cpu/simd.h"
 #include "ops/checks.h"
@@ -12,6 +15,19 @@
 
 namespace pullback {
 namespace ops {
+
+// Threads that took part in one at::parallel_for over `tasks` single-task chunks: shows that the
+// CPU kernels' loops really run in parallel in this build (it needs OpenMP when ATen uses it).
+int64_t parallel_threads(int64_t tasks) {
+  std::atomic<int64_t> highest{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    const int64_t mine = at::get_thread_num() + 1;
+    int64_t seen = highest.load();
+    while (mine > seen && !highest.compare_exchange_weak(seen, mine)) {
+    }
+  });
+  return highest.load();
+}
 
 bool cuda_built() {
 #ifdef WITH_CUDA
@@ -72,6 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Switch the value checks that synchronise with a CUDA device on or off for this thread.");
   m.def("sync_checks_enabled", &sync_checks_enabled,
         "Whether this thread runs the value checks that synchronise with a CUDA device.");
+  m.def("parallel_threads", &parallel_threads, py::arg("tasks"),
+        "Threads that took part in an at::parallel_for over `tasks` chunks (the CPU kernels' loops).");
   m.def("cpu_isa", [] { return std::string(pullback::cpu::isa_name(pullback::cpu::active_isa())); },
         "Instruction set of the CPU row kernels chosen for this machine (baseline, avx2, avx512).");
 }

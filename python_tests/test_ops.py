@@ -286,3 +286,20 @@ def test_importance_wide_rank(N, D, r):
     # r that is no divisor of the kernel's vector period, and r beyond its on-stack accumulator.
     U, lam, _ = metric_inputs(2, N, D, r, 1, torch.float64, "cpu")
     torch.testing.assert_close(ops.token_importance(U, lam, N), reference.token_importance(U, lam, N))
+
+
+def test_cpu_kernels_run_on_every_intra_op_thread():
+    # at::parallel_for inside the extension must really fork: a build without the OpenMP flags
+    # ATen needs would run every CPU kernel on one thread.
+    from pullback_ext._loader import load_compiled
+
+    compiled = load_compiled()
+    if compiled is None:
+        pytest.skip("the extension is not built")
+    threads = torch.get_num_threads()
+    assert compiled.parallel_threads(64) == threads
+    torch.set_num_threads(1)
+    try:
+        assert compiled.parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(threads)

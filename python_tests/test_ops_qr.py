@@ -100,7 +100,8 @@ def test_qr_mixed_batch_only_falls_back_where_needed():
 
 
 def test_qr_isa_variants_agree(tmp_path):
-    """Every compiled instruction-set variant of the row kernels gives the same factorisation."""
+    """Every compiled instruction-set variant of the row kernels gives the same results (the k = 1
+    metric kernels included: their vector width splits r = 3 and r = 7 differently)."""
     import os
     import subprocess
     import sys
@@ -115,7 +116,10 @@ def test_qr_isa_variants_agree(tmp_path):
         "Q, R = ops.block_orthonormalize(X, True);"
         "U = X[..., :3].contiguous(); lam = torch.rand(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1));"
         "torch.save({'Q': Q, 'R': R, 'imp': ops.token_importance(U, lam, 9),"
-        " 'y': ops.lowrank_metric_apply(U, lam, X[..., 3:5], 0.2), 'isa': _C.cpu_isa()}, sys.argv[1])"
+        " 'y': ops.lowrank_metric_apply(U, lam, X[..., 3:5], 0.2),"
+        " 'y1': ops.lowrank_metric_apply(X, torch.ones(2, 7, dtype=X.dtype), X[..., 5:6].contiguous(), 0.2),"
+        " 'q1': ops.lowrank_metric_quadform(U, lam, X[..., 3:4].contiguous(), 0.2),"
+        " 'isa': _C.cpu_isa()}, sys.argv[1])"
     )
     results = {}
     for isa in ("baseline", "avx2", "avx512"):
@@ -126,5 +130,5 @@ def test_qr_isa_variants_agree(tmp_path):
     base = results["baseline"]
     assert base["isa"] == "baseline"
     for isa, res in results.items():
-        for key in ("Q", "R", "imp", "y"):
+        for key in ("Q", "R", "imp", "y", "y1", "q1"):
             torch.testing.assert_close(res[key], base[key], rtol=1e-12, atol=1e-12)
