@@ -244,7 +244,7 @@ def test_gpu_merge_is_deterministic():
 
 # Each case raises from the compiled front end; run in a child process so that a crash in the
 # error path (seen once on a GPU machine whose extension was built by another toolchain than its
-# torch) fails this test with the case named instead of ending the whole session.
+# torch) fails this test with the case named instead of ending the whole test run.
 _RAISING_CASES = r"""
 import sys, torch
 from pullback_ext import ops
