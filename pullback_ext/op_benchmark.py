@@ -63,19 +63,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def median_ms(fn: Callable[[], object], repeats: int, device: str) -> float:
-    """Median wall time of ``fn`` in milliseconds after one warm-up call."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def interleaved_medians_ms(fns: list[Callable[[], object]], repeats: int, device: str) -> list[float]:
     """Median wall times of several functions timed in turn, so that load from other processes
     on the machine affects all of them alike; one warm-up call each."""

@@ -68,9 +68,10 @@ _sync_state = threading.local()
 
 def set_sync_checks(enabled: bool) -> None:
     """Run (True, the default) or skip (False) the synchronising value checks in this thread."""
-    _sync_state.enabled = bool(enabled)
     if _C is not None:
         _C.set_sync_checks(bool(enabled))
+    else:  # the pure-torch fallback always checks; the state is only reported back
+        _sync_state.enabled = bool(enabled)
 
 
 def sync_checks_enabled() -> bool:

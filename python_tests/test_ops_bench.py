@@ -38,7 +38,7 @@ def test_outputs_are_written(tmp_path):
 
 def test_timing_helpers_call_each_function_warmup_plus_repeats():
     calls = []
-    assert op_benchmark.median_ms(lambda: calls.append(1), 5, "cpu") >= 0
+    assert op_benchmark.timed_medians_ms([lambda: calls.append(1)], 5, "cpu")[0] >= 0
     assert len(calls) == 6  # one warm-up, five timed
     a, b = [], []
     slow = lambda: (b.append(1), sum(range(20000)))  # noqa: E731

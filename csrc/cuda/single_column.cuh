@@ -50,10 +50,27 @@ int pick_vector_bytes(const at::Tensor& A) {
   return 0;
 }
 
+// Calls f(std::integral_constant<int, B>()) for B = bytes (16, 8 or 4), instantiating only the
+// widths that hold whole elements of T (pick_vector_bytes never returns another).
+template <typename T, typename F>
+void with_vector_bytes(int bytes, F&& f) {
+  const auto call = [&](auto tag) {
+    if constexpr (decltype(tag)::value % sizeof(T) == 0) f(tag);
+  };
+  if (bytes == 16) {
+    call(std::integral_constant<int, 16>());
+  } else if (bytes == 8) {
+    call(std::integral_constant<int, 8>());
+  } else {
+    call(std::integral_constant<int, 4>());
+  }
+}
+
 // One block per (batch entry, chunk of rows). Thread t reads vector t % V of rows
 // t / V, t / V + S, ... (V vectors per row, S = blockDim.x / V rows per sweep), so a warp reads
 // consecutive 16-byte pieces and every thread always meets the same kVec columns.
-template <typename T, typename Acc, int kBytes, bool kNorms>
+// With n_out = a + 1 the squared norm of C is written after the a column sums.
+template <typename T, typename Acc, int kBytes>
 __global__ void __launch_bounds__(kSingleColumnThreads)
     single_column_products_kernel(const T* __restrict__ A, const T* __restrict__ C,
                                   Acc* __restrict__ partial, int64_t P, int a,
@@ -86,7 +103,7 @@ __global__ void __launch_bounds__(kSingleColumnThreads)
       const T* vals = reinterpret_cast<const T*>(&raw);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) acc[i] += to_acc<Acc>(vals[i]) * c;
-      if (kNorms) norm += c * c;
+      norm += c * c;
     }
   }
   Acc* mine = red + threadIdx.x * kValues;
@@ -136,24 +153,12 @@ bool single_column_products(const at::Tensor& A, const at::Tensor& C, bool with_
   const T* a_ptr = A.data_ptr<T>();
   const T* c_ptr = C.data_ptr<T>();
   Acc* out = partial.data_ptr<Acc>();
-  const auto launch = [&](auto bytes_tag, auto norms_tag) {
-    constexpr int kB = decltype(bytes_tag)::value;
-    constexpr bool kN = decltype(norms_tag)::value;
-    if constexpr (kB % sizeof(T) == 0) {  // pick_vector_bytes never picks a narrower vector
-      single_column_products_kernel<T, Acc, kB, kN><<<grid, kSingleColumnThreads, smem, stream>>>(
-          a_ptr, c_ptr, out, P, static_cast<int>(a), chunk_rows, static_cast<int>(chunks),
-          static_cast<int>(n_out));
-    }
-  };
-  using Yes = std::true_type;
-  using No = std::false_type;
-  if (bytes == 16) {
-    with_norms ? launch(std::integral_constant<int, 16>(), Yes()) : launch(std::integral_constant<int, 16>(), No());
-  } else if (bytes == 8) {
-    with_norms ? launch(std::integral_constant<int, 8>(), Yes()) : launch(std::integral_constant<int, 8>(), No());
-  } else {
-    with_norms ? launch(std::integral_constant<int, 4>(), Yes()) : launch(std::integral_constant<int, 4>(), No());
-  }
+  with_vector_bytes<T>(bytes, [&](auto bytes_tag) {
+    single_column_products_kernel<T, Acc, decltype(bytes_tag)::value>
+        <<<grid, kSingleColumnThreads, smem, stream>>>(a_ptr, c_ptr, out, P, static_cast<int>(a),
+                                                       chunk_rows, static_cast<int>(chunks),
+                                                       static_cast<int>(n_out));
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
@@ -201,20 +206,11 @@ bool single_column_row_dot(const at::Tensor& A, const at::Tensor& M, const at::T
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(B));
   const cudaStream_t stream = current_stream();
   const T* v_ptr = V.defined() ? V.data_ptr<T>() : nullptr;
-  const auto launch = [&](auto bytes_tag) {
-    constexpr int kB = decltype(bytes_tag)::value;
-    if constexpr (kB % sizeof(T) == 0) {
-      single_column_row_dot_kernel<T, Acc, kB><<<grid, kSingleColumnThreads, smem, stream>>>(
-          A.data_ptr<T>(), M.data_ptr<Acc>(), v_ptr, Y.data_ptr<T>(), P, static_cast<int>(a), alpha);
-    }
-  };
-  if (bytes == 16) {
-    launch(std::integral_constant<int, 16>());
-  } else if (bytes == 8) {
-    launch(std::integral_constant<int, 8>());
-  } else {
-    launch(std::integral_constant<int, 4>());
-  }
+  with_vector_bytes<T>(bytes, [&](auto bytes_tag) {
+    single_column_row_dot_kernel<T, Acc, decltype(bytes_tag)::value>
+        <<<grid, kSingleColumnThreads, smem, stream>>>(A.data_ptr<T>(), M.data_ptr<Acc>(), v_ptr,
+                                                       Y.data_ptr<T>(), P, static_cast<int>(a), alpha);
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }

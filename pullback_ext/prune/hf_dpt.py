@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.pipeline import ReductionConfig, run_blocks
-from pullback_ext.prune.tokens import TokenState
+from pullback_ext.prune.tokens import TokenState, internal_indices
 
 _LAYER_ATTR = "_pullback_layer_state"
 
@@ -80,7 +80,7 @@ def encoder_forward(encoder, cfg: ReductionConfig, holder: dict, hidden_states: 
         out = layer(state.x)
         if not state.reduced:
             return out
-        with ops.sync_checks(False):  # positions come from the TokenState: valid by construction
+        with internal_indices():
             return ops.gather_tokens(out, state.positions)
 
     try:

@@ -68,7 +68,7 @@ class TokenState:
         """
         keep = _complement(remove, self.x.shape[1])
         remove = remove.sort(dim=1).values
-        with _internal_indices():
+        with internal_indices():
             frozen = ops.gather_tokens(self.x, remove)
             kept = ops.gather_tokens(self.x, keep)
         frozen_positions = torch.gather(self.positions, 1, remove)
@@ -93,7 +93,7 @@ class TokenState:
         """
         k = self.x.shape[1]
         w = self.weights if weights is None else weights
-        with _internal_indices():
+        with internal_indices():
             x, w_new = ops.merge_tokens(self.x, w, src, dst)
             _, sizes = ops.merge_tokens(self.sizes.unsqueeze(-1), self.sizes, src, dst)
         keep = _complement(src, k)
@@ -118,7 +118,7 @@ class TokenState:
         tokens each take the feature of the token they were merged into.
         """
         x = self.x if x is None else x
-        with _internal_indices():
+        with internal_indices():
             if self.owner is not None:
                 return ops.gather_tokens(x, self.owner)
             if self.frozen is not None:
@@ -151,9 +151,9 @@ class TokenState:
         return bias
 
 
-def _internal_indices():
-    """The index sets of a TokenState are built here from topk/argsort, valid by construction:
-    their checks would only add a device-to-host synchronisation per op on CUDA."""
+def internal_indices():
+    """Context for the token ops on a TokenState's own index sets (built from topk/argsort, valid
+    by construction): their checks would only add a device-to-host synchronisation per op on CUDA."""
     return ops.sync_checks(False)
 
 
