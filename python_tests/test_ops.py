@@ -85,6 +85,28 @@ def test_metric_closed_form():
     torch.testing.assert_close(q, 0.25 + lam)
 
 
+def test_paper_sized_cpu_operands_match_reference():
+    # Paper-sized operands: many row blocks and parallel tasks per image, tens of MB of output.
+    B, N, D, R = 24, 257, 768, 64
+    x, w, src, dst = merge_inputs(B, N, D, R, torch.float32, "cpu")
+    x_new, w_new = ops.merge_tokens(x, w, src, dst)
+    x_ref, w_ref = _reference64(reference.merge_tokens, x, w, src, dst)
+    _close(x_new, x_ref, torch.float32)
+    _close(w_new, w_ref, torch.float32)
+    kept_idx = torch.stack([torch.randperm(N)[: N - R] for _ in range(B)])
+    assert torch.equal(ops.gather_tokens(x, kept_idx), reference.gather_tokens(x, kept_idx))
+    kept, kept_idx, pruned, pruned_idx = reinsert_inputs(B, N - R, R, D, torch.float32, "cpu")
+    assert torch.equal(ops.reinsert_tokens(kept, kept_idx, pruned, pruned_idx),
+                       reference.reinsert_tokens(kept, kept_idx, pruned, pruned_idx))
+    U, lam, v = metric_inputs(2, 257, 768, 20, 12, torch.float32, "cpu")
+    _close(ops.lowrank_metric_apply(U, lam, v, 0.3), _reference64(reference.lowrank_metric_apply, U, lam, v, 0.3), torch.float32)
+    X = torch.randn(2, 257 * 768, 20, generator=torch.Generator().manual_seed(0))
+    Q, R_ = ops.block_orthonormalize(X, return_r=True)
+    eye = torch.eye(20, dtype=torch.float64)
+    assert float((Q.double().mT @ Q.double() - eye).abs().max()) <= 1e-5
+    assert float((Q.double() @ R_.double() - X.double()).abs().max()) <= 1e-4
+
+
 @pytest.mark.parametrize("B,N,D,R", [(1, 2, 1, 1), (2, 9, 5, 4), (3, 17, 33, 8), (1, 6, 3, 0)])
 def test_token_ops_match_reference(B, N, D, R, device_dtype):
     device, dtype = device_dtype

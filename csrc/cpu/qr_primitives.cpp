@@ -1,9 +1,10 @@
-// CPU backend of the CholeskyQR2 primitives: float64 Gram matrix and right multiplication.
+// CPU backend of the CholeskyQR2 primitives: float64 Gram matrices and right multiplications.
 #include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
 
 #include <vector>
 
+#include "cpu/qr_primitives.h"
 #include "cpu/simd.h"
 #include "kernels.h"
 
@@ -14,23 +15,23 @@ namespace {
 
 constexpr int64_t kRowBlock = 4096;
 
-}  // namespace
-
-at::Tensor gram(const at::Tensor& X) {
+// G[B,r,r] = Σ over row blocks of kernel(block) for X[B,P,r], where kernel(x, rows, G_partial,
+// scratch) adds the block's contribution. Per-block partials are summed in a fixed order: the
+// result does not depend on threading.
+template <typename Kernel>
+at::Tensor reduce_row_blocks(const at::Tensor& X, int64_t scratch_doubles, Kernel kernel) {
   const int64_t B = X.size(0), P = X.size(1), r = X.size(2);
   const int64_t nblk = (P + kRowBlock - 1) / kRowBlock;
   at::Tensor G = at::empty({B, r, r}, X.options().dtype(at::kDouble));
-  // Per-block partial Grams summed in a fixed order: the result does not depend on threading.
   std::vector<double> partial(B * nblk * r * r, 0.0);
   AT_DISPATCH_FLOATING_TYPES(X.scalar_type(), "gram_cpu", [&] {
     const scalar_t* x = X.const_data_ptr<scalar_t>();
     at::parallel_for(0, B * nblk, 1, [&](int64_t first, int64_t last) {
-      std::vector<double> scratch(PULLBACK_ROW_KERNEL(gram_scratch_doubles, r));
+      std::vector<double> scratch(scratch_doubles);
       for (int64_t task = first; task < last; ++task) {
         const int64_t b = task / nblk, blk = task % nblk;
         const int64_t p0 = blk * kRowBlock, rows = std::min(kRowBlock, P - p0);
-        PULLBACK_ROW_KERNEL(gram_rows, x + (b * P + p0) * r, rows, r,
-                            partial.data() + task * r * r, scratch.data());
+        kernel(b, x + (b * P + p0) * r, rows, partial.data() + task * r * r, scratch.data());
       }
     });
   });
@@ -45,11 +46,12 @@ at::Tensor gram(const at::Tensor& X) {
   return G;
 }
 
-at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M) {
+// Y = X M1 (M2), row block by row block; Y may be X itself.
+at::Tensor multiply_into(const at::Tensor& X, const at::Tensor& M1, const at::Tensor* M2, at::Tensor Y) {
   const int64_t B = X.size(0), P = X.size(1), r = X.size(2);
   const int64_t nblk = (P + kRowBlock - 1) / kRowBlock;
-  at::Tensor Y = at::empty_like(X);
-  const double* m = M.const_data_ptr<double>();
+  const double* m1 = M1.const_data_ptr<double>();
+  const double* m2 = M2 != nullptr ? M2->const_data_ptr<double>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES(X.scalar_type(), "right_multiply_cpu", [&] {
     const scalar_t* x = X.const_data_ptr<scalar_t>();
     scalar_t* y = Y.mutable_data_ptr<scalar_t>();
@@ -58,12 +60,39 @@ at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M) {
       for (int64_t task = first; task < last; ++task) {
         const int64_t b = task / nblk, blk = task % nblk;
         const int64_t p0 = blk * kRowBlock, rows = std::min(kRowBlock, P - p0);
-        PULLBACK_ROW_KERNEL(right_multiply_rows, x + (b * P + p0) * r, rows, r, m + b * r * r,
-                            y + (b * P + p0) * r, scratch.data());
+        PULLBACK_ROW_KERNEL(right_multiply_rows, x + (b * P + p0) * r, rows, r, m1 + b * r * r,
+                            m2 == nullptr ? nullptr : m2 + b * r * r, y + (b * P + p0) * r, scratch.data());
       }
     });
   });
   return Y;
+}
+
+}  // namespace
+
+at::Tensor gram(const at::Tensor& X) {
+  const int64_t r = X.size(2);
+  return reduce_row_blocks(X, PULLBACK_ROW_KERNEL(gram_scratch_doubles, r),
+                           [&](int64_t, const auto* x, int64_t rows, double* G, double* scratch) {
+                             PULLBACK_ROW_KERNEL(gram_rows, x, rows, r, G, scratch);
+                           });
+}
+
+at::Tensor product_gram(const at::Tensor& X, const at::Tensor& M) {
+  const int64_t r = X.size(2);
+  const double* m = M.const_data_ptr<double>();
+  return reduce_row_blocks(X, PULLBACK_ROW_KERNEL(product_gram_scratch_doubles, r),
+                           [&](int64_t b, const auto* x, int64_t rows, double* G, double* scratch) {
+                             PULLBACK_ROW_KERNEL(product_gram_rows, x, rows, r, m + b * r * r, G, scratch);
+                           });
+}
+
+at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M) {
+  return multiply_into(X, M, nullptr, at::empty_like(X));
+}
+
+at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M1, const at::Tensor& M2) {
+  return multiply_into(X, M1, &M2, at::empty_like(X));
 }
 
 }  // namespace cpu

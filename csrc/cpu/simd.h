@@ -13,13 +13,19 @@ namespace cpu {
 #define PULLBACK_DECLARE_ROW_KERNELS(NS)                                                           \
   namespace NS {                                                                                  \
   int64_t gram_scratch_doubles(int64_t r);                                                        \
+  int64_t product_gram_scratch_doubles(int64_t r);                                                \
   int64_t right_multiply_scratch_doubles(int64_t r);                                              \
   void gram_rows(const float* x, int64_t rows, int64_t r, double* G, double* scratch);            \
   void gram_rows(const double* x, int64_t rows, int64_t r, double* G, double* scratch);           \
-  void right_multiply_rows(const float* x, int64_t rows, int64_t r, const double* M, float* y,     \
-                           double* scratch);                                                      \
-  void right_multiply_rows(const double* x, int64_t rows, int64_t r, const double* M, double* y,  \
-                           double* scratch);                                                      \
+  void product_gram_rows(const float* x, int64_t rows, int64_t r, const double* M, double* G,     \
+                         double* scratch);                                                        \
+  void product_gram_rows(const double* x, int64_t rows, int64_t r, const double* M, double* G,    \
+                         double* scratch);                                                        \
+  /* M2 may be null (one product). */                                                             \
+  void right_multiply_rows(const float* x, int64_t rows, int64_t r, const double* M1,             \
+                           const double* M2, float* y, double* scratch);                          \
+  void right_multiply_rows(const double* x, int64_t rows, int64_t r, const double* M1,            \
+                           const double* M2, double* y, double* scratch);                         \
   double token_importance_block(const float* u, int64_t D, int64_t r, const float* lam);          \
   double token_importance_block(const double* u, int64_t D, int64_t r, const double* lam);        \
   void project_rows(const float* u, const float* v, int64_t rows, int64_t r, int64_t k,           \

@@ -6,6 +6,11 @@
 // `right_multiply`. Four passes
 // over X, each of them memory-bound, instead of Householder's r dependent passes.
 //
+// On the CPU, Q1 is never stored: the second Gram matrix comes from X M1 formed in float64 chunk by
+// chunk, and Q = (X M1) M2 is formed the same way in the last pass. Three reads of X and one write
+// of Q instead of three reads and two writes of fresh buffers, and Q1 is not rounded to X's dtype;
+// for float64 X the result is the same as with a stored Q1.
+//
 // CholeskyQR2 loses orthogonality once κ(X)² times the float64 unit roundoff is no longer small.
 // An image is therefore refactorised by Householder QR (at::linalg_qr in float64, then cast) when
 //  - the Cholesky factorisation of its first or second Gram matrix fails (X rank-deficient to
@@ -18,8 +23,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <tuple>
 #include <vector>
 
+#include "cpu/qr_primitives.h"
 #include "ops/checks.h"
 #include "ops/dispatch.h"
 #include "ops/ops.h"
@@ -82,9 +89,15 @@ std::tuple<at::Tensor, at::Tensor> block_orthonormalize(const at::Tensor& X_in, 
 
   std::vector<bool> bad(B, false);
   auto [R1, M1] = cholesky_step(PULLBACK_BACKEND_CALL(X, gram, X), /*check_condition=*/true, bad);
-  const at::Tensor Q1 = PULLBACK_BACKEND_CALL(X, right_multiply, X, on_device(M1));
-  auto [R2, M2] = cholesky_step(PULLBACK_BACKEND_CALL(Q1, gram, Q1), /*check_condition=*/false, bad);
-  at::Tensor Q = PULLBACK_BACKEND_CALL(Q1, right_multiply, Q1, on_device(M2));
+  at::Tensor Q, R2, M2;
+  if (X.is_cpu()) {
+    std::tie(R2, M2) = cholesky_step(cpu::product_gram(X, M1), /*check_condition=*/false, bad);
+    Q = cpu::right_multiply(X, M1, M2);
+  } else {
+    const at::Tensor Q1 = PULLBACK_BACKEND_CALL(X, right_multiply, X, on_device(M1));
+    std::tie(R2, M2) = cholesky_step(PULLBACK_BACKEND_CALL(Q1, gram, Q1), /*check_condition=*/false, bad);
+    Q = PULLBACK_BACKEND_CALL(Q1, right_multiply, Q1, on_device(M2));
+  }
 
   at::Tensor R = at::empty_like(R1);
   for (int64_t b = 0; b < B; ++b) {
