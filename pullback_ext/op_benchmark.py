@@ -22,6 +22,7 @@ device (the speed-ups are those of the default, checked call).
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import statistics
@@ -63,15 +64,35 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def last_level_cache_bytes(default: int = 64 * 2**20) -> int:
+    """Size of the CPU's largest cache, from Linux sysfs (``default`` elsewhere)."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else default
+
+
 def interleaved_medians_ms(fns: list[Callable[[], object]], repeats: int, device: str) -> list[float]:
     """Median wall times of several functions timed in turn, so that load from other processes
-    on the machine affects all of them alike; one warm-up call each."""
+    on the machine affects all of them alike; one warm-up call each. On the CPU each call is
+    preceded by a read over twice the last-level cache, so inputs come from memory, not from a
+    cache the previous call left warm (the LLC of a server CPU can hold a whole B = 8 operand)."""
+    flush = torch.ones(2 * last_level_cache_bytes() // 4) if device == "cpu" else None
     for fn in fns:
         fn()
     _sync(device)
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, bucket in zip(fns, times):
+            if flush is not None:
+                flush.sum()
             start = time.perf_counter()
             fn()
             _sync(device)
