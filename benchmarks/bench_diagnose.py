@@ -4,7 +4,8 @@ M ≤ 512, so the trace is exact and the spectrum comes from the same M basis pr
 Against, in the same run:
 
 (a) a straightforward implementation of the paper's algorithm: one JVP / VJP at a time, each
-    re-running the probe (``torch.func.jvp`` / ``torch.autograd.grad``), Householder QR
+    re-running the model's own forward from layer ℓ (``torch.func.jvp`` / ``torch.autograd.grad``;
+    for the CLS probe the full last block, not the library's CLS-row shortcut), Householder QR
     (``torch.linalg.qr``) between rounds, one-at-a-time trace probes;
 (b) the cost floor: the number of tangent passes the diagnostic needs × the time of one
     single-tangent JVP.
@@ -32,8 +33,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def build_probe(name: str, img: int, device: str):
-    """The two benchmark probes with random weights; returns (probe, F[1,N,D])."""
+def build_probe(name: str, img: int, device: str, full_block: bool = False):
+    """The two benchmark probes with random weights; returns (probe, F[1,N,D]). ``full_block``: the
+    CLS probe runs its last block in full (the model's own forward) instead of for the CLS row."""
     torch.manual_seed(0)
     if name == "vit_cls":
         import timm
@@ -42,7 +44,7 @@ def build_probe(name: str, img: int, device: str):
 
         # LayerScale at 1: its 1e-5 init would make randomly initialised blocks near-identity
         model = timm.create_model("vit_small_patch14_dinov2", pretrained=False, img_size=img, init_values=1.0).eval().to(device)
-        probe = from_timm(model, 10, "cls")
+        probe = from_timm(model, 10, "cls", cls_row=not full_block)
     else:
         from transformers import DPTConfig, DPTForDepthEstimation
 
@@ -140,7 +142,7 @@ def warm_up(probe, F) -> None:
 
 def worker(args) -> None:
     torch.set_num_threads(args.threads)
-    probe, F = build_probe(args.probe, args.img, args.device)
+    probe, F = build_probe(args.probe, args.img, args.device, full_block=args.full_block or args.method == "straightforward")
     warm_up(probe, F)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -163,10 +165,10 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run_worker(probe: str, method: str, chunk: int, opts) -> dict:
+def run_worker(probe: str, method: str, chunk: int, opts, full_block: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--probe", probe, "--method", method, "--chunk", str(chunk),
            "--img", str(opts.img), "--probes", str(opts.probes), "--rank", str(opts.rank), "--threads", str(opts.threads),
-           "--device", opts.device]
+           "--device", opts.device] + (["--full-block"] if full_block else [])
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=opts.timeout)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -193,6 +195,7 @@ def main() -> None:
     parser.add_argument("--probe", default="vit_cls", help=argparse.SUPPRESS)
     parser.add_argument("--method", default="ours", help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, default=32, help=argparse.SUPPRESS)
+    parser.add_argument("--full-block", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.img is None:
         opts.img = 112 if opts.quick else 224
@@ -207,6 +210,8 @@ def main() -> None:
     for probe in opts.only.split(","):
         floor = run_worker(probe, "floor", 1, opts)
         rows = {f"ours_chunk{c}": run_worker(probe, "ours", c, opts) for c in chunks}
+        if probe == "vit_cls":  # what the CLS-row last block saves, at the first chunk size
+            rows[f"full_block_chunk{chunks[0]}"] = run_worker(probe, "ours", chunks[0], opts, full_block=True)
         if not opts.skip_straightforward:
             rows["straightforward"] = run_worker(probe, "straightforward", 1, opts)
         passes = next(iter(rows.values()))["passes"]

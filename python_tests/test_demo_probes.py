@@ -6,6 +6,7 @@ import torch
 from pullback_ext.demo.model import DemoModel
 from pullback_ext.demo.probes import demo_probe
 from pullback_ext.demo.scenes import render
+from pullback_ext.probes.cls_row import supports_cls_row
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,8 @@ def test_probe_reproduces_model_outputs(model_and_images, layer, decoder):
     assert y.shape == (2, probe.output_dim)
     torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
     assert (probe.layer, probe.num_tokens, probe.dim, probe.num_prefix_tokens) == (layer, 197, 192, 1)
+    # cls / embedding run the last block for the CLS row only (pullback_ext.probes.cls_row)
+    assert supports_cls_row(probe.model.backbone.blocks[-1])
 
 
 def test_depth_probe_pooling_and_single_image(model_and_images):

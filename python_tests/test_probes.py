@@ -51,6 +51,52 @@ def test_timm_probe_reproduces_forward_features_and_head(variants, name):
     assert model.num_prefix_tokens == expected_prefix
 
 
+@pytest.mark.parametrize("name", ["vit", "dinov2_reg4", "deit_distilled", "clip", "qk_norm_gated"])
+def test_cls_row_last_block_matches_the_full_block(variants, name):
+    """The CLS-only last block gives the full probe's outputs, JVPs and VJPs (float64)."""
+    from pullback_ext.probes.cls_row import supports_cls_row
+
+    if name == "qk_norm_gated":
+        model = tiny_timm_vit(qk_norm=True, qkv_bias=False, init_values=0.5)
+        for block in model.blocks:  # a gated attention output, as some recent timm models have
+            if hasattr(block.attn, "gate"):
+                block.attn.gate = torch.nn.Linear(block.attn.qkv.in_features, block.attn.qkv.out_features // 3, dtype=torch.float64)
+    else:
+        model = variants[name]
+    assert supports_cls_row(model.blocks[-1])
+    x = images(2, model.patch_embed.img_size[0], seed=3)
+    for layer in (0, 1):
+        fast, full = from_timm(model, layer, "cls"), from_timm(model, layer, "cls", cls_row=False)
+        F = fast.features(x)
+        torch.testing.assert_close(fast(F), full(F), rtol=1e-12, atol=1e-12)
+        a, b = JacobianOperator(fast, F[1], chunk_size=4), JacobianOperator(full, F[1], chunk_size=4)
+        g = torch.Generator().manual_seed(layer)
+        V = torch.randn(a.P, 5, generator=g, dtype=F.dtype)
+        Y = torch.randn(a.M, 5, generator=g, dtype=F.dtype)
+        torch.testing.assert_close(a.jvp(V), b.jvp(V), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(a.vjp(Y), b.vjp(Y), rtol=1e-10, atol=1e-10)
+
+
+def test_cls_row_is_skipped_for_blocks_of_unknown_structure():
+    from pullback_ext.probes.cls_row import supports_cls_row
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.inner = block
+
+        def forward(self, x):
+            return self.inner(x) * 0.5
+
+    model = tiny_timm_vit()
+    model.blocks[-1] = Wrapped(model.blocks[-1])
+    assert not supports_cls_row(model.blocks[-1])
+    probe = from_timm(model, 0, "cls")
+    F = probe.features(images(1))
+    with torch.no_grad():
+        torch.testing.assert_close(probe(F), model.norm(model.blocks[2](model.blocks[1](F)))[:, 0])
+
+
 def test_fused_attention_model_gets_jvps_and_is_left_as_found():
     model = tiny_timm_vit()
     assert all(b.attn.fused_attn for b in model.blocks)
