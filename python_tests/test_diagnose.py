@@ -37,7 +37,9 @@ def assert_matches_oracle(d, J, rank, N, slq=True):
 def test_timm_probe_against_dense_oracle(vit, layer, output, svd):
     probe = from_timm(vit, layer, output)
     F = probe.features(images(2))
-    result = diagnose(probe, F, rank=6, power=6, probes=60, slq_steps=30, trace="exact", chunk_size=16, svd=svd)
+    # q = 4 as the acceptance asks; random weights give a nearly flat spectrum (σ_6/σ_16 ≈ 1.3), so
+    # the sketch is oversampled by 15 (with the default 10 the alignment is 0.9990 at q = 4)
+    result = diagnose(probe, F, rank=6, oversample=15, power=4, probes=60, slq_steps=30, trace="exact", chunk_size=16, svd=svd)
     assert isinstance(result, Diagnosis) and len(result) == 2
     for b in range(2):
         J = dense_jacobian(probe, F[b])
