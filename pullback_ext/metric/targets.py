@@ -60,16 +60,16 @@ def _dense_jacobian_transposed(op) -> Tensor:
     return jacobian_transposed(op)
 
 
-def _modes(op, config: TargetConfig, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+def _modes(op, config: TargetConfig, generator: torch.Generator, JT: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(V[P,m], sigma[m or m+1]): m = min(r, M, P) supervised modes, plus σ_{m+1} when it exists
-    (needed to tell whether mode m is near-degenerate)."""
+    (needed to tell whether mode m is near-degenerate). Exact mode uses Jᵀ[P,M] when given."""
     from pullback_ext.linalg import randomized_svd
 
     M, P = op.shape
     m = min(config.rank, M, P)
     wanted = min(m + 1, M, P)
     if config.mode == "exact":
-        A, S, _ = torch.linalg.svd(_dense_jacobian_transposed(op).double(), full_matrices=False)
+        A, S, _ = torch.linalg.svd((_dense_jacobian_transposed(op) if JT is None else JT).double(), full_matrices=False)
         return A[:, :m].to(op.dtype), S[:wanted].to(op.dtype)
     result = randomized_svd(op, wanted, oversample=config.oversample, power=config.power, generator=generator)
     return result.V[:, :m], result.sigma
@@ -83,15 +83,17 @@ def importance_from_modes(V: Tensor, sigma: Tensor, num_tokens: int) -> Tensor:
     return ops.token_importance(V.unsqueeze(0).contiguous(), sigma[:m].pow(2).unsqueeze(0).to(V.dtype), num_tokens)[0]
 
 
-def block_norms(op, num_tokens: int, probes: int, generator: torch.Generator) -> Tensor:
-    """Plain block norms ‖J_{:,t}‖_F: [N]. Exact for M <= 512, else E_z ‖(Jᵀz)^(t)‖² (Rademacher z)."""
+def block_norms(op, num_tokens: int, probes: int, generator: torch.Generator, JT: Optional[Tensor] = None) -> Tensor:
+    """Plain block norms ‖J_{:,t}‖_F: [N]. Exact from Jᵀ[P,M] when given or when M <= 512, else
+    E_z ‖(Jᵀz)^(t)‖² (Rademacher z)."""
     from pullback_ext.linalg.trace import EXACT_TRACE_MAX, rademacher
 
     M, P = op.shape
-    if M <= EXACT_TRACE_MAX:
+    if JT is not None or M <= EXACT_TRACE_MAX:
         from pullback_ext.linalg import jacobian_transposed
 
-        return jacobian_transposed(op).double().pow(2).reshape(num_tokens, -1).sum(1).sqrt().to(op.dtype)
+        JT = jacobian_transposed(op) if JT is None else JT
+        return JT.double().pow(2).reshape(num_tokens, -1).sum(1).sqrt().to(op.dtype)
     Z = rademacher(M, probes, generator, op.dtype, op.device)
     est = op.vjp(Z).double().pow(2).view(num_tokens, -1, probes).sum(1).mean(1)
     return est.sqrt().to(op.dtype)
@@ -131,13 +133,14 @@ def compute_targets(
         bound = probe.for_image(b) if hasattr(probe, "for_image") else probe
         op = JacobianOperator(bound, F[b], chunk_size=chunk_size)
         gen = image_generator(config.seed, key)
-        V, sigma = _modes(op, config, gen)
+        JT = _dense_jacobian_transposed(op) if config.mode == "exact" and config.block_norms else None
+        V, sigma = _modes(op, config, gen, JT)
         out.setdefault("importance", []).append(importance_from_modes(V, sigma, N))
         if config.keep_basis:
             out.setdefault("V", []).append(V)
             out.setdefault("sigma", []).append(sigma)
         if config.block_norms:
-            out.setdefault("block_norm", []).append(block_norms(op, N, config.block_norm_probes, gen))
+            out.setdefault("block_norm", []).append(block_norms(op, N, config.block_norm_probes, gen, JT))
     return {k: torch.stack(v).contiguous() for k, v in out.items()}
 
 
