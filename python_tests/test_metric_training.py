@@ -94,6 +94,43 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, kind):
     assert lines(tmp_path / "cut") == lines(tmp_path / "full")
 
 
+def test_weight_average_follows_the_trajectory_and_resumes_exactly(tmp_path):
+    build, task, make_data = CASES["head"]
+    data = make_data()
+    cfg = TrainConfig(steps=7, batch_size=4, lr=3e-3, seed=3, checkpoint_every=3, log_every=1, ema_decay=0.8)
+
+    def model():
+        torch.manual_seed(0)
+        return build().double()
+
+    raw = model()
+    expected = [p.detach().clone() for p in raw.parameters()]
+    weights = []
+    traced = model()
+    fit(task, traced, data, cfg, tmp_path / "full", progress=False,
+        on_step=lambda step: weights.append([p.detach().clone() for p in traced.parameters()]))
+    for step, params in enumerate(weights):  # the average the docstring promises, from the raw weights
+        d = min(0.8, (1 + step) / (10 + step))
+        expected = [d * e + (1 - d) * p for e, p in zip(expected, params)]
+    for e, p in zip(expected, traced.parameters()):
+        torch.testing.assert_close(p, e, rtol=1e-12, atol=1e-14)
+    stored, _ = load_model(tmp_path / "full", kind="head")
+    assert all(torch.equal(a, b) for a, b in zip(traced.state_dict().values(), stored.state_dict().values()))
+
+    def kill_at_5(step):
+        if step == 5:
+            raise Killed
+
+    with pytest.raises(Killed):
+        fit(task, model(), data, cfg, tmp_path / "cut", progress=False, on_step=kill_at_5)
+    resumed = model()
+    fit(task, resumed, data, cfg, tmp_path / "cut", resume=True, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(traced.state_dict().values(), resumed.state_dict().values()))
+    with pytest.raises(CheckpointError, match="weight average"):
+        fit(task, model(), data, TrainConfig(steps=2, batch_size=4), tmp_path / "plain", progress=False)
+        fit(task, model(), data, TrainConfig(steps=4, batch_size=4, ema_decay=0.8), tmp_path / "plain", resume=True, progress=False)
+
+
 def test_resume_with_another_model_is_a_clear_error(tmp_path):
     data = _head_data()
     cfg = TrainConfig(steps=2, batch_size=4, checkpoint_every=1)
@@ -109,6 +146,8 @@ def test_bad_training_settings():
         TrainConfig(lr=0.0)
     with pytest.raises(ValueError, match="steps"):
         TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="ema_decay"):
+        TrainConfig(ema_decay=1.0)
 
 
 WORKER = textwrap.dedent(

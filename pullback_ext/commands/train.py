@@ -64,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--weight-decay", type=float, default=0.01)
     train.add_argument("--warmup", type=int, default=50, help="linear warm-up steps before the cosine decay")
+    train.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
+                       help="keep an exponential moving average of the weights with this decay (e.g. 0.999) and save it as the model (0: off)")
     train.add_argument("--amp", action="store_true", help="mixed precision (bfloat16 on CPU, float16 on CUDA)")
     train.add_argument("--checkpoint-every", type=_positive, default=100)
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT")

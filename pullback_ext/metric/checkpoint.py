@@ -142,11 +142,15 @@ def load_model(path: str | os.PathLike, kind: str | None = None, dtype: torch.dt
 
 
 def save_training_state(
-    directory: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None = None
+    directory: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None = None,
+    averaged: nn.Module | None = None,
 ) -> None:
-    """Everything a resumed run needs in one file: weights, optimizer moments, step."""
+    """Everything a resumed run needs in one file: weights, optimizer moments, step, and the
+    moving average of the weights when one is kept."""
     state = optimizer.state_dict()
     tensors: dict[str, Tensor] = {f"model/{k}": v for k, v in model.state_dict().items()}
+    if averaged is not None:
+        tensors.update({f"ema/{k}": v for k, v in averaged.state_dict().items()})
     scalars: dict[str, dict] = {}
     for pid, entries in state["state"].items():
         for name, value in entries.items():
@@ -158,14 +162,22 @@ def save_training_state(
     atomic_save_tensors(tensors, Path(directory) / STATE_FILE, {"format": FORMAT, "state": json.dumps(meta)})
 
 
-def load_training_state(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Restore model and optimizer from ``state.safetensors``; returns the metadata (with ``step``)."""
+def load_training_state(
+    directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, averaged: nn.Module | None = None
+) -> dict:
+    """Restore model and optimizer (and the weight average into ``averaged``) from
+    ``state.safetensors``; returns the metadata (with ``step``)."""
     path = Path(directory) / STATE_FILE
     tensors, metadata = _read_tensors(path)
     try:
         meta = json.loads(metadata["state"])
         weights = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
         model.load_state_dict(weights)
+        if averaged is not None:
+            ema = {k[len("ema/"):]: v for k, v in tensors.items() if k.startswith("ema/")}
+            if not ema:
+                raise KeyError("no weight average (ema/*) in a run resumed with ema_decay > 0")
+            averaged.load_state_dict(ema)
         state: dict[int, dict] = {}
         for key, value in tensors.items():
             if key.startswith("optim/"):

@@ -1,8 +1,8 @@
 """The training loop shared by the SPN, the importance head and the VAE.
 
 AdamW with linear warm-up and a cosine schedule, optional mixed precision, gradient clipping,
-DDP when ``torch.distributed`` is initialised (gloo on CPU), JSON-lines metrics, a progress bar,
-and atomic checkpoints with resume.
+an optional exponential moving average of the weights, DDP when ``torch.distributed`` is
+initialised (gloo on CPU), JSON-lines metrics, a progress bar, and atomic checkpoints with resume.
 
 Every random choice is a function of (seed, step, image index) — the batch of a step comes from
 a per-epoch permutation, sketches and VAE noise from per-image generators — so a run resumed from
@@ -12,6 +12,7 @@ ranks sees exactly the global batch a single process sees.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -42,6 +43,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 100
     log_every: int = 10
+    ema_decay: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "checkpoint_every", "log_every"):
@@ -54,6 +56,8 @@ class TrainConfig:
             raise ValueError(f"lr: expected a positive finite float, got {self.lr!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio: expected a float in [0, 1], got {self.min_lr_ratio!r}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay: expected a float in [0, 1) (0: no averaging), got {self.ema_decay!r}")
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -63,6 +67,15 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     span = max(cfg.steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def ema_update(averaged: nn.Module, model: nn.Module, step: int, decay: float) -> None:
+    """averaged ← d·averaged + (1 − d)·model over the parameters, after optimizer step ``step``
+    (0-based), with d = min(decay, (1 + step) / (10 + step)) so that early weights fade quickly."""
+    d = min(decay, (1 + step) / (10 + step))
+    with torch.no_grad():
+        for avg, p in zip(averaged.parameters(), model.parameters()):
+            avg.mul_(d).add_(p.detach(), alpha=1.0 - d)
 
 
 def batch_indices(step: int, num_samples: int, cfg: TrainConfig) -> Tensor:
@@ -138,7 +151,9 @@ def fit(
     Checkpoints every ``checkpoint_every`` steps and at the end into ``out_dir`` (model.safetensors,
     config.json, state.safetensors); with ``resume`` continues from the checkpoint found there.
     Under torchrun each rank computes the loss on its slice of the global batch. ``on_step(step)``
-    runs after each completed step (progress hooks, tests). Returns the last logged metrics.
+    runs after each completed step (progress hooks, tests). With ``ema_decay`` > 0 the checkpoints'
+    model.safetensors hold the moving average of the weights (state.safetensors both), and ``model``
+    ends with the averaged weights. Returns the last logged metrics.
     """
     from tqdm import tqdm
 
@@ -153,9 +168,10 @@ def fit(
         raise ValueError(f"batch_size: expected a multiple of the world size {world}, got {cfg.batch_size}")
     param = next(model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    averaged = copy.deepcopy(model) if cfg.ema_decay > 0 else None
     start = 0
     if resume and (out / checkpoint.STATE_FILE).exists():
-        start = int(checkpoint.load_training_state(out, model, optimizer)["step"])
+        start = int(checkpoint.load_training_state(out, model, optimizer, averaged)["step"])
     if rank == 0:
         _truncate_metrics(out / METRICS_FILE, start)
         for stale in out.glob(".*.tmp-*"):  # left by a run killed while writing
@@ -169,8 +185,8 @@ def fit(
 
     def save(step: int) -> None:
         if rank == 0:
-            checkpoint.save_training_state(out, step, model, optimizer)
-            checkpoint.save_model(out, task.kind, model, dict(config, step=step))
+            checkpoint.save_training_state(out, step, model, optimizer, averaged=averaged)
+            checkpoint.save_model(out, task.kind, averaged if averaged is not None else model, dict(config, step=step))
         _barrier(world)
 
     model.train()
@@ -197,6 +213,8 @@ def fit(
             scaler.update()
         else:
             optimizer.step()
+        if averaged is not None:
+            ema_update(averaged, model, step, cfg.ema_decay)
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:
             logged = _mean_over_ranks({"loss": float(loss.detach()), **metrics}, world)
@@ -209,5 +227,7 @@ def fit(
             save(done)
         if on_step is not None:
             on_step(done)
+    if averaged is not None:
+        model.load_state_dict(averaged.state_dict())
     model.eval()
     return logged

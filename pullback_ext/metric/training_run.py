@@ -132,7 +132,7 @@ class TrainingRun:
                 extra.update(target=a.target, w_rank=a.w_rank)
         at_init = self._evaluate(a.kind, model, probe, held_src) if a.kind != "vae" and self.info.is_main and not a.resume else None
         cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, weight_decay=a.weight_decay, warmup_steps=min(a.warmup, a.steps),
-                          amp=a.amp, seed=a.seed, checkpoint_every=a.checkpoint_every)
+                          amp=a.amp, seed=a.seed, checkpoint_every=a.checkpoint_every, ema_decay=a.ema)
         fit(task, model, data, cfg, self.out, extra_config=extra, resume=a.resume, progress=not a.no_progress)
         if not self.info.is_main:
             return {}
