@@ -62,28 +62,31 @@ class Killed(Exception):
     pass
 
 
+def kill_at(stop):
+    """An ``on_step`` hook that interrupts training after step ``stop``."""
+    def hook(step):
+        if step == stop:
+            raise Killed
+    return hook
+
+
+def fresh(build):
+    """A new float64 model with the same initial weights each time."""
+    torch.manual_seed(0)
+    return build().double()
+
+
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, kind):
     build, task, make_data = CASES[kind]
     data = make_data()
     cfg = TrainConfig(steps=9, batch_size=4, lr=3e-3, warmup_steps=2, seed=5, checkpoint_every=3, log_every=1)
-
-    def model():
-        torch.manual_seed(0)
-        return build().double()
-
-    full = model()
+    full = fresh(build)
     fit(task, full, data, cfg, tmp_path / "full", progress=False)
-
-    def kill_at_7(step):
-        if step == 7:
-            raise Killed
-
-    interrupted = model()
     with pytest.raises(Killed):
-        fit(task, interrupted, data, cfg, tmp_path / "cut", progress=False, on_step=kill_at_7)
+        fit(task, fresh(build), data, cfg, tmp_path / "cut", progress=False, on_step=kill_at(7))
     assert json.loads((tmp_path / "cut" / "config.json").read_text())["step"] == 6
-    resumed = model()
+    resumed = fresh(build)
     fit(task, resumed, data, cfg, tmp_path / "cut", resume=True, progress=False)
     for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
@@ -98,15 +101,9 @@ def test_weight_average_follows_the_trajectory_and_resumes_exactly(tmp_path):
     build, task, make_data = CASES["head"]
     data = make_data()
     cfg = TrainConfig(steps=7, batch_size=4, lr=3e-3, seed=3, checkpoint_every=3, log_every=1, ema_decay=0.8)
-
-    def model():
-        torch.manual_seed(0)
-        return build().double()
-
-    raw = model()
-    expected = [p.detach().clone() for p in raw.parameters()]
+    expected = [p.detach().clone() for p in fresh(build).parameters()]
     weights = []
-    traced = model()
+    traced = fresh(build)
     fit(task, traced, data, cfg, tmp_path / "full", progress=False,
         on_step=lambda step: weights.append([p.detach().clone() for p in traced.parameters()]))
     for step, params in enumerate(weights):  # the average the docstring promises, from the raw weights
@@ -117,18 +114,14 @@ def test_weight_average_follows_the_trajectory_and_resumes_exactly(tmp_path):
     stored, _ = load_model(tmp_path / "full", kind="head")
     assert all(torch.equal(a, b) for a, b in zip(traced.state_dict().values(), stored.state_dict().values()))
 
-    def kill_at_5(step):
-        if step == 5:
-            raise Killed
-
     with pytest.raises(Killed):
-        fit(task, model(), data, cfg, tmp_path / "cut", progress=False, on_step=kill_at_5)
-    resumed = model()
+        fit(task, fresh(build), data, cfg, tmp_path / "cut", progress=False, on_step=kill_at(5))
+    resumed = fresh(build)
     fit(task, resumed, data, cfg, tmp_path / "cut", resume=True, progress=False)
     assert all(torch.equal(a, b) for a, b in zip(traced.state_dict().values(), resumed.state_dict().values()))
     with pytest.raises(CheckpointError, match="weight average"):
-        fit(task, model(), data, TrainConfig(steps=2, batch_size=4), tmp_path / "plain", progress=False)
-        fit(task, model(), data, TrainConfig(steps=4, batch_size=4, ema_decay=0.8), tmp_path / "plain", resume=True, progress=False)
+        fit(task, fresh(build), data, TrainConfig(steps=2, batch_size=4), tmp_path / "plain", progress=False)
+        fit(task, fresh(build), data, TrainConfig(steps=4, batch_size=4, ema_decay=0.8), tmp_path / "plain", resume=True, progress=False)
 
 
 def test_resume_with_another_model_is_a_clear_error(tmp_path):
