@@ -18,6 +18,10 @@ default to 50, B = 32 is added to show the bandwidth-bound regime, and the devic
 bandwidth (bytes read + written) is reported beside the read bandwidth. A CUDA row also times the
 fused op under ``ops.sync_checks(False)``, without the value checks that synchronise with the
 device (the speed-ups are those of the default, checked call).
+
+Every row also times filling freshly allocated tensors of the fused op's output shapes
+(``fresh_output_ms``): on the CPU a large fresh output is paid in page faults on first write by any
+implementation that returns a new tensor, so it bounds the speed-up such an op can reach.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class Row:
     bytes_moved: int
     extra: dict = field(default_factory=dict)
     unchecked_ms: float | None = None
+    fresh_output_ms: float | None = None
 
     @property
     def speedup_eager(self) -> float:
@@ -272,12 +277,12 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, co
     for name, shape, fused, eager, compiled, nbytes, extra in tqdm(cases, desc="bench_ops", unit="case"):
         if progress:
             progress(f"{name} {shape}")
-        fns = [f for f in (fused, eager, compiled) if f is not None]
-        if cuda:
-            fns.append(_unchecked(fused))
-        timed = timed_medians_ms(fns, repeats, device)
-        row = Row(name, shape, timed[0], timed[1], timed[2] if compiled else None, nbytes, extra() if extra else {},
-                  timed[-1] if cuda else None)
+        timed_fns = {"fused": fused, "eager": eager, "compiled": compiled, "fresh": _fresh_outputs(fused()),
+                     "unchecked": _unchecked(fused) if cuda else None}
+        names = [k for k, f in timed_fns.items() if f is not None]
+        timed = dict(zip(names, timed_medians_ms([timed_fns[k] for k in names], repeats, device)))
+        row = Row(name, shape, timed["fused"], timed["eager"], timed.get("compiled"), nbytes, extra() if extra else {},
+                  timed.get("unchecked"), timed["fresh"])
         rows.append(row)
     bandwidth = max(bandwidth, read_bandwidth_gbps(device, repeats))  # before and after, the better
     copy_bandwidth = copy_bandwidth_gbps(device, repeats) if cuda else None
@@ -301,6 +306,12 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, co
     }
 
 
+def _fresh_outputs(outputs: object) -> Callable[[], object]:
+    """Allocates and fills tensors shaped like ``outputs`` (a tensor or a tuple of tensors)."""
+    like = outputs if isinstance(outputs, tuple) else (outputs,)
+    return lambda: [torch.empty_like(t).fill_(0) for t in like]
+
+
 def _unchecked(fn: Callable[[], object]) -> Callable[[], object]:
     def call():
         with ops.sync_checks(False):
@@ -319,7 +330,7 @@ def format_table(result: dict) -> str:
     """The printed table: one line per case."""
     unchecked = any(r.get("unchecked_ms") is not None for r in result["rows"])
     head = (f"{'op':<24} {'shape':<30} {'fused ms':>9} {'eager ms':>9} {'compile ms':>10} "
-            f"{'x eager':>8} {'x compile':>9} {'GB/s':>7} {'% read bw':>9}"
+            f"{'x eager':>8} {'x compile':>9} {'GB/s':>7} {'% read bw':>9} {'fresh out ms':>12}"
             + (f" {'unchecked ms':>12}" if unchecked else ""))
     lines = [f"device {result['device']} ({result['device_name']}), {result['threads']} threads, "
              f"read bandwidth {result['read_bandwidth_gbps']:.1f} GB/s"
@@ -333,7 +344,8 @@ def format_table(result: dict) -> str:
         note = "".join(f" {k}={v:.2e}" for k, v in r["extra"].items())
         lines.append(f"{r['op']:<24} {r['shape']:<30} {r['fused_ms']:9.3f} {r['eager_ms']:9.3f} {comp} "
                      f"{r['speedup_vs_eager']:8.2f} {xcomp} {r['effective_gbps']:7.1f} "
-                     f"{100 * r['share_of_read_bandwidth']:8.0f}%"
+                     f"{100 * r['share_of_read_bandwidth']:8.0f}% "
+                     + (f"{r['fresh_output_ms']:12.3f}" if r.get("fresh_output_ms") is not None else f"{'-':>12}")
                      + (f" {r['unchecked_ms']:12.3f}" if r.get("unchecked_ms") is not None
                         else f" {'-':>12}" if unchecked else "") + note)
     return "\n".join(lines)

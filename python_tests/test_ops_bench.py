@@ -21,7 +21,7 @@ def test_tome_baselines_match_the_ops():
 
 
 def test_outputs_are_written(tmp_path):
-    row = op_benchmark.Row("token_importance", "B=1", 2.0, 6.0, 3.0, 4_000_000, {})
+    row = op_benchmark.Row("token_importance", "B=1", 2.0, 6.0, 3.0, 4_000_000, {}, fresh_output_ms=1.25)
     result = {
         "device": "cpu", "device_name": "x", "threads": 2, "torch": torch.__version__, "compiled_ops": True,
         "cpu_isa": "avx2", "quick": True, "repeats": 3, "read_bandwidth_gbps": 4.0,
@@ -30,6 +30,7 @@ def test_outputs_are_written(tmp_path):
     }
     table = op_benchmark.format_table(result)
     assert "token_importance" in table and "3.00" in table and "50%" in table  # 2 GB/s of 4
+    assert "1.250" in table  # the fresh-output floor
     paths = op_benchmark.write_outputs(result, str(tmp_path / "sub" / "bench.json"))
     assert json.loads((tmp_path / "sub" / "bench.json").read_text())["rows"][0]["fused_ms"] == 2.0
     assert (tmp_path / "sub" / "bench.png").stat().st_size > 0 and len(paths) == 2

@@ -8,7 +8,7 @@ import scipy.linalg
 import torch
 
 from ops_helpers import DEVICES
-from pullback_ext import ops
+from pullback_ext import ops, reference
 
 ORTHO_TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 1e-5, torch.bfloat16: 1e-5}
 
@@ -119,6 +119,7 @@ def test_qr_isa_variants_agree(tmp_path):
         " 'y': ops.lowrank_metric_apply(U, lam, X[..., 3:5], 0.2),"
         " 'y1': ops.lowrank_metric_apply(X, torch.ones(2, 7, dtype=X.dtype), X[..., 5:6].contiguous(), 0.2),"
         " 'q1': ops.lowrank_metric_quadform(U, lam, X[..., 3:4].contiguous(), 0.2),"
+        " 'g': ops.gather_tokens(X.view(2, 333, 21)[:, :, :19].contiguous(), torch.arange(330).view(2, 165) % 333),"
         " 'isa': _C.cpu_isa()}, sys.argv[1])"
     )
     results = {}
@@ -129,6 +130,11 @@ def test_qr_isa_variants_agree(tmp_path):
         results[isa] = torch.load(out)
     base = results["baseline"]
     assert base["isa"] == "baseline"
+    X = torch.randn(2, 999, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    # rows of 19 float64 (152 bytes): the vector copy's unrolled, single-vector and byte tails
+    x = X.view(2, 333, 21)[:, :, :19].contiguous()
+    assert torch.equal(base["g"], reference.gather_tokens(x, torch.arange(330).view(2, 165) % 333))
     for isa, res in results.items():
+        assert torch.equal(res["g"], base["g"])
         for key in ("Q", "R", "imp", "y", "y1", "q1"):
             torch.testing.assert_close(res[key], base[key], rtol=1e-12, atol=1e-12)

@@ -12,6 +12,7 @@ namespace cpu {
 
 #define PULLBACK_DECLARE_ROW_KERNELS(NS)                                                           \
   namespace NS {                                                                                  \
+  void copy_bytes(char* dst, const char* src, int64_t bytes);                                     \
   int64_t gram_scratch_doubles(int64_t r);                                                        \
   int64_t product_gram_scratch_doubles(int64_t r);                                                \
   int64_t right_multiply_scratch_doubles(int64_t r);                                              \

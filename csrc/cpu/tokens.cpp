@@ -2,9 +2,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
 
-#include <cstring>
 #include <vector>
 
+#include "cpu/simd.h"
 #include "kernels.h"
 
 namespace pullback {
@@ -29,7 +29,7 @@ at::Tensor gather_tokens(const at::Tensor& x, const at::Tensor& idx) {
   at::parallel_for(0, B * K, row_grain(D, x.element_size()), [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
       const int64_t b = row / K;
-      std::memcpy(dst + row * row_bytes, src + (b * N + id[row]) * row_bytes, row_bytes);
+      PULLBACK_ROW_KERNEL(copy_bytes, dst + row * row_bytes, src + (b * N + id[row]) * row_bytes, row_bytes);
     }
   });
   return out;
@@ -86,7 +86,8 @@ std::tuple<at::Tensor, at::Tensor> merge_tokens(const at::Tensor& x, const at::T
         for (int64_t e = bg[m]; e < bg[m + 1]; ++e) total += static_cast<double>(ws[b * N + mem[e]]);
         wo[row] = static_cast<scalar_t>(total);
         if (bg[m] == bg[m + 1] || total == 0.0) {
-          std::memcpy(orow, xt, D * sizeof(scalar_t));
+          PULLBACK_ROW_KERNEL(copy_bytes, reinterpret_cast<char*>(orow), reinterpret_cast<const char*>(xt),
+                              D * static_cast<int64_t>(sizeof(scalar_t)));
           continue;
         }
         const scalar_t c0 = static_cast<scalar_t>(static_cast<double>(ws[b * N + t]) / total);
@@ -118,10 +119,11 @@ at::Tensor reinsert_tokens(const at::Tensor& kept, const at::Tensor& kept_idx,
     for (int64_t row = first; row < last; ++row) {
       const int64_t b = row / N, i = row % N;
       if (i < K)
-        std::memcpy(o + (b * N + ki[b * K + i]) * row_bytes, ks + (b * K + i) * row_bytes, row_bytes);
+        PULLBACK_ROW_KERNEL(copy_bytes, o + (b * N + ki[b * K + i]) * row_bytes, ks + (b * K + i) * row_bytes,
+                            row_bytes);
       else
-        std::memcpy(o + (b * N + pi[b * R + i - K]) * row_bytes, ps + (b * R + i - K) * row_bytes,
-                    row_bytes);
+        PULLBACK_ROW_KERNEL(copy_bytes, o + (b * N + pi[b * R + i - K]) * row_bytes,
+                            ps + (b * R + i - K) * row_bytes, row_bytes);
     }
   });
   return out;
