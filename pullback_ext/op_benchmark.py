@@ -74,7 +74,8 @@ def last_level_cache_bytes(default: int = 64 * 2**20) -> int:
     sizes = []
     for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
-            text = open(path).read().strip().upper()
+            with open(path) as fh:
+                text = fh.read().strip().upper()
         except OSError:
             continue
         scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)

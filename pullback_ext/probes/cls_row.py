@@ -2,8 +2,8 @@
 
 When a probe's output is the CLS token, the last block's output matters only in row 0: the keys
 and values still need every token, but the query, the attention output, the projection and the MLP
-are needed for one token instead of N. The result equals the full block's row 0 exactly (same
-operations on the same rows), and JVPs / VJPs through it cost a fraction of the full block's.
+are needed for one token instead of N. The result is the full block's row 0 (the same operations on
+the same rows, equal up to rounding), and JVPs / VJPs through it cost a fraction of the full block's.
 Only blocks whose structure is known are taken this way (timm's ``Block`` with its ``Attention``);
 any other block runs in full.
 """
