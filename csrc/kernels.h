@@ -27,9 +27,6 @@ namespace pullback {
   at::Tensor token_importance(const at::Tensor& U, const at::Tensor& lam, int64_t num_tokens);    \
   /* G[B,r,r] = Xᵀ X accumulated and returned in float64; X[B,P,r]. */                            \
   at::Tensor gram(const at::Tensor& X);                                                           \
-  /* Y[B,P,r] = X[B,P,r] @ M[B,r,r]; M is float64 (an inverse triangular factor), Y has X's dtype, \
-     products accumulated in float64. */                                                          \
-  at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M);                            \
   /* out[B,K,D] = x[b, idx[b,i], :]; x[B,N,D], idx[B,K] int64 in [0,N). */                         \
   at::Tensor gather_tokens(const at::Tensor& x, const at::Tensor& idx);                           \
   /* x[B,N,D], w[B,N] (>= 0), src_idx[B,R] distinct, dst_idx[B,R] not in src_idx of its row.     \
@@ -48,6 +45,11 @@ namespace pullback {
 PULLBACK_DECLARE_BACKEND(cpu)
 #ifdef WITH_CUDA
 PULLBACK_DECLARE_BACKEND(cuda)
+namespace cuda {
+// Y[B,P,r] = X[B,P,r] @ M[B,r,r]; M is float64 (an inverse triangular factor), Y has X's dtype,
+// products accumulated in float64. (The CPU backend's QR primitives are in cpu/qr_primitives.h.)
+at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M);
+}  // namespace cuda
 #endif
 
 #undef PULLBACK_DECLARE_BACKEND

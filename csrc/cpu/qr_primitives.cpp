@@ -46,28 +46,6 @@ at::Tensor reduce_row_blocks(const at::Tensor& X, int64_t scratch_doubles, Kerne
   return G;
 }
 
-// Y = X M1 (M2), row block by row block; Y may be X itself.
-at::Tensor multiply_into(const at::Tensor& X, const at::Tensor& M1, const at::Tensor* M2, at::Tensor Y) {
-  const int64_t B = X.size(0), P = X.size(1), r = X.size(2);
-  const int64_t nblk = (P + kRowBlock - 1) / kRowBlock;
-  const double* m1 = M1.const_data_ptr<double>();
-  const double* m2 = M2 != nullptr ? M2->const_data_ptr<double>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES(X.scalar_type(), "right_multiply_cpu", [&] {
-    const scalar_t* x = X.const_data_ptr<scalar_t>();
-    scalar_t* y = Y.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, B * nblk, 1, [&](int64_t first, int64_t last) {
-      std::vector<double> scratch(PULLBACK_ROW_KERNEL(right_multiply_scratch_doubles, r));
-      for (int64_t task = first; task < last; ++task) {
-        const int64_t b = task / nblk, blk = task % nblk;
-        const int64_t p0 = blk * kRowBlock, rows = std::min(kRowBlock, P - p0);
-        PULLBACK_ROW_KERNEL(right_multiply_rows, x + (b * P + p0) * r, rows, r, m1 + b * r * r,
-                            m2 == nullptr ? nullptr : m2 + b * r * r, y + (b * P + p0) * r, scratch.data());
-      }
-    });
-  });
-  return Y;
-}
-
 }  // namespace
 
 at::Tensor gram(const at::Tensor& X) {
@@ -87,12 +65,26 @@ at::Tensor product_gram(const at::Tensor& X, const at::Tensor& M) {
                            });
 }
 
-at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M) {
-  return multiply_into(X, M, nullptr, at::empty_like(X));
-}
-
 at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M1, const at::Tensor& M2) {
-  return multiply_into(X, M1, &M2, at::empty_like(X));
+  const int64_t B = X.size(0), P = X.size(1), r = X.size(2);
+  const int64_t nblk = (P + kRowBlock - 1) / kRowBlock;
+  at::Tensor Y = at::empty_like(X);
+  const double* m1 = M1.const_data_ptr<double>();
+  const double* m2 = M2.const_data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES(X.scalar_type(), "right_multiply_cpu", [&] {
+    const scalar_t* x = X.const_data_ptr<scalar_t>();
+    scalar_t* y = Y.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, B * nblk, 1, [&](int64_t first, int64_t last) {
+      std::vector<double> scratch(PULLBACK_ROW_KERNEL(right_multiply_scratch_doubles, r));
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t b = task / nblk, blk = task % nblk;
+        const int64_t p0 = blk * kRowBlock, rows = std::min(kRowBlock, P - p0);
+        PULLBACK_ROW_KERNEL(right_multiply_rows, x + (b * P + p0) * r, rows, r, m1 + b * r * r, m2 + b * r * r,
+                            y + (b * P + p0) * r, scratch.data());
+      }
+    });
+  });
+  return Y;
 }
 
 }  // namespace cpu

@@ -22,7 +22,6 @@ namespace cpu {
                          double* scratch);                                                        \
   void product_gram_rows(const double* x, int64_t rows, int64_t r, const double* M, double* G,    \
                          double* scratch);                                                        \
-  /* M2 may be null (one product). */                                                             \
   void right_multiply_rows(const float* x, int64_t rows, int64_t r, const double* M1,             \
                            const double* M2, float* y, double* scratch);                          \
   void right_multiply_rows(const double* x, int64_t rows, int64_t r, const double* M1,            \

@@ -1,15 +1,15 @@
 // Orchestration of the batched tall-skinny QR, shared by every device backend.
 //
 // CholeskyQR2: R1 = chol(XᵀX), Q1 = X R1⁻¹, R2 = chol(Q1ᵀQ1), Q = Q1 R2⁻¹, R = R2 R1. The Gram
-// matrices are accumulated in float64 by the backend (`gram`), the r×r factorisations run in
-// float64 on the host (csrc/ops/small_linalg.h), and the two tall products use the backend's
-// `right_multiply`. Four passes
-// over X, each of them memory-bound, instead of Householder's r dependent passes.
+// matrices are accumulated in float64 by the backend, the r×r factorisations run in float64 on the
+// host (csrc/ops/small_linalg.h), and every tall pass over X is memory-bound, instead of
+// Householder's r dependent passes.
 //
-// On the CPU, Q1 is never stored: the second Gram matrix comes from X M1 formed in float64 chunk by
-// chunk, and Q = (X M1) M2 is formed the same way in the last pass. Three reads of X and one write
-// of Q instead of three reads and two writes of fresh buffers, and Q1 is not rounded to X's dtype;
-// for float64 X the result is the same as with a stored Q1.
+// On CUDA, Q1 is stored (`cuda::right_multiply`, `cuda::gram`, `cuda::right_multiply`: four passes).
+// On the CPU it is never stored (csrc/cpu/qr_primitives.h): the second Gram matrix comes from X R1⁻¹
+// formed in float64 chunk by chunk, and Q = (X R1⁻¹) R2⁻¹ is formed the same way in the last pass.
+// Three reads of X and one fresh output instead of two, and Q1 is not rounded to X's dtype; for
+// float64 X the result is that of a stored Q1.
 //
 // CholeskyQR2 loses orthogonality once κ(X)² times the float64 unit roundoff is no longer small.
 // An image is therefore refactorised by Householder QR (at::linalg_qr in float64, then cast) when
@@ -94,9 +94,13 @@ std::tuple<at::Tensor, at::Tensor> block_orthonormalize(const at::Tensor& X_in, 
     std::tie(R2, M2) = cholesky_step(cpu::product_gram(X, M1), /*check_condition=*/false, bad);
     Q = cpu::right_multiply(X, M1, M2);
   } else {
-    const at::Tensor Q1 = PULLBACK_BACKEND_CALL(X, right_multiply, X, on_device(M1));
-    std::tie(R2, M2) = cholesky_step(PULLBACK_BACKEND_CALL(Q1, gram, Q1), /*check_condition=*/false, bad);
-    Q = PULLBACK_BACKEND_CALL(Q1, right_multiply, Q1, on_device(M2));
+#ifdef WITH_CUDA
+    const at::Tensor Q1 = cuda::right_multiply(X, on_device(M1));
+    std::tie(R2, M2) = cholesky_step(cuda::gram(Q1), /*check_condition=*/false, bad);
+    Q = cuda::right_multiply(Q1, on_device(M2));
+#else
+    TORCH_CHECK(false, "block_orthonormalize: no compiled backend for device ", X.device());
+#endif
   }
 
   at::Tensor R = at::empty_like(R1);
