@@ -21,7 +21,7 @@ import torch.nn.functional as Fn
 from torch import Tensor
 
 from pullback_ext.probes.base import Probe
-from pullback_ext.probes.cls_row import cls_row_block, supports_cls_row
+from pullback_ext.probes.cls_row import run_blocks_for_cls_row
 
 DECODERS = ("cls", "embedding", "depth")
 
@@ -123,13 +123,10 @@ class DemoProbe(Probe):
         hooked = {h: t.to(F.dtype) for h, t in frozen.items()}
         if self.layer in model.hook_layers:
             hooked[self.layer] = F
-        depth = len(model.backbone.blocks)
-        last = model.backbone.blocks[-1]
-        if self.decoder != "depth" and self.layer + 1 < depth and supports_cls_row(last):
-            # the CLS and embedding heads read the CLS token alone: last block for that row only
-            final = cls_row_block(last, model.run_blocks(F, self.layer + 1, depth - 1))
-        else:
-            final = model.run_blocks(F, self.layer + 1, depth, hooked)
+        # the CLS and embedding heads read the CLS token alone: last block for that row only
+        final = run_blocks_for_cls_row(model.backbone.blocks[self.layer + 1:], F) if self.decoder != "depth" else None
+        if final is None:
+            final = model.run_blocks(F, self.layer + 1, len(model.backbone.blocks), hooked)
         if self.decoder == "depth":
             norm = model.backbone.norm
             y = model.depth_head([norm(hooked[h]) for h in model.hook_layers], model.image_size)

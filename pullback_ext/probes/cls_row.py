@@ -25,6 +25,17 @@ def supports_cls_row(block: torch.nn.Module) -> bool:
     return type(block) is Block and type(block.attn) is Attention
 
 
+def run_blocks_for_cls_row(blocks, x: Tensor) -> Tensor | None:
+    """x[B,N,D] through ``blocks`` (a sequence), the last one for the CLS row only: [B,1,D].
+    None when there is no block or the last one is not of a known structure (run them in full)."""
+    blocks = list(blocks)
+    if not blocks or not supports_cls_row(blocks[-1]):
+        return None
+    for block in blocks[:-1]:
+        x = block(x)
+    return cls_row_block(blocks[-1], x)
+
+
 def cls_row_block(block: torch.nn.Module, x: Tensor) -> Tensor:
     """x[B,N,D] -> row 0 of ``block(x)``: [B,1,D]. The block must satisfy ``supports_cls_row`` and be
     in eval mode (dropout and drop-path off; the probe's ``jvp_friendly`` guarantees that)."""

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from pullback_ext.probes.base import Probe
-from pullback_ext.probes.cls_row import cls_row_block, supports_cls_row
+from pullback_ext.probes.cls_row import run_blocks_for_cls_row
 from pullback_ext.probes.modes import evaluation, jvp_friendly
 
 OUTPUTS = ("cls", "tokens", "pooled")
@@ -86,13 +86,12 @@ class TimmViTProbe(Probe):
     def outputs(self, F: Tensor) -> Tensor:
         m = self.model
         with jvp_friendly(m):
-            x = F
-            blocks = list(m.blocks[self.layer + 1 :])
-            row_only = self.output == "cls" and self.cls_row and blocks and supports_cls_row(blocks[-1])
-            for block in blocks[:-1] if row_only else blocks:
-                x = block(x)
-            if row_only:
-                x = cls_row_block(blocks[-1], x)
+            blocks = m.blocks[self.layer + 1 :]
+            x = run_blocks_for_cls_row(blocks, F) if self.output == "cls" and self.cls_row else None
+            if x is None:
+                x = F
+                for block in blocks:
+                    x = block(x)
             x = m.norm(x)
             if callable(self.output):
                 y = self.output(x)
