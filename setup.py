@@ -58,6 +58,11 @@ def _extension():
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cxx_flags = ["-O3", "-std=c++20"]
     link_flags = []
+    if sys.platform.startswith("linux"):
+        # Some toolchains link libstdc++ statically (their lib dir holds only libstdc++.a). Its
+        # symbols must then stay private to _C: exported, they mix with torch's shared libstdc++
+        # (half of the iostream code from each), and formatting an error message segfaults.
+        link_flags.append("-Wl,--exclude-libs,ALL")
     # at::parallel_for is an inline `#pragma omp parallel` when ATen uses OpenMP: without -fopenmp
     # the CPU kernels would silently run on one thread. The library resolves to the libgomp that
     # torch already loaded (same soname), so torch.set_num_threads governs both.

@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/gpu_check.sh            # uses .venv/bin/python when present
 #   PYTHON=python3 BENCH_OUT=/tmp/bench.json bash benchmarks/gpu_check.sh
-# Step limits (240 s build, 150 s tests, 60 s + 150 s benchmarks) keep the run under 10 minutes.
+# Step limits (240 s build, 2 x 60 s error path, 150 s tests, 60 s + 150 s benchmarks) keep the
+# run under 10 minutes when nothing crashes.
 # The compiled-reference benchmark writes BENCH_OUT with ".compile" before its extension.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +16,7 @@ if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -39,6 +41,23 @@ if ! step build 240 "$PYTHON" setup.py --quiet build_ext --inplace; then
   exit 1
 fi
 "$PYTHON" -c "import pullback_ext; print('build_info', pullback_ext.build_info())"
+mkdir -p out
+
+# The error path first, in a child process per device: when raising from the compiled front end
+# crashes, print a native backtrace of the crash (cuda-gdb or gdb, when either is installed).
+"$PYTHON" -c "import sys; sys.path.insert(0, 'python_tests'); import test_cuda_build as t
+open('out/raising_cases.py', 'w').write(t._RAISING_CASES)" || status=1
+for dev in cpu cuda; do
+  if ! step "error path on ${dev}" 60 "$PYTHON" out/raising_cases.py "$dev"; then
+    debugger=$(command -v cuda-gdb || command -v gdb || true)
+    if [ -n "$debugger" ]; then
+      timeout 180 "$debugger" -batch -ex run -ex bt -ex "info sharedlibrary" \
+        --args "$(command -v "$PYTHON")" out/raising_cases.py "$dev" >"out/crash_${dev}.txt" 2>&1
+      grep -A60 "received signal" "out/crash_${dev}.txt" | grep -v "^\[New Thread\|^\[Thread"
+      grep -E "gomp|stdc\+\+|gcc_s|libc10|libtorch_python|_C\." "out/crash_${dev}.txt"
+    fi
+  fi
+done
 
 tests=(python_tests/test_cuda_build.py)
 for f in python_tests/test_ops*.py; do [ -e "$f" ] && tests+=("$f"); done

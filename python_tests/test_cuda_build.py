@@ -144,6 +144,8 @@ def _metric_inputs(B, N, D, r, k, dtype, offset=0, seed=0):
 # With k = 1 the single-column kernels read rows of U in 16-, 8- or 4-byte vectors, whichever
 # divides the row length and the base address (offset 1 misaligns it): r = 2, 8, 24 give each
 # width for some dtype; r = 1100 has too many vectors per row and takes the general kernel.
+# The k = 1 quadform sums the chunks in one block per image: many chunks per thread group
+# (B = 5, P = 24672), one group (r + 1 = 256) and more outputs than threads (r = 300).
 METRIC_SHAPES = [
     (1, 3, 5, 1, 1),
     (2, 7, 9, 3, 2),
@@ -155,6 +157,9 @@ METRIC_SHAPES = [
     (2, 37, 16, 8, 1),
     (3, 9, 40, 24, 1),
     (1, 3, 400, 1100, 1),
+    (5, 257, 96, 20, 1),
+    (2, 5, 64, 255, 1),
+    (1, 3, 120, 300, 1),
 ]
 
 
@@ -243,8 +248,9 @@ def test_gpu_merge_is_deterministic():
 
 
 # Each case raises from the compiled front end; run in a child process so that a crash in the
-# error path (seen once on a GPU machine whose extension was built by another toolchain than its
-# torch) fails this test with the case named instead of ending the whole test run.
+# error path (seen on a machine whose compiler linked libstdc++ statically into _C, see
+# test_extension_keeps_a_static_libstdcxx_private) fails this test with the case named instead of
+# ending the whole test run.
 _RAISING_CASES = r"""
 import sys, torch
 from pullback_ext import ops
@@ -277,6 +283,23 @@ for name, (kind, pattern, call) in cases.items():
         raise AssertionError(name + ": no exception")
 print("all raised")
 """
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("nm") is None,
+                    reason="needs Linux and binutils' nm")
+def test_extension_keeps_a_static_libstdcxx_private():
+    """Toolchains whose lib dir holds only libstdc++.a link it into _C. Exported, its symbols mix
+    with torch's shared libstdc++ and the first error message that formats a number segfaults
+    (seen on a CUDA machine whose compiler wrapper did this); setup.py links with --exclude-libs."""
+    from pullback_ext._loader import load_compiled
+
+    lib = load_compiled()
+    if lib is None:
+        pytest.skip("the compiled extension is not built")
+    exported = subprocess.run(["nm", "-D", "--defined-only", lib.__file__], capture_output=True,
+                              text=True, check=True).stdout.split()
+    leaked = {"_ZNSt6locale7classicEv", "_ZNSo9_M_insertIlEERSoT_"} & set(exported)
+    assert not leaked, f"{lib.__file__} exports libstdc++'s own symbols {sorted(leaked)}"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])

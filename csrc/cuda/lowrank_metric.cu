@@ -82,6 +82,38 @@ __global__ void quadform_epilogue_kernel(const Acc* __restrict__ W, const T* __r
   }
 }
 
+// The k = 1 quadform from the single-column partial sums, in one block per batch entry:
+// partial[b, chunk, 0..r) are chunk sums of Uᵀv, partial[b, chunk, r] of ‖v‖². Thread group g
+// adds chunks g, g + G, ...; the groups and then the r + 1 terms are added in a fixed order
+// (deterministic). Needs r + 1 <= blockDim.x.
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kEpilogueThreads)
+    quadform_from_chunks_kernel(const Acc* __restrict__ partial, const T* __restrict__ lam,
+                                T* __restrict__ q, int chunks, int r, Acc eps) {
+  __shared__ Acc red[kEpilogueThreads];
+  __shared__ Acc scratch[detail::kWarpSize];
+  const int64_t b = blockIdx.x;
+  const int n_out = r + 1;
+  const int groups = blockDim.x / n_out;
+  const int o = threadIdx.x % n_out;
+  const int g = threadIdx.x / n_out;
+  Acc s = Acc(0);
+  if (g < groups) {
+    const Acc* Pb = partial + b * chunks * int64_t(n_out) + o;
+    for (int ch = g; ch < chunks; ch += groups) s += Pb[int64_t(ch) * n_out];
+  }
+  red[threadIdx.x] = s;
+  __syncthreads();
+  Acc term = Acc(0);
+  if (threadIdx.x < n_out) {
+    Acc total = Acc(0);
+    for (int gg = 0; gg < groups; ++gg) total += red[gg * n_out + threadIdx.x];
+    term = threadIdx.x < r ? detail::to_acc<Acc>(lam[b * r + threadIdx.x]) * total * total : eps * total;
+  }
+  term = detail::block_sum(term, scratch);
+  if (threadIdx.x == 0) q[b] = detail::from_acc<T>(term);
+}
+
 void check_metric_operands(const at::Tensor& U, const at::Tensor& lam, const at::Tensor& v) {
   detail::check_operand(U, "U", U.device());
   detail::check_operand(lam, "lam", U.device());
@@ -120,6 +152,18 @@ at::Tensor lowrank_metric_quadform(const at::Tensor& U, const at::Tensor& lam, c
   if (q.numel() == 0) return q;
   PULLBACK_DISPATCH_FLOATING(U.scalar_type(), "pullback_cuda_lowrank_metric_quadform", [&] {
     using Acc = at::opmath_type<scalar_t>;
+    at::Tensor partial;
+    int64_t chunks = 0;
+    // k = 1: column sums and their reduction + epilogue in two launches instead of three.
+    if (k == 1 && r + 1 <= kEpilogueThreads && U.size(1) > 0 &&
+        detail::single_column_products<scalar_t, Acc>(U, v, /*with_norms=*/true, partial, chunks)) {
+      quadform_from_chunks_kernel<scalar_t, Acc>
+          <<<static_cast<unsigned>(B), kEpilogueThreads, 0, detail::current_stream()>>>(
+              partial.data_ptr<Acc>(), lam.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
+              static_cast<int>(chunks), static_cast<int>(r), static_cast<Acc>(eps));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
     const at::Tensor W =
         at::empty({B, r * k + k}, U.options().dtype(c10::CppTypeToScalarType<Acc>::value));
     detail::column_products<scalar_t, Acc>(U, v, /*with_norms=*/true, at::Tensor(), W);
