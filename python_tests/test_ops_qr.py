@@ -90,6 +90,21 @@ def test_qr_badly_scaled_columns(dtype, device):
     np.testing.assert_allclose(Q[:1].double().cpu().numpy(), Q_ref, atol=1e-3 if dtype == torch.float32 else 1e-8)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_qr_float32_near_the_fallback_threshold(device):
+    """κ(X) ≈ 1e5 stays on the CholeskyQR2 path (the fallback starts at 1e6), where float32 X gets
+    its last pass as one product X (R1⁻¹ R2⁻¹): still orthonormal, and equal to the float64
+    factorisation of the same (float32-representable) X to float32 rounding."""
+    g = torch.Generator().manual_seed(11)
+    X64 = torch.linalg.qr(torch.randn(2, 4000, 12, dtype=torch.float64, generator=g))[0]
+    X64 = (X64 * torch.logspace(0, -5, 12, dtype=torch.float64)) @ torch.linalg.qr(torch.randn(2, 12, 12, dtype=torch.float64, generator=g))[0]
+    X = X64.float().to(device)
+    Q, R = ops.block_orthonormalize(X, return_r=True)
+    _check_factorisation(X, Q, R, torch.float32)
+    Q64 = ops.block_orthonormalize(X.double().cpu())
+    torch.testing.assert_close(Q.double().cpu(), Q64, atol=2e-6, rtol=0)
+
+
 def test_qr_mixed_batch_only_falls_back_where_needed():
     g = torch.Generator().manual_seed(9)
     X = torch.randn(3, 64, 4, dtype=torch.float64, generator=g)
@@ -120,6 +135,7 @@ def test_qr_isa_variants_agree(tmp_path):
         " 'y1': ops.lowrank_metric_apply(X, torch.ones(2, 7, dtype=X.dtype), X[..., 5:6].contiguous(), 0.2),"
         " 'q1': ops.lowrank_metric_quadform(U, lam, X[..., 3:4].contiguous(), 0.2),"
         " 'g': ops.gather_tokens(X.view(2, 333, 21)[:, :, :19].contiguous(), torch.arange(330).view(2, 165) % 333),"
+        " 'Q32': ops.block_orthonormalize(X.float()),"
         " 'isa': _C.cpu_isa()}, sys.argv[1])"
     )
     results = {}
@@ -138,3 +154,4 @@ def test_qr_isa_variants_agree(tmp_path):
         assert torch.equal(res["g"], base["g"])
         for key in ("Q", "R", "imp", "y", "y1", "q1"):
             torch.testing.assert_close(res[key], base[key], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(res["Q32"], base["Q32"], rtol=0, atol=1e-6)

@@ -70,7 +70,7 @@ at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M1, const at::T
   const int64_t nblk = (P + kRowBlock - 1) / kRowBlock;
   at::Tensor Y = at::empty_like(X);
   const double* m1 = M1.const_data_ptr<double>();
-  const double* m2 = M2.const_data_ptr<double>();
+  const double* m2 = M2.defined() ? M2.const_data_ptr<double>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES(X.scalar_type(), "right_multiply_cpu", [&] {
     const scalar_t* x = X.const_data_ptr<scalar_t>();
     scalar_t* y = Y.mutable_data_ptr<scalar_t>();
@@ -79,7 +79,7 @@ at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M1, const at::T
       for (int64_t task = first; task < last; ++task) {
         const int64_t b = task / nblk, blk = task % nblk;
         const int64_t p0 = blk * kRowBlock, rows = std::min(kRowBlock, P - p0);
-        PULLBACK_ROW_KERNEL(right_multiply_rows, x + (b * P + p0) * r, rows, r, m1 + b * r * r, m2 + b * r * r,
+        PULLBACK_ROW_KERNEL(right_multiply_rows, x + (b * P + p0) * r, rows, r, m1 + b * r * r, m2 != nullptr ? m2 + b * r * r : nullptr,
                             y + (b * P + p0) * r, scratch.data());
       }
     });
