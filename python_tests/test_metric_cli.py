@@ -51,6 +51,8 @@ def test_train_spn_exact_and_refuses_to_overwrite(tmp_path, image_dir, capsys):
     assert _train("spn", tmp_path / "spn", image_dir, "--rank", "3", "--targets", "exact") == 0
     results = json.loads((tmp_path / "spn" / "results.json").read_text())
     assert results["heldout"]["reference"]["mode"] == "exact" and 0 <= results["heldout"]["mean"] <= 1
+    per_image = results["heldout"]["per_image"]
+    assert len(per_image) == results["heldout"]["count"] and sum(per_image) / len(per_image) == pytest.approx(results["heldout"]["mean"])
     assert _train("spn", tmp_path / "spn", image_dir, "--rank", "3") == 2
     assert "--resume" in capsys.readouterr().err
     assert _train("spn", tmp_path / "spn", image_dir, "--rank", "3", "--targets", "exact", "--resume", "--steps", "8") == 0

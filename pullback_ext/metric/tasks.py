@@ -63,12 +63,14 @@ class SPNTask:
 
 @torch.no_grad()
 def evaluate_spn(model: nn.Module, features: Tensor, V: Tensor, batch_size: int = 16) -> dict:
-    """Held-out subspace alignment ‖UᵀV‖²/m per image (mean, std, ...)."""
+    """Held-out subspace alignment ‖UᵀV‖²/m per image: mean, std, ... and ``per_image`` (so that
+    two runs on the same held-out images can be compared image by image)."""
     values = []
     for start in range(0, features.shape[0], batch_size):
         U, _ = model(features[start : start + batch_size])
         values.append(subspace_alignment(U.double(), V[start : start + batch_size].double()))
-    return summarize(torch.cat(values))
+    alignment = torch.cat(values)
+    return {**summarize(alignment), "per_image": [float(a) for a in alignment]}
 
 
 @dataclass
