@@ -197,7 +197,7 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, co
     from tqdm import tqdm
 
     cuda = device == "cuda"
-    repeats = repeats or (3 if quick else 50 if cuda else 7)
+    repeats = repeats or (3 if quick else 50 if cuda else 15)
     torch.manual_seed(0)
     dtype = torch.float32
     P = N_TOKENS * DIM
