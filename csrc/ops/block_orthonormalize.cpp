@@ -11,7 +11,7 @@
 // Three reads of X and one fresh output instead of two, and Q1 is not rounded to X's dtype; for
 // float64 X the result is that of a stored Q1. For float32 X the last pass is the single product
 // X (R1⁻¹ R2⁻¹): it differs from (X R1⁻¹) R2⁻¹ by O(κ u_64) <= 1e-10 (κ <= kMaxCondition), far
-// below float32 rounding, at half the flops of the pass that dominates the CPU time.
+// below float32 rounding, at half the flops of the two-product pass.
 //
 // CholeskyQR2 loses orthogonality once κ(X)² times the float64 unit roundoff is no longer small.
 // An image is therefore refactorised by Householder QR (at::linalg_qr in float64, then cast) when
