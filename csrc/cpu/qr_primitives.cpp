@@ -65,12 +65,13 @@ at::Tensor product_gram(const at::Tensor& X, const at::Tensor& M) {
                            });
 }
 
-at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M1, const at::Tensor& M2) {
+namespace {
+
+// Y = (X M1) M2, or X M1 when m2 is null (M1, M2 as row-major [B,r,r] float64 on the host).
+at::Tensor right_multiply_impl(const at::Tensor& X, const double* m1, const double* m2) {
   const int64_t B = X.size(0), P = X.size(1), r = X.size(2);
   const int64_t nblk = (P + kRowBlock - 1) / kRowBlock;
   at::Tensor Y = at::empty_like(X);
-  const double* m1 = M1.const_data_ptr<double>();
-  const double* m2 = M2.defined() ? M2.const_data_ptr<double>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES(X.scalar_type(), "right_multiply_cpu", [&] {
     const scalar_t* x = X.const_data_ptr<scalar_t>();
     scalar_t* y = Y.mutable_data_ptr<scalar_t>();
@@ -79,12 +80,22 @@ at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M1, const at::T
       for (int64_t task = first; task < last; ++task) {
         const int64_t b = task / nblk, blk = task % nblk;
         const int64_t p0 = blk * kRowBlock, rows = std::min(kRowBlock, P - p0);
-        PULLBACK_ROW_KERNEL(right_multiply_rows, x + (b * P + p0) * r, rows, r, m1 + b * r * r, m2 != nullptr ? m2 + b * r * r : nullptr,
-                            y + (b * P + p0) * r, scratch.data());
+        PULLBACK_ROW_KERNEL(right_multiply_rows, x + (b * P + p0) * r, rows, r, m1 + b * r * r,
+                            m2 != nullptr ? m2 + b * r * r : nullptr, y + (b * P + p0) * r, scratch.data());
       }
     });
   });
   return Y;
+}
+
+}  // namespace
+
+at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M) {
+  return right_multiply_impl(X, M.const_data_ptr<double>(), nullptr);
+}
+
+at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M1, const at::Tensor& M2) {
+  return right_multiply_impl(X, M1.const_data_ptr<double>(), M2.const_data_ptr<double>());
 }
 
 }  // namespace cpu

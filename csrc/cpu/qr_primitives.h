@@ -11,8 +11,10 @@ namespace cpu {
 // stored; X[B,P,r] (float or double), M[B,r,r] float64, both contiguous on the CPU.
 at::Tensor product_gram(const at::Tensor& X, const at::Tensor& M);
 
-// Y[B,P,r] = (X M1) M2 with every product in float64 (X M1 never rounded to X's dtype);
-// Y = X M1 when M2 is an undefined tensor.
+// Y[B,P,r] = X M, the product in float64.
+at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M);
+
+// Y[B,P,r] = (X M1) M2 with every product in float64 (X M1 never rounded to X's dtype).
 at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M1, const at::Tensor& M2);
 
 }  // namespace cpu

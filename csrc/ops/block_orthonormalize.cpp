@@ -106,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> block_orthonormalize(const at::Tensor& X_in, 
   if (X.is_cpu()) {
     std::tie(R2, M2) = cholesky_step(cpu::product_gram(X, M1), /*check_condition=*/false, bad);
     Q = X.scalar_type() == at::kDouble ? cpu::right_multiply(X, M1, M2)
-                                       : cpu::right_multiply(X, upper_products(M1, M2), at::Tensor());
+                                       : cpu::right_multiply(X, upper_products(M1, M2));
   } else {
 #ifdef WITH_CUDA
     const at::Tensor Q1 = cuda::right_multiply(X, on_device(M1));
