@@ -93,11 +93,24 @@ inline int num_sms() {
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// How many blocks of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory) one
+// multiprocessor holds at once, as limited by registers, shared memory and threads (at least 1).
+template <typename Kernel>
+int resident_blocks_per_sm(Kernel kernel, int threads, int64_t smem) {
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads,
+                                                               static_cast<size_t>(smem)));
+  return blocks > 0 ? blocks : 1;
+}
+
 // Splits `rows` rows of each of `batch` batch entries into equal chunks (a multiple of `tile`
-// rows each) so that about `blocks_per_sm` blocks per multiprocessor are launched in total.
-inline int64_t rows_per_chunk(int64_t rows, int64_t batch, int64_t tile, int blocks_per_sm = 8) {
+// rows each) so that the grid is at most one wave of `blocks_per_sm` blocks per multiprocessor
+// (resident_blocks_per_sm of the kernel), or one chunk per entry when there are more entries.
+// A grid of more blocks than fit at once ends in a partial wave that leaves most
+// multiprocessors idle.
+inline int64_t rows_per_chunk(int64_t rows, int64_t batch, int64_t tile, int blocks_per_sm) {
   const int64_t target_blocks = static_cast<int64_t>(num_sms()) * blocks_per_sm;
-  const int64_t chunks_per_batch = std::max<int64_t>(1, ceil_div(target_blocks, batch));
+  const int64_t chunks_per_batch = std::max<int64_t>(1, target_blocks / batch);
   return round_up(std::max<int64_t>(1, ceil_div(rows, chunks_per_batch)), tile);
 }
 

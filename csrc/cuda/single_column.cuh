@@ -137,28 +137,27 @@ bool single_column_products(const at::Tensor& A, const at::Tensor& C, bool with_
   if (vecs_per_row > kSingleColumnThreads) return false;
   const int64_t n_out = a + (with_norms ? 1 : 0);
   const int64_t rows_per_sweep = kSingleColumnThreads / vecs_per_row;
-
-  int64_t chunk_rows = rows_per_chunk(P, B, rows_per_sweep);
-  const int64_t max_chunks = std::max<int64_t>(1, (int64_t(1) << 24) / (B * n_out));
-  if (ceil_div(P, chunk_rows) > max_chunks) chunk_rows = round_up(ceil_div(P, max_chunks), rows_per_sweep);
-  chunks = ceil_div(P, chunk_rows);
-  if (B * chunks > INT_MAX) return false;
-
   const int values = bytes / static_cast<int>(sizeof(T)) + 1;
   const int64_t smem = int64_t(kSingleColumnThreads) * values * sizeof(Acc);
   if (smem > kMaxDynamicSmem) return false;
-  partial = at::empty({B, chunks, n_out}, A.options().dtype(c10::CppTypeToScalarType<Acc>::value));
-  const unsigned grid = static_cast<unsigned>(B * chunks);
-  const cudaStream_t stream = current_stream();
-  const T* a_ptr = A.data_ptr<T>();
-  const T* c_ptr = C.data_ptr<T>();
-  Acc* out = partial.data_ptr<Acc>();
+
+  bool launched = false;
   with_vector_bytes<T>(bytes, [&](auto bytes_tag) {
-    single_column_products_kernel<T, Acc, decltype(bytes_tag)::value>
-        <<<grid, kSingleColumnThreads, smem, stream>>>(a_ptr, c_ptr, out, P, static_cast<int>(a),
-                                                       chunk_rows, static_cast<int>(chunks),
-                                                       static_cast<int>(n_out));
+    const auto kernel = single_column_products_kernel<T, Acc, decltype(bytes_tag)::value>;
+    const int resident = resident_blocks_per_sm(kernel, kSingleColumnThreads, smem);
+    int64_t chunk_rows = rows_per_chunk(P, B, rows_per_sweep, resident);
+    const int64_t max_chunks = std::max<int64_t>(1, (int64_t(1) << 24) / (B * n_out));
+    if (ceil_div(P, chunk_rows) > max_chunks) chunk_rows = round_up(ceil_div(P, max_chunks), rows_per_sweep);
+    chunks = ceil_div(P, chunk_rows);
+    if (B * chunks > INT_MAX) return;
+
+    partial = at::empty({B, chunks, n_out}, A.options().dtype(c10::CppTypeToScalarType<Acc>::value));
+    kernel<<<static_cast<unsigned>(B * chunks), kSingleColumnThreads, smem, current_stream()>>>(
+        A.data_ptr<T>(), C.data_ptr<T>(), partial.data_ptr<Acc>(), P, static_cast<int>(a), chunk_rows,
+        static_cast<int>(chunks), static_cast<int>(n_out));
+    launched = true;
   });
+  if (!launched) return false;
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }

@@ -199,30 +199,26 @@ void column_products(const at::Tensor& A, const at::Tensor& C, bool with_norms,
   at::Tensor partial;
   int64_t chunks = 0;
   if (same || !single_column_products<T, Acc>(A, C, with_norms, partial, chunks)) {
-    int64_t chunk_rows = rows_per_chunk(P, B, tile_rows);
-    const int64_t max_chunks = std::max<int64_t>(1, kMaxPartialElements / (B * n_out));
-    if (ceil_div(P, chunk_rows) > max_chunks) chunk_rows = round_up(ceil_div(P, max_chunks), tile_rows);
-    chunks = ceil_div(P, chunk_rows);
-
     const int64_t stage_bytes = round_up(int64_t(tile_rows) * a * sizeof(T), 16) +
                                 (same ? 0 : int64_t(tile_rows) * c * sizeof(T));
     const int64_t red_bytes = int64_t(kProductThreads) * kTileValues * sizeof(Acc);
     const int64_t smem = std::max(stage_bytes, red_bytes);
     TORCH_INTERNAL_ASSERT(smem <= kMaxDynamicSmem);
+    const auto kernel = with_norms ? column_products_partial_kernel<T, Acc, true>
+                                   : column_products_partial_kernel<T, Acc, false>;
+
+    const int resident = resident_blocks_per_sm(kernel, kProductThreads, smem);
+    int64_t chunk_rows = rows_per_chunk(P, B * tile_groups, tile_rows, resident);
+    const int64_t max_chunks = std::max<int64_t>(1, kMaxPartialElements / (B * n_out));
+    if (ceil_div(P, chunk_rows) > max_chunks) chunk_rows = round_up(ceil_div(P, max_chunks), tile_rows);
+    chunks = ceil_div(P, chunk_rows);
 
     partial = at::empty({B, chunks, n_out}, out.options());
     const dim3 grid(static_cast<unsigned>(B * chunks), static_cast<unsigned>(tile_groups));
-    const T* a_ptr = A.data_ptr<T>();
-    const T* c_ptr = C.data_ptr<T>();
-    if (with_norms) {
-      column_products_partial_kernel<T, Acc, true><<<grid, kProductThreads, smem, stream>>>(
-          a_ptr, c_ptr, partial.data_ptr<Acc>(), P, static_cast<int>(a), static_cast<int>(c), same,
-          chunk_rows, static_cast<int>(chunks), tile_rows, static_cast<int>(n_out));
-    } else {
-      column_products_partial_kernel<T, Acc, false><<<grid, kProductThreads, smem, stream>>>(
-          a_ptr, c_ptr, partial.data_ptr<Acc>(), P, static_cast<int>(a), static_cast<int>(c), same,
-          chunk_rows, static_cast<int>(chunks), tile_rows, static_cast<int>(n_out));
-    }
+    kernel<<<grid, kProductThreads, smem, stream>>>(
+        A.data_ptr<T>(), C.data_ptr<T>(), partial.data_ptr<Acc>(), P, static_cast<int>(a),
+        static_cast<int>(c), same, chunk_rows, static_cast<int>(chunks), tile_rows,
+        static_cast<int>(n_out));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
@@ -311,7 +307,8 @@ void row_matmul(const at::Tensor& A, const at::Tensor& M, const at::Tensor& V, A
   const int64_t smem = (m_shared ? round_up(m_bytes, 16) : 0) + int64_t(tile_rows) * a * sizeof(T);
   TORCH_INTERNAL_ASSERT(smem <= kMaxDynamicSmem);
 
-  const int64_t block_rows = rows_per_chunk(P, B, tile_rows);
+  const int resident = resident_blocks_per_sm(row_matmul_kernel<T, Acc>, kMatmulThreads, smem);
+  const int64_t block_rows = rows_per_chunk(P, B, tile_rows, resident);
   const int64_t blocks_per_batch = ceil_div(P, block_rows);
   row_matmul_kernel<T, Acc><<<static_cast<unsigned>(B * blocks_per_batch), kMatmulThreads, smem,
                               current_stream()>>>(
