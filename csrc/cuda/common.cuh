@@ -14,6 +14,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 namespace pullback {
 namespace cuda {
@@ -93,24 +96,37 @@ inline int num_sms() {
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// Upper bound on the partial-sum workspace of the chunked reductions, in accumulator elements.
+constexpr int64_t kMaxPartialElements = int64_t(1) << 24;
+
 // How many blocks of `kernel` (`threads` threads, `smem` bytes of dynamic shared memory) one
-// multiprocessor holds at once, as limited by registers, shared memory and threads (at least 1).
+// multiprocessor of the current device holds at once, as limited by registers, shared memory and
+// threads (at least 1). The answer only depends on those four, so it is computed once for each.
 template <typename Kernel>
 int resident_blocks_per_sm(Kernel kernel, int threads, int64_t smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<Kernel, int, int, int64_t>, int> cache;
+  const auto key = std::make_tuple(kernel, static_cast<int>(c10::cuda::current_device()), threads, smem);
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
   int blocks = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads,
                                                                static_cast<size_t>(smem)));
-  return blocks > 0 ? blocks : 1;
+  return cache[key] = blocks > 0 ? blocks : 1;
 }
 
-// Splits `rows` rows of each of `batch` batch entries into equal chunks (a multiple of `tile`
+// Splits `rows` rows of each of `batch` grid entries into equal chunks (a multiple of `tile`
 // rows each) so that the grid is at most one wave of `blocks_per_sm` blocks per multiprocessor
 // (resident_blocks_per_sm of the kernel), or one chunk per entry when there are more entries.
 // A grid of more blocks than fit at once ends in a partial wave that leaves most
-// multiprocessors idle.
-inline int64_t rows_per_chunk(int64_t rows, int64_t batch, int64_t tile, int blocks_per_sm) {
+// multiprocessors idle. At most `max_chunks` chunks per entry (a cap on the partial sums of the
+// reductions).
+inline int64_t rows_per_chunk(int64_t rows, int64_t batch, int64_t tile, int blocks_per_sm,
+                              int64_t max_chunks = INT64_MAX) {
   const int64_t target_blocks = static_cast<int64_t>(num_sms()) * blocks_per_sm;
-  const int64_t chunks_per_batch = std::max<int64_t>(1, target_blocks / batch);
+  const int64_t chunks_per_batch =
+      std::max<int64_t>(1, std::min(max_chunks, target_blocks / batch));
   return round_up(std::max<int64_t>(1, ceil_div(rows, chunks_per_batch)), tile);
 }
 

@@ -145,9 +145,8 @@ bool single_column_products(const at::Tensor& A, const at::Tensor& C, bool with_
   with_vector_bytes<T>(bytes, [&](auto bytes_tag) {
     const auto kernel = single_column_products_kernel<T, Acc, decltype(bytes_tag)::value>;
     const int resident = resident_blocks_per_sm(kernel, kSingleColumnThreads, smem);
-    int64_t chunk_rows = rows_per_chunk(P, B, rows_per_sweep, resident);
-    const int64_t max_chunks = std::max<int64_t>(1, (int64_t(1) << 24) / (B * n_out));
-    if (ceil_div(P, chunk_rows) > max_chunks) chunk_rows = round_up(ceil_div(P, max_chunks), rows_per_sweep);
+    const int64_t chunk_rows = rows_per_chunk(P, B, rows_per_sweep, resident,
+                                              kMaxPartialElements / (B * n_out));
     chunks = ceil_div(P, chunk_rows);
     if (B * chunks > INT_MAX) return;
 

@@ -25,8 +25,6 @@ constexpr int kTile = 4;
 constexpr int kTileValues = kTile * kTile + kTile;
 constexpr int64_t kProductStageBytes = 40 * 1024;
 constexpr int kMaxTileRows = 128;
-// Upper bound on the partial-sum workspace, in accumulator elements.
-constexpr int64_t kMaxPartialElements = int64_t(1) << 24;
 
 constexpr int kMatmulThreads = 256;
 constexpr int64_t kMatmulStageBytes = 16 * 1024;
@@ -208,9 +206,8 @@ void column_products(const at::Tensor& A, const at::Tensor& C, bool with_norms,
                                    : column_products_partial_kernel<T, Acc, false>;
 
     const int resident = resident_blocks_per_sm(kernel, kProductThreads, smem);
-    int64_t chunk_rows = rows_per_chunk(P, B * tile_groups, tile_rows, resident);
-    const int64_t max_chunks = std::max<int64_t>(1, kMaxPartialElements / (B * n_out));
-    if (ceil_div(P, chunk_rows) > max_chunks) chunk_rows = round_up(ceil_div(P, max_chunks), tile_rows);
+    const int64_t chunk_rows = rows_per_chunk(P, B * tile_groups, tile_rows, resident,
+                                              kMaxPartialElements / (B * n_out));
     chunks = ceil_div(P, chunk_rows);
 
     partial = at::empty({B, chunks, n_out}, out.options());
