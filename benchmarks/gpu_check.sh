@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One-shot check on a CUDA machine, in under 10 minutes: builds the extension with its CUDA
 # kernels for the local GPU's arch, runs the CUDA op tests, then the op benchmark on the GPU
-# (first without the torch.compile column, which is quick, then with it).
+# (first without the torch.compile column, which is quick; then profiled, each call split into its
+# kernels and launch gaps; then with the torch.compile column).
 # Prints everything; exits non-zero when any step failed (later steps still run).
 #
 #   bash benchmarks/gpu_check.sh            # uses .venv/bin/python when present
 #   PYTHON=python3 BENCH_OUT=/tmp/bench.json bash benchmarks/gpu_check.sh
-# Step limits (240 s build, 2 x 60 s error path, 150 s tests, 60 s + 150 s benchmarks) keep the
-# run under 10 minutes when nothing crashes.
-# The compiled-reference benchmark writes BENCH_OUT with ".compile" before its extension.
+# Step limits: 240 s build, 2 x 60 s error path, 150 s tests, 60 s + 90 s + 150 s benchmarks; a run
+# in which nothing crashes takes about 4 minutes.
+# The profiled and compiled-reference benchmarks write BENCH_OUT with ".kernels" / ".compile" before
+# its extension.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -64,6 +66,8 @@ for f in python_tests/test_ops*.py; do [ -e "$f" ] && tests+=("$f"); done
 step "CUDA kernel tests" 150 "$PYTHON" -m pytest "${tests[@]}" -q --maxfail=10 -k "cuda or gpu" -p no:cacheprovider
 bench_out=${BENCH_OUT:-out/bench_ops_cuda.json}
 step "CUDA op benchmark" 60 "$PYTHON" benchmarks/bench_ops.py --device cuda --no-compile --out "$bench_out"
+step "CUDA kernel breakdown" 90 "$PYTHON" benchmarks/bench_ops.py --device cuda --no-compile --kernels --repeats 20 \
+  --out "${bench_out%.*}.kernels.${bench_out##*.}"
 step "CUDA op benchmark with torch.compile" 150 "$PYTHON" benchmarks/bench_ops.py --device cuda \
   --out "${bench_out%.*}.compile.${bench_out##*.}"
 echo "=== gpu_check: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from pullback_ext import ops, reference
 from pullback_ext.fileio import atomic_write_json
+from pullback_ext.kernel_breakdown import Breakdown, cuda_kernel_breakdown
 from pullback_ext.plots import save_figure
 
 N_TOKENS, DIM, RANK = 257, 768, 20
@@ -56,6 +57,7 @@ class Row:
     extra: dict = field(default_factory=dict)
     unchecked_ms: float | None = None
     fresh_output_ms: float | None = None
+    kernels: dict | None = None
 
     @property
     def speedup_eager(self) -> float:
@@ -192,11 +194,16 @@ def _compiled(fn: Callable, enabled: bool) -> Callable | None:
 
 
 def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, compile_reference: bool = True,
-        progress: Callable[[str], None] | None = None) -> dict:
-    """Run every benchmark case; returns the JSON-ready result (see ``format_table``)."""
+        progress: Callable[[str], None] | None = None, kernel_breakdown: bool = False) -> dict:
+    """Run every benchmark case; returns the JSON-ready result (see ``format_table``).
+
+    ``kernel_breakdown`` (CUDA only) also profiles the unchecked fused call of every case and
+    records its kernels and launch gaps (:mod:`pullback_ext.kernel_breakdown`) in ``kernels``."""
     from tqdm import tqdm
 
     cuda = device == "cuda"
+    if kernel_breakdown and not cuda:
+        raise ValueError("kernel_breakdown: needs device='cuda' (it profiles CUDA kernels)")
     repeats = repeats or (3 if quick else 50 if cuda else 15)
     torch.manual_seed(0)
     dtype = torch.float32
@@ -289,8 +296,9 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, co
                      "unchecked": _unchecked(fused) if cuda else None}
         names = [k for k, f in timed_fns.items() if f is not None]
         timed = dict(zip(names, timed_medians_ms([timed_fns[k] for k in names], repeats, device)))
+        kernels = cuda_kernel_breakdown(timed_fns["unchecked"]).to_dict() if kernel_breakdown else None
         row = Row(name, shape, timed["fused"], timed["eager"], timed.get("compiled"), nbytes, extra() if extra else {},
-                  timed.get("unchecked"), timed["fresh"])
+                  timed.get("unchecked"), timed["fresh"], kernels)
         rows.append(row)
     bandwidth = max(bandwidth, read_bandwidth_gbps(device, repeats))  # before and after, the better
     copy_bandwidth = copy_bandwidth_gbps(device, repeats) if cuda else None
@@ -359,6 +367,10 @@ def format_table(result: dict) -> str:
                      + (f" {r['unchecked_ms']:12.3f} {100 * r['unchecked_share_of_read_bandwidth']:8.0f}%"
                         if r.get("unchecked_ms") is not None else f" {'-':>12} {'-':>9}" if unchecked else "")
                      + note)
+    profiled = [r for r in result["rows"] if r.get("kernels")]
+    if profiled:
+        lines += ["", "unchecked calls profiled (medians, us): span = kernels + gaps; lead-in = dispatch after the marker"]
+        lines += [f"{r['op']:<24} {r['shape']:<30} {Breakdown(**r['kernels']).describe()}" for r in profiled]
     return "\n".join(lines)
 
 

@@ -14,6 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device to benchmark (default: cpu)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default: 15 on the CPU, 50 on CUDA, quick: 3)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile(reference) column")
+    parser.add_argument("--kernels", action="store_true",
+                        help="CUDA only: also profile each unchecked fused call and print its kernels and launch gaps")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,7 +28,10 @@ def run(args: argparse.Namespace) -> int:
         raise PullbackError("--device cuda: no CUDA device is available to torch")
     if args.repeats is not None and args.repeats < 1:
         raise PullbackError(f"--repeats: expected a positive count, got {args.repeats}")
-    result = op_benchmark.run(args.device, args.quick, args.repeats, not args.no_compile)
+    if args.kernels and args.device != "cuda":
+        raise PullbackError("--kernels: profiles CUDA kernels, needs --device cuda")
+    result = op_benchmark.run(args.device, args.quick, args.repeats, not args.no_compile,
+                              kernel_breakdown=args.kernels)
     print(op_benchmark.format_table(result))
     if args.out:
         for path in op_benchmark.write_outputs(result, args.out):
