@@ -1,7 +1,7 @@
 """Build the backbone–decoder pairs the command line names, from local files only.
 
 ``timm:NAME`` — ``timm.create_model(NAME, pretrained=False)`` plus a local weights file;
-``hf:DIR`` — a transformers depth model from a local folder holding ``config.json`` (and weights);
+``hf:DIR`` — a transformers model from a local folder holding ``config.json`` (and weights);
 ``demo`` — the embedded demo model.
 """
 
@@ -135,24 +135,50 @@ def build_hf(
     _check_decoder(decoder)
     if decoder not in ("depth", "depth-multi"):
         raise PullbackError(f"--decoder: hf models support depth and depth-multi, got {decoder!r}")
+    model, weights = load_hf_model(folder, weights, HF_DEPTH_MODELS)
+    model.to(dtype)
+    probe = from_hf_dpt(model, layer, output_size=output_size, multi_layer=decoder == "depth-multi")
+    return Setup(probe, hf_preprocess(probe.image_size, folder), {"model": f"hf:{folder}", "weights": weights, "layer": probe.layer, "decoder": decoder})
+
+
+# transformers model types and the class built for each (by name: transformers is imported lazily).
+HF_DEPTH_MODELS = {"dpt": "DPTForDepthEstimation", "depth_anything": "DepthAnythingForDepthEstimation"}
+HF_CLS_MODELS = {"dinov2": "Dinov2Model", "dinov2_with_registers": "Dinov2WithRegistersModel"}
+
+
+def load_hf_model(folder: str, weights: Optional[str], classes: dict) -> tuple[torch.nn.Module, Optional[str]]:
+    """``(model, weights path)``: the model of a local transformers folder (its ``config.json``,
+    of a model type in ``classes``) in float32, eval mode, without gradients.
+
+    Weights: ``weights``, else the folder's ``model.safetensors`` / ``pytorch_model.bin``, else
+    random. They go through transformers' own loading, which renames the keys of checkpoints
+    saved in an older layout (DINOv2's ``attention.attention.query`` is ``attention.q_proj`` in
+    current transformers), and must then fit exactly: a missing, unexpected or mis-shaped tensor
+    is a CheckpointError.
+    """
+    import transformers
+
     path = Path(folder)
     if not (path / "config.json").is_file():
         raise PullbackError(f"--model: hf:{folder} must be a local folder with a config.json")
-    from transformers import AutoConfig, DepthAnythingForDepthEstimation, DPTForDepthEstimation
-
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    classes = {"dpt": DPTForDepthEstimation, "depth_anything": DepthAnythingForDepthEstimation}
+    config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
     if config.model_type not in classes:
         raise PullbackError(f"--model: hf model type must be one of {sorted(classes)}, got {config.model_type!r}")
-    model = classes[config.model_type](config)
+    cls = getattr(transformers, classes[config.model_type])
     if weights is None:
         found = [p for p in (path / "model.safetensors", path / "pytorch_model.bin") if p.is_file()]
         weights = str(found[0]) if found else None
-    if weights is not None:
-        load_into(model, weights)
-    model.eval().requires_grad_(False).to(dtype)
-    probe = from_hf_dpt(model, layer, output_size=output_size, multi_layer=decoder == "depth-multi")
-    return Setup(probe, hf_preprocess(probe.image_size, path), {"model": f"hf:{folder}", "weights": weights, "layer": probe.layer, "decoder": decoder})
+    if weights is None:
+        model = cls(config)
+    else:
+        model, info = cls.from_pretrained(None, config=config, state_dict=read_state_dict(weights), dtype=torch.float32,
+                                          output_loading_info=True)
+        parts = [f"{len(keys)} {label} (e.g. {sorted(map(str, keys))[0]})"
+                 for label, keys in (("missing", info["missing_keys"]), ("unexpected", info["unexpected_keys"]),
+                                     ("wrong shape", info["mismatched_keys"])) if keys]
+        if parts:
+            raise CheckpointError(f"--weights: {weights!r} does not fit the {classes[config.model_type]}: {'; '.join(parts)}")
+    return model.float().eval().requires_grad_(False), weights
 
 
 def build_demo(

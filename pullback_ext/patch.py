@@ -2,6 +2,8 @@
 
     import pullback_ext.patch as patch
     patch.timm(model, head=head, ratio=0.3, layers=(4,), mode="merge", strategy="importance")
+    patch.hf_dinov2(dinov2, head=head, ratio=0.3)       # Hugging Face DINOv2 (CLS: merge)
+    patch.hf_dpt(depth_model, head=head, ratio=0.5)     # Hugging Face DPT / Depth Anything (prune)
     patch.unpatch(model)            # the original forward again
 
 ``mode="merge"`` (CLS decoders): the ``ratio`` fraction of patch tokens with the lowest keep scores
@@ -97,24 +99,64 @@ def hf_dpt(
     selection: str = "auto",
     seed: Optional[int] = 0,
 ):
-    """Patch a Hugging Face ``DPTForDepthEstimation`` / ``DPTModel`` (ViT backbone) in place.
+    """Patch a Hugging Face ``DPTForDepthEstimation`` / ``DPTModel`` (ViT backbone) or a
+    ``DepthAnythingForDepthEstimation`` (DINOv2 backbone) in place.
 
-    Same options as :func:`timm`; the encoder's hidden states (what the DPT neck reads at
-    ``config.backbone_out_indices``) are full-length. Returns the model.
+    Same options as :func:`timm`; the encoder's hidden states (what the neck reads) are
+    full-length. Returns the model.
     """
-    from pullback_ext.prune import hf_dpt as hf
+    from pullback_ext.prune.hf_encoders import find_encoder
+
+    return _patch_hf(model, find_encoder(model), head=head, ratio=ratio, layers=layers, mode=mode, strategy=strategy,
+                     llf=llf, spn=spn, matching=matching, eps=eps, prop_attn=prop_attn, weights=weights,
+                     selection=selection, seed=seed)
+
+
+def hf_dinov2(
+    model,
+    head=None,
+    ratio=0.3,
+    layers=(4,),
+    mode: str = "auto",
+    strategy: str = "importance",
+    llf=True,
+    *,
+    spn: Optional[Callable] = None,
+    matching: str = "auto",
+    eps: Optional[float] = None,
+    prop_attn="auto",
+    weights: str = "auto",
+    selection: str = "auto",
+    seed: Optional[int] = 0,
+):
+    """Patch a Hugging Face DINOv2 model in place: ``Dinov2Model``, ``Dinov2ForImageClassification``,
+    ``Dinov2Backbone``, their ``Dinov2WithRegisters`` versions (register tokens are never merged or
+    pruned), or a model built on one (``DepthAnythingForDepthEstimation``).
+
+    Same options as :func:`timm`; ``mode="auto"`` prunes when the encoder is a backbone whose hidden
+    states feed a dense neck (Depth Anything, ``Dinov2Backbone``) and merges otherwise. Proportional
+    attention and masked LLF pass their bias as the layers' additive attention mask, which needs
+    ``attn_implementation`` "sdpa" (transformers' default) or "eager". Returns the model.
+    """
+    from pullback_ext.prune.hf_encoders import find_encoder
+
+    encoder = find_encoder(model, families=("dinov2",))
+    if mode == "auto":
+        mode = "prune" if encoder.feeds_dense_neck else "merge"
+    return _patch_hf(model, encoder, head=head, ratio=ratio, layers=layers, mode=mode, strategy=strategy, llf=llf,
+                     spn=spn, matching=matching, eps=eps, prop_attn=prop_attn, weights=weights, selection=selection,
+                     seed=seed)
+
+
+def _patch_hf(model, encoder, **options):
+    from pullback_ext.prune.hf_encoders import install
     from pullback_ext.prune.pipeline import make_config
 
-    encoder = hf.find_encoder(model)
-    if _is_patched(encoder):
+    if _is_patched(encoder.module):
         unpatch(model)
-    cfg = make_config(
-        depth=len(encoder.layer), num_prefix=1, has_cls=True, head=head, ratio=ratio, layers=layers, mode=mode,
-        strategy=strategy, llf=llf, spn=spn, matching=matching, eps=eps, prop_attn=prop_attn, weights=weights,
-        selection=selection, seed=seed,
-    )
-    hf.install(encoder, cfg)
-    setattr(encoder, _ATTR, ("hf_dpt", cfg))
+    cfg = make_config(depth=len(encoder.module.layer), num_prefix=encoder.num_prefix, has_cls=True, **options)
+    install(encoder, cfg)
+    setattr(encoder.module, _ATTR, ("hf", cfg))
     return model
 
 
@@ -131,15 +173,15 @@ def _with_config(fn, cfg):
 
 
 def unpatch(model):
-    """Undo :func:`timm` / :func:`hf_dpt`; a no-op on an unpatched model. Returns the model."""
+    """Undo :func:`timm` / :func:`hf_dpt` / :func:`hf_dinov2`; a no-op on an unpatched model. Returns the model."""
     if _is_patched(model) and getattr(model, _ATTR)[0] == "timm":
         del model.forward_features
         del model.forward_intermediates
         delattr(model, _ATTR)
         return model
     for module in model.modules() if hasattr(model, "modules") else ():
-        if _is_patched(module) and getattr(module, _ATTR)[0] == "hf_dpt":
-            from pullback_ext.prune.hf_dpt import restore
+        if _is_patched(module) and getattr(module, _ATTR)[0] == "hf":
+            from pullback_ext.prune.hf_encoders import restore
 
             restore(module)
             delattr(module, _ATTR)

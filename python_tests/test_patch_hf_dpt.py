@@ -66,7 +66,7 @@ def test_full_llf_matches_a_hand_written_reference_and_hidden_states_are_full():
 
 
 def test_attention_probs_match_transformers_eager_attention():
-    from pullback_ext.prune.hf_dpt import attention_probs
+    from pullback_ext.prune.hf_encoders import attention_probs
 
     model = tiny_dpt()
     x = pixels()
@@ -89,7 +89,7 @@ def test_merge_mode_and_errors():
 
 
 def test_biased_layer_forward_matches_the_layer_and_proportional_attention_equals_duplicates():
-    from pullback_ext.prune.hf_dpt import biased_layer_forward
+    from pullback_ext.prune.hf_encoders import biased_layer_forward
     from pullback_ext.prune.tokens import TokenState
 
     layer = tiny_dpt().dpt.encoder.layer[0]

@@ -182,3 +182,60 @@ def test_cli_subspace_interventions_with_a_probe_file(image_dir, tmp_path):
     save_file({"weight": torch.randn(2, 5)}, str(tmp_path / "bad.safetensors"))
     assert main(["subprobe", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--probe",
                  str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "o2")]) == 2
+
+
+def _save_hf(model, folder):
+    model.save_pretrained(str(folder))
+    return f"hf:{folder}"
+
+
+def test_cli_end_to_end_on_hugging_face_dinov2_and_depth_anything(image_dir, tmp_path):
+    from diagnose_helpers import tiny_depth_anything
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    dinov2 = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
+                                      image_size=32, patch_size=8, initializer_range=0.3))
+    common = ["--images", str(image_dir), "--num-images", "2", "--seeds", "2", "--ratios", "0,0.25", "--stages", "1",
+              "--absolute-layers", "--strategies", "tome,norm", "--no-timing", "--quiet"]
+    assert main(["evaluate", "--model", _save_hf(dinov2, tmp_path / "dinov2"), "--out", str(tmp_path / "cls")] + common) == 0
+    cls = json.loads((tmp_path / "cls" / "results.json").read_text())
+    assert cls["model"] == "Dinov2Model" and cls["mode"] == "merge"
+    assert cls["tables"]["merge"]["tome"]["0"]["cosine_x100"]["mean"] == 0.0
+    assert cls["tables"]["merge"]["norm"]["0.25"]["cosine_x100"]["mean"] > 0.0
+
+    da = tiny_depth_anything(dtype=torch.float32)
+    da.config.depth_estimation_type, da.config.max_depth = "metric", 10  # a sigmoid head: depth > 0, as SILog needs
+    depth = _save_hf(type(da)(da.config), tmp_path / "da")
+    assert main(["evaluate", "--model", depth, "--task", "depth", "--out", str(tmp_path / "depth")] + common) == 0
+    dense = json.loads((tmp_path / "depth" / "results.json").read_text())
+    assert dense["model"] == "DepthAnythingForDepthEstimation" and dense["mode"] == "prune"
+    table = next(iter(dense["tables"].values()))
+    assert table["tome"]["0"]["silog_x100"]["mean"] == 0.0 and table["tome"]["0.25"]["silog_x100"]["mean"] > 0.0
+
+
+def test_cli_rejects_an_unsupported_hugging_face_model(image_dir, tmp_path, capsys):
+    from transformers import ViTConfig, ViTModel
+
+    vit = _save_hf(ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                      image_size=32, patch_size=8)), tmp_path / "vit")
+    assert main(["evaluate", "--model", vit, "--images", str(image_dir), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert "hf model type must be one of" in capsys.readouterr().err
+    assert main(["evaluate", "--model", f"hf:{tmp_path / 'nothing'}", "--images", str(image_dir), "--out",
+                 str(tmp_path / "o"), "--quiet"]) == 2
+    assert "must be a local folder with a config.json" in capsys.readouterr().err
+
+
+def test_hugging_face_weights_must_fit_exactly(image_dir, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    from transformers import Dinov2Config, Dinov2Model
+
+    model = _save_hf(Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                              intermediate_size=64, image_size=32, patch_size=8)), tmp_path / "m")
+    state = load_file(str(tmp_path / "m" / "model.safetensors"))  # the layout save_pretrained writes
+    assert any(".attention.attention.query." in key for key in state)  # older than the module names: renamed on load
+    state.pop("embeddings.cls_token")
+    save_file(state, str(tmp_path / "partial.safetensors"))
+    assert main(["evaluate", "--model", model, "--weights", str(tmp_path / "partial.safetensors"), "--images",
+                 str(image_dir), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert "does not fit the Dinov2Model: 1 missing (e.g. embeddings.cls_token)" in capsys.readouterr().err

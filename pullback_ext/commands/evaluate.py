@@ -11,7 +11,8 @@ LLF_CHOICES = {"on": (True,), "full": ("full",), "off": (False,), "both": (True,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pullback_ext.commands.values import add_backbone_arguments
 
-    add_backbone_arguments(parser, "timm model name (random weights unless --weights), CLS task only",
+    add_backbone_arguments(parser, "timm model name (NAME or timm:NAME, random weights unless --weights; cls task) or hf:DIR, a local "
+                           "transformers folder (DINOv2: cls; DPT / Depth Anything: depth)",
                            "folder of images (class subfolders give k-NN labels); default with --demo: rendered scenes",
                            "images per seed (default 32)")
     red = parser.add_argument_group("reduction")
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                 prop_attn={"auto": "auto", "on": True, "off": False}[args.prop_attn], selection=args.selection,
                 batch_size=args.batch_size)
     check_plan(plan, backbone)
-    image_sets = options.image_sets(args.images, model, args.demo, args.num_images, args.seeds, backbone.image_size)
+    image_sets = options.image_sets(args.images, backbone, args.demo, args.num_images, args.seeds)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

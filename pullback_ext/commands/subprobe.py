@@ -15,7 +15,7 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pullback_ext.commands.values import add_backbone_arguments
 
-    add_backbone_arguments(parser, "timm model name (random weights unless --weights)",
+    add_backbone_arguments(parser, "timm model name (random weights unless --weights) or hf:DIR (a local transformers folder)",
                            "folder of images (default with --demo: rendered scenes)", "images to intervene on (default 32)")
     parser.add_argument("--probe", required=True, metavar="FILE|fit",
                         help="linear token probe: a weights file with 'weight' [C, D] and optional 'bias' [C], or 'fit' "
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     ks = comma_ints(args.k, "--k")
     backbone, model = options.load_backbone(demo=args.demo, model_name=args.model, weights=args.weights)
     layer = backbone.depth // 2 if args.layer is None else args.layer
-    image_sets = options.image_sets(args.images, model, args.demo, args.num_images, 1, backbone.image_size)
+    image_sets = options.image_sets(args.images, backbone, args.demo, args.num_images, 1)
     result = options.subspace_report(args.probe, model, backbone, layer, ks, image_sets[0], args.demo)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,8 @@ def add_backbone_arguments(parser: argparse.ArgumentParser, model_help: str, ima
     src = parser.add_argument_group("model and images")
     src.add_argument("--demo", action="store_true", help="the embedded demo model on held-out demo scenes")
     src.add_argument("--model", help=model_help)
-    src.add_argument("--weights", help="backbone weights: demo weights file with --demo, a timm state dict (.pth/.safetensors) with --model")
+    src.add_argument("--weights", help="backbone weights: demo weights file with --demo, a state dict (.pth/.safetensors) with --model "
+                     "(hf:DIR: default the folder's own)")
     src.add_argument("--images", help=images_help)
     src.add_argument("--num-images", type=int, default=32, help=count_help)
 

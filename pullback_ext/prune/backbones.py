@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.images import timm_preprocess
 from pullback_ext.prune import timm_vit
 from pullback_ext.prune.pipeline import ReductionConfig, run_blocks
 
@@ -29,6 +30,7 @@ class Backbone:
     full: Callable
     reduced: Callable
     features_dim: int
+    preprocess: Callable | None = None  # how images from a folder are prepared (None: in [0, 1])
 
 
 def demo_backbone(model) -> Backbone:
@@ -64,7 +66,41 @@ def timm_backbone(model) -> Backbone:
     return Backbone(
         name=type(model).__name__, depth=len(model.blocks), num_prefix=int(model.num_prefix_tokens),
         has_cls=getattr(model, "cls_token", None) is not None, image_size=int(size[0] if isinstance(size, (tuple, list)) else size),
-        tasks=("cls",), full=full, reduced=reduced, features_dim=int(model.embed_dim),
+        tasks=("cls",), full=full, reduced=reduced, features_dim=int(model.embed_dim), preprocess=timm_preprocess(model),
+    )
+
+
+def hf_backbone(model, folder: str | None = None) -> Backbone:
+    """A Hugging Face model: a DINOv2 model (CLS task: the pooled CLS embedding) or a DPT / Depth
+    Anything depth model (depth task: the predicted depth, and as the embedding the CLS token after
+    the last encoder layer). ``folder`` holds its image processor config (mean and std)."""
+    from pullback_ext.images import hf_preprocess
+    from pullback_ext.prune.hf_encoders import find_encoder, install, restore
+
+    encoder = find_encoder(model)
+    dense = hasattr(model, "head") and type(model).__name__.endswith("ForDepthEstimation")
+    if not dense and encoder.family != "dinov2":
+        raise PullbackError(f"--model: a Hugging Face model must be a DINOv2 model or a depth model; got {type(model).__name__}")
+
+    def full(images: torch.Tensor) -> dict:
+        if not dense:
+            return {"embedding": model(pixel_values=images).pooler_output}
+        out = model(pixel_values=images, output_hidden_states=True)
+        return {"depth": out.predicted_depth, "embedding": out.hidden_states[-1][:, 0]}
+
+    def reduced(cfg: ReductionConfig, images: torch.Tensor) -> dict:
+        install(encoder, cfg)
+        try:
+            return full(images)
+        finally:
+            restore(encoder.module)
+
+    config = getattr(model.config, "backbone_config", None) or model.config
+    size = int(config.image_size if isinstance(config.image_size, int) else config.image_size[0])
+    return Backbone(
+        name=type(model).__name__, depth=len(encoder.module.layer), num_prefix=encoder.num_prefix, has_cls=True,
+        image_size=size, tasks=("depth",) if dense else ("cls",), full=full, reduced=reduced,
+        features_dim=int(config.hidden_size), preprocess=hf_preprocess((size, size), folder),
     )
 
 
@@ -73,4 +109,6 @@ def block_output_tokens(model, backbone: Backbone, images: torch.Tensor, layer: 
     with torch.no_grad():
         if backbone.name == "demo":
             return model.run_blocks(model.embed(images), 0, layer + 1)[:, backbone.num_prefix:]
+        if not hasattr(model, "forward_intermediates"):  # Hugging Face: hidden_states[0] is the embedding
+            return model(pixel_values=images, output_hidden_states=True).hidden_states[layer + 1][:, backbone.num_prefix:]
         return model.forward_intermediates(images, indices=[layer], output_fmt="NLC", intermediates_only=True)[0]

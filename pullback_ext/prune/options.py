@@ -6,25 +6,33 @@ import sys
 from typing import Optional
 
 from pullback_ext.errors import CheckpointError, PullbackError
-from pullback_ext.prune.backbones import Backbone, block_output_tokens, demo_backbone, timm_backbone
+from pullback_ext.prune.backbones import Backbone, block_output_tokens, demo_backbone, hf_backbone, timm_backbone
 from pullback_ext.prune.schedules import parse_layers, scale_layers
 from pullback_ext.prune.strategies import STRATEGIES, TRAINING_FREE
 
 
 def load_backbone(demo: bool, model_name: Optional[str] = None, weights: Optional[str] = None):
-    """``(Backbone, model)`` for the demo model or a timm model by name (random weights unless
-    ``weights`` is given)."""
+    """``(Backbone, model)`` for the demo model, a timm model by name (``NAME`` or ``timm:NAME``;
+    random weights unless ``weights`` is given) or a local transformers folder (``hf:DIR``: DINOv2,
+    DPT or Depth Anything; weights from ``weights`` or the folder)."""
     if demo:
         from pullback_ext.demo import load
 
         model = load(weights)
         return demo_backbone(model), model
+    if model_name.startswith("hf:"):
+        from pullback_ext.model_loading import HF_CLS_MODELS, HF_DEPTH_MODELS, load_hf_model
+
+        folder = model_name[len("hf:"):]
+        model, _ = load_hf_model(folder, weights, {**HF_CLS_MODELS, **HF_DEPTH_MODELS})
+        return hf_backbone(model, folder), model
     import timm
 
+    name = model_name[len("timm:"):] if model_name.startswith("timm:") else model_name
     try:
-        model = timm.create_model(model_name, pretrained=False, num_classes=0)
+        model = timm.create_model(name, pretrained=False, num_classes=0)
     except RuntimeError as exc:
-        raise PullbackError(f"--model: timm does not know {model_name!r} ({exc})") from exc
+        raise PullbackError(f"--model: timm does not know {name!r} ({exc})") from exc
     if weights is not None:
         from pullback_ext.model_loading import load_into
 
@@ -100,17 +108,18 @@ def strategy_list(text: Optional[str], scorers: dict) -> tuple:
     return names
 
 
-def image_sets(images: Optional[str], model, demo: bool, num_images: int, seeds: int, size: int) -> list:
+def image_sets(images: Optional[str], backbone: Backbone, demo: bool, num_images: int, seeds: int) -> list:
     """One image set per seed: demo scenes of seeds 0..seeds-1, or the folder split into
     ``seeds`` disjoint sets of up to ``num_images`` (preprocessed as the model expects)."""
-    from pullback_ext.images import timm_preprocess, unit_range_preprocess
+    from pullback_ext.images import unit_range_preprocess
     from pullback_ext.prune.images import demo_scenes, load_folder
 
+    size = backbone.image_size
     if images is None:
         if not demo:
             raise PullbackError("--images DIR is required with --model")
         return [demo_scenes(num_images, seed, size) for seed in range(seeds)]
-    preprocess = unit_range_preprocess(size) if demo else timm_preprocess(model)
+    preprocess = backbone.preprocess or unit_range_preprocess(size)
     data = load_folder(images, preprocess, limit=num_images * seeds)
     n = data["images"].shape[0]
     per = n // seeds

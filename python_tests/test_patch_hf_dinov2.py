@@ -1,0 +1,154 @@
+"""pullback_ext.patch.hf_dinov2 on small Hugging Face DINOv2 models (with and without registers,
+and as the backbone of Depth Anything) with random weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import pullback_ext.patch as patch
+from diagnose_helpers import tiny_depth_anything
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune.hf_encoders import dinov2_attention_probs, dinov2_biased_forward, find_encoder
+from pullback_ext.prune.tokens import TokenState
+
+N = 17  # 16 patches of a 32 px image at patch 8, plus CLS
+
+
+def tiny_dinov2(attn: str = "eager", registers: int = 0):
+    from transformers import Dinov2Config, Dinov2Model, Dinov2WithRegistersConfig, Dinov2WithRegistersModel
+
+    options = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64, image_size=32,
+                   patch_size=8, initializer_range=0.3, layerscale_value=1.0, attn_implementation=attn)
+    torch.manual_seed(0)
+    if registers:
+        return Dinov2WithRegistersModel(Dinov2WithRegistersConfig(num_register_tokens=registers, **options)).eval().requires_grad_(False)
+    return Dinov2Model(Dinov2Config(**options)).eval().requires_grad_(False)
+
+
+def pixels(n=2):
+    return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_zero_ratio_is_exact_and_unpatch_restores(attn):
+    model = tiny_dinov2(attn)
+    x = pixels()
+    ref = model(pixel_values=x).pooler_output
+    patch.hf_dinov2(model, ratio=0.0, layers=(1, 2), strategy="tome")
+    assert patch.config(model).mode == "merge"  # auto: a CLS model merges
+    assert torch.equal(model(pixel_values=x).pooler_output, ref)
+    patch.hf_dinov2(model, ratio=0.5, layers=(1, 2), strategy="tome")
+    merged = model(pixel_values=x, output_hidden_states=True)
+    assert not torch.allclose(merged.pooler_output, ref)
+    assert len(merged.hidden_states) == 5 and all(h.shape == (2, N, 32) for h in merged.hidden_states)
+    patch.unpatch(model)
+    assert torch.equal(model(pixel_values=x).pooler_output, ref)
+    assert "forward" not in vars(model.encoder) and all("forward" not in vars(layer) for layer in model.encoder.layer)
+
+
+def test_prune_with_full_llf_matches_a_hand_written_reference():
+    model = tiny_dinov2()
+    x = pixels()
+    enc = model.encoder.layer
+    h1 = enc[0](model.embeddings(x))
+    expected, frozen_at = [], []
+    for b in range(2):
+        removed = sorted((torch.argsort(h1[b, 1:].norm(dim=-1))[:6] + 1).tolist())
+        kept = [t for t in range(N) if t not in removed]
+        y = h1[b:b + 1, kept]
+        for layer in enc[1:3]:
+            y = layer(y)
+        full = h1[b:b + 1].clone()
+        full[:, kept] = y
+        expected.append(enc[3](full))
+        frozen_at.append(removed)
+    patch.hf_dinov2(model, ratio=6 / 16, layers=(1,), mode="prune", strategy="norm", llf="full")
+    out = model(pixel_values=x, output_hidden_states=True)
+    torch.testing.assert_close(out.last_hidden_state, model.layernorm(torch.cat(expected)), rtol=1e-5, atol=1e-5)
+    assert all(hs.shape == (2, N, 32) for hs in out.hidden_states)
+    for b in range(2):
+        torch.testing.assert_close(out.hidden_states[3][b, frozen_at[b]], h1[b, frozen_at[b]])
+
+
+def test_attention_probs_match_transformers_eager_attention():
+    model = tiny_dinov2("eager")
+    x = pixels()
+    out = model(pixel_values=x, output_attentions=True)
+    h = model.embeddings(x)
+    torch.testing.assert_close(dinov2_attention_probs(model.encoder.layer[0], h), out.attentions[0].mean(1))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_biased_forward_matches_the_layer_and_proportional_attention_equals_duplicates(attn):
+    layer = tiny_dinov2(attn).encoder.layer[0]
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(dinov2_biased_forward(layer, x, torch.zeros(2, 1, 1, 5)), layer(x), rtol=1e-5, atol=1e-5)
+    x[:, 4] = x[:, 3]  # one token twice: merging it away with log(size) bias changes nothing
+    state = TokenState.start(x, num_prefix=1).merge(torch.tensor([[4], [4]]), torch.tensor([[3], [3]]))
+    torch.testing.assert_close(dinov2_biased_forward(layer, state.x, state.attention_bias()), layer(x)[:, :4],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_masked_llf_leaves_kept_tokens_as_without_llf():
+    model = tiny_dinov2("sdpa")
+    x = pixels()
+    h1 = model.encoder.layer[0](model.embeddings(x))
+    outputs = {}
+    for llf in (True, "full", False):
+        patch.hf_dinov2(model, ratio=6 / 16, layers=(1,), mode="prune", strategy="norm", llf=llf)
+        outputs[llf] = model(pixel_values=x).last_hidden_state
+    for b in range(2):
+        pruned = torch.zeros(N, dtype=torch.bool).scatter(0, torch.argsort(h1[b, 1:].norm(dim=-1))[:6] + 1, True)
+        torch.testing.assert_close(outputs[True][b, ~pruned], outputs[False][b, ~pruned], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(outputs[True][b, pruned], outputs["full"][b, pruned], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(outputs[True][b, pruned], outputs[False][b, pruned], atol=1e-3)
+
+
+def test_registers_are_never_pruned():
+    model = tiny_dinov2(registers=2)
+    model.embeddings.register_tokens.zero_()  # the lowest norms: the first to go if they were patch tokens
+    assert find_encoder(model).num_prefix == 3
+    x = pixels()
+    patch.hf_dinov2(model, ratio=0.5, layers=(1,), mode="prune", strategy="norm", llf=False)
+    hs = model(pixel_values=x, output_hidden_states=True).hidden_states
+    assert len(hs) == 5 and all(h.shape == (2, N + 2, 32) for h in hs)
+    frozen = (hs[4] == hs[1]).all(dim=-1)  # pruned at the input of block 1, never updated again
+    assert frozen[:, :3].sum() == 0 and (frozen.sum(dim=1) == 8).all()
+
+
+def test_depth_anything_prunes_through_its_dinov2_backbone():
+    model = tiny_depth_anything(dtype=torch.float32).requires_grad_(False)
+    x = pixels()
+    ref = model(pixel_values=x).predicted_depth
+    feature_shapes = [f.shape for f in model.backbone(x).feature_maps]
+    patch.hf_dinov2(model, ratio=0.0, layers=(1, 2), strategy="tome")
+    assert patch.config(model).mode == "prune" and patch.config(model).llf == "masked"  # auto: a dense neck
+    assert torch.equal(model(pixel_values=x).predicted_depth, ref)
+    patch.hf_dinov2(model, ratio=0.4, layers=(1, 2), strategy="tome")
+    assert [f.shape for f in model.backbone(x).feature_maps] == feature_shapes
+    pruned = model(pixel_values=x).predicted_depth
+    assert torch.isfinite(pruned).all() and not torch.allclose(pruned, ref)
+    patch.hf_dpt(model, ratio=0.4, layers=(1, 2), strategy="tome")  # the DPT entry point takes it too
+    torch.testing.assert_close(model(pixel_values=x).predicted_depth, pruned)
+    patch.unpatch(model)
+    assert torch.equal(model(pixel_values=x).predicted_depth, ref)
+
+
+def test_errors_name_what_is_wrong():
+    model = tiny_dinov2()
+    patch.hf_dinov2(model, ratio=0.3, layers=(1,), strategy="norm")
+    h = model.embeddings(pixels())
+    with pytest.raises(PullbackError, match=r"attention_mask: .* shape \[2, 1, 17, 17\]"):
+        model.encoder(h, attention_mask=torch.zeros(2, 1, N, N))
+    with pytest.raises(PullbackError, match=r"layers must lie in \[0, 2\]"):
+        patch.hf_dinov2(model, mode="prune", strategy="norm", layers=(3,))
+    with pytest.raises(PullbackError, match="DINOv2"):
+        patch.hf_dinov2(torch.nn.Linear(2, 2), strategy="norm")
+    layer = copy.deepcopy(model.encoder.layer[0])
+    layer.attention.config = copy.copy(layer.attention.config)
+    layer.attention.config._attn_implementation_internal = "flash_attention_2"
+    with pytest.raises(PullbackError, match="'flash_attention_2' takes no additive attention mask"):
+        dinov2_biased_forward(layer, h[:, :5], torch.zeros(2, 1, 1, 5))
