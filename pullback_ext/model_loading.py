@@ -1,7 +1,8 @@
 """Build the backbone–decoder pairs the command line names, from local files only.
 
 ``timm:NAME`` — ``timm.create_model(NAME, pretrained=False)`` plus a local weights file;
-``hf:DIR`` — a transformers model from a local folder holding ``config.json`` (and weights);
+``hf:DIR`` — a transformers model from a local folder holding ``config.json`` (and weights): a DPT or
+Depth Anything depth model, or a DINOv2 model (CLS, tokens, pooled, linear probe);
 ``demo`` — the embedded demo model.
 """
 
@@ -130,15 +131,28 @@ def build_hf(
     folder: str, weights: Optional[str], layer: int, decoder: str, output_size: Optional[int], dtype: torch.dtype = torch.float32
 ) -> Setup:
     from pullback_ext.images import hf_preprocess
-    from pullback_ext.probes import from_hf_dpt
+    from pullback_ext.probes import from_hf_dinov2, from_hf_dpt, linear_probe
 
     _check_decoder(decoder)
-    if decoder not in ("depth", "depth-multi"):
-        raise PullbackError(f"--decoder: hf models support depth and depth-multi, got {decoder!r}")
-    model, weights = load_hf_model(folder, weights, HF_DEPTH_MODELS)
+    model, weights = load_hf_model(folder, weights, {**HF_DEPTH_MODELS, **HF_CLS_MODELS})
     model.to(dtype)
-    probe = from_hf_dpt(model, layer, output_size=output_size, multi_layer=decoder == "depth-multi")
-    return Setup(probe, hf_preprocess(probe.image_size, folder), {"model": f"hf:{folder}", "weights": weights, "layer": probe.layer, "decoder": decoder})
+    if type(model).__name__ in HF_CLS_MODELS.values():
+        if decoder not in ("cls", "tokens", "pooled") and not decoder.startswith("linear:"):
+            raise PullbackError(f"--decoder: DINOv2 models offer cls, tokens, pooled and linear:FILE, got {decoder!r}")
+        if decoder.startswith("linear:"):
+            base = from_hf_dinov2(model, layer, "tokens")
+            W, b = _linear_weights(decoder, base.dim, dtype)
+            probe = linear_probe(W, base.num_tokens, b, base.features, layer, base.num_prefix_tokens)
+            probe.grid_size = base.grid_size
+        else:
+            probe = base = from_hf_dinov2(model, layer, decoder)
+        image_size = base.image_size
+    else:
+        if decoder not in ("depth", "depth-multi"):
+            raise PullbackError(f"--decoder: hf depth models support depth and depth-multi, got {decoder!r}")
+        probe = from_hf_dpt(model, layer, output_size=output_size, multi_layer=decoder == "depth-multi")
+        image_size = probe.image_size
+    return Setup(probe, hf_preprocess(image_size, folder), {"model": f"hf:{folder}", "weights": weights, "layer": probe.layer, "decoder": decoder})
 
 
 # transformers model types and the class built for each (by name: transformers is imported lazily).

@@ -3,6 +3,7 @@
 from pullback_ext.probes.modes import jvp_friendly
 from pullback_ext.probes.base import Probe
 from pullback_ext.probes.callable_probe import CallableProbe, from_callable
+from pullback_ext.probes.hf_dinov2 import HFDinov2Probe, from_hf_dinov2
 from pullback_ext.probes.hf_dpt import HFDepthProbe, from_hf_dpt
 from pullback_ext.probes.linear import LinearTokenProbe, linear_probe
 from pullback_ext.probes.timm_vit import TimmViTProbe, from_timm
@@ -10,10 +11,12 @@ from pullback_ext.probes.timm_vit import TimmViTProbe, from_timm
 __all__ = [
     "CallableProbe",
     "HFDepthProbe",
+    "HFDinov2Probe",
     "LinearTokenProbe",
     "Probe",
     "TimmViTProbe",
     "from_callable",
+    "from_hf_dinov2",
     "from_hf_dpt",
     "from_timm",
     "jvp_friendly",
