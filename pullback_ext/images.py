@@ -86,6 +86,24 @@ def hf_preprocess(image_size: Sequence[int], config_dir: Optional[str | Path] = 
     return Preprocess(size=size, resize=min(size), mean=mean, std=std, interpolation="bicubic")
 
 
+def hf_crop_preprocess(default_size: Sequence[int], config_dir: Optional[str | Path] = None) -> Preprocess:
+    """The resize-and-centre-crop of an image processor that crops (DINOv2's: shorter side to 256,
+    crop 224), read from ``config_dir/preprocessor_config.json``; :func:`hf_preprocess` at
+    ``default_size`` when there is no such file or it does not crop."""
+    import json
+
+    cfg_file = Path(config_dir) / "preprocessor_config.json" if config_dir is not None else None
+    cfg = json.loads(cfg_file.read_text()) if cfg_file is not None and cfg_file.is_file() else {}
+    crop = cfg.get("crop_size") if cfg.get("do_center_crop") else None
+    if not crop:
+        return hf_preprocess(default_size, config_dir)
+    size = (int(crop["height"]), int(crop["width"])) if isinstance(crop, dict) else (int(crop), int(crop))
+    shortest = cfg.get("size", {})
+    resize = int(shortest.get("shortest_edge", min(size))) if isinstance(shortest, dict) else int(shortest)
+    base = hf_preprocess(size, config_dir)
+    return Preprocess(size=size, resize=resize, mean=base.mean, std=base.std, interpolation="bicubic")
+
+
 def unit_range_preprocess(size: int) -> Preprocess:
     """Resize/crop to size×size, values in [0,1], no normalisation (models that normalise inside)."""
     return Preprocess(size=(size, size), resize=size, mean=None, std=None, interpolation="bilinear")

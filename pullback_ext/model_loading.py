@@ -130,7 +130,7 @@ def build_timm(
 def build_hf(
     folder: str, weights: Optional[str], layer: int, decoder: str, output_size: Optional[int], dtype: torch.dtype = torch.float32
 ) -> Setup:
-    from pullback_ext.images import hf_preprocess
+    from pullback_ext.images import hf_crop_preprocess, hf_preprocess
     from pullback_ext.probes import from_hf_dinov2, from_hf_dpt, linear_probe
 
     _check_decoder(decoder)
@@ -139,20 +139,20 @@ def build_hf(
     if type(model).__name__ in HF_CLS_MODELS.values():
         if decoder not in ("cls", "tokens", "pooled") and not decoder.startswith("linear:"):
             raise PullbackError(f"--decoder: DINOv2 models offer cls, tokens, pooled and linear:FILE, got {decoder!r}")
+        preprocess = hf_crop_preprocess((model.config.image_size,) * 2, folder)
         if decoder.startswith("linear:"):
-            base = from_hf_dinov2(model, layer, "tokens")
+            base = from_hf_dinov2(model, layer, "tokens", image_size=preprocess.size)
             W, b = _linear_weights(decoder, base.dim, dtype)
             probe = linear_probe(W, base.num_tokens, b, base.features, layer, base.num_prefix_tokens)
             probe.grid_size = base.grid_size
         else:
-            probe = base = from_hf_dinov2(model, layer, decoder)
-        image_size = base.image_size
+            probe = from_hf_dinov2(model, layer, decoder, image_size=preprocess.size)
     else:
         if decoder not in ("depth", "depth-multi"):
             raise PullbackError(f"--decoder: hf depth models support depth and depth-multi, got {decoder!r}")
         probe = from_hf_dpt(model, layer, output_size=output_size, multi_layer=decoder == "depth-multi")
-        image_size = probe.image_size
-    return Setup(probe, hf_preprocess(image_size, folder), {"model": f"hf:{folder}", "weights": weights, "layer": probe.layer, "decoder": decoder})
+        preprocess = hf_preprocess(probe.image_size, folder)
+    return Setup(probe, preprocess, {"model": f"hf:{folder}", "weights": weights, "layer": probe.layer, "decoder": decoder})
 
 
 # transformers model types and the class built for each (by name: transformers is imported lazily).

@@ -99,3 +99,21 @@ def test_diagnose_train_and_evaluate_a_dinov2_folder(image_dir, tmp_path, capsys
     assert main(["diagnose", *model, "--layer", "1", "--decoder", "depth", "--images", str(image_dir),
                  "--out", str(tmp_path / "x")]) == 2
     assert "DINOv2 models offer cls, tokens, pooled and linear:FILE" in capsys.readouterr().err
+
+
+def test_a_cropping_image_processor_sets_the_input_size(image_dir, tmp_path):
+    from pullback_ext.images import hf_crop_preprocess
+
+    folder = tmp_path / "dinov2"
+    tiny_dinov2().float().save_pretrained(folder)
+    assert hf_crop_preprocess((32, 32), folder).size == (32, 32)  # no processor config: the model's own size
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "do_center_crop": True, "crop_size": {"height": 24, "width": 24}, "size": {"shortest_edge": 28},
+        "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}))
+    preprocess = hf_crop_preprocess((32, 32), folder)
+    assert (preprocess.size, preprocess.resize, preprocess.mean) == ((24, 24), 28, (0.485, 0.456, 0.406))
+    assert main(["diagnose", "--model", f"hf:{folder}", "--layer", "1", "--decoder", "pooled", "--images", str(image_dir),
+                 "--num-images", "1", "--rank", "3", "--power", "1", "--probes", "6", "--slq-steps", "4",
+                 "--out", str(tmp_path / "diag")]) == 0
+    first = json.loads((tmp_path / "diag" / "diagnosis.json").read_text())["images"][0]
+    assert (first["N"], first["M"]) == (10, 32)  # 3 × 3 patches of the 24 px crop, plus CLS

@@ -74,7 +74,7 @@ def hf_backbone(model, folder: str | None = None) -> Backbone:
     """A Hugging Face model: a DINOv2 model (CLS task: the pooled CLS embedding) or a DPT / Depth
     Anything depth model (depth task: the predicted depth, and as the embedding the CLS token after
     the last encoder layer). ``folder`` holds its image processor config (mean and std)."""
-    from pullback_ext.images import hf_preprocess
+    from pullback_ext.images import hf_crop_preprocess, hf_preprocess
     from pullback_ext.prune.hf_encoders import find_encoder, install, restore
 
     encoder = find_encoder(model)
@@ -97,10 +97,11 @@ def hf_backbone(model, folder: str | None = None) -> Backbone:
 
     config = getattr(model.config, "backbone_config", None) or model.config
     size = int(config.image_size if isinstance(config.image_size, int) else config.image_size[0])
+    preprocess = hf_preprocess((size, size), folder) if dense else hf_crop_preprocess((size, size), folder)
     return Backbone(
         name=type(model).__name__, depth=len(encoder.module.layer), num_prefix=encoder.num_prefix, has_cls=True,
-        image_size=size, tasks=("depth",) if dense else ("cls",), full=full, reduced=reduced,
-        features_dim=int(config.hidden_size), preprocess=hf_preprocess((size, size), folder),
+        image_size=preprocess.size[0], tasks=("depth",) if dense else ("cls",), full=full, reduced=reduced,
+        features_dim=int(config.hidden_size), preprocess=preprocess,
     )
 
 
