@@ -192,7 +192,7 @@ def load_hf_model(folder: str, weights: Optional[str], classes: dict) -> tuple[t
                                      ("wrong shape", info["mismatched_keys"])) if keys]
         if parts:
             raise CheckpointError(f"--weights: {weights!r} does not fit the {classes[config.model_type]}: {'; '.join(parts)}")
-    return model.float().eval().requires_grad_(False), weights
+    return model.eval().requires_grad_(False), weights
 
 
 def build_demo(

@@ -42,3 +42,22 @@ def block_inputs(model, x: torch.Tensor) -> list:
         for h in handles:
             h.remove()
     return seen
+
+
+def norm_prune_full_llf_reference(h: torch.Tensor, middle, last, count: int):
+    """Hand-written 1-stage prune with full LLF for a model without a CLS-row shortcut: for each
+    image of ``h [B, N, D]`` (the input of the stage), drop the ``count`` patch tokens of lowest
+    norm, run the ``middle`` layers on the rest, re-insert the frozen tokens and run ``last`` on
+    the full sequence. Returns ``(outputs [B, N, D], removed positions per image)``."""
+    expected, frozen_at = [], []
+    for b in range(h.shape[0]):
+        removed = sorted((torch.argsort(h[b, 1:].norm(dim=-1))[:count] + 1).tolist())
+        kept = [t for t in range(h.shape[1]) if t not in removed]
+        y = h[b:b + 1, kept]
+        for layer in middle:
+            y = layer(y)
+        full = h[b:b + 1].clone()
+        full[:, kept] = y
+        expected.append(last(full))
+        frozen_at.append(removed)
+    return torch.cat(expected), frozen_at

@@ -10,6 +10,7 @@ import torch
 
 import pullback_ext.patch as patch
 from diagnose_helpers import tiny_depth_anything
+from prune_helpers import norm_prune_full_llf_reference
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.hf_encoders import dinov2_attention_probs, dinov2_biased_forward, find_encoder
 from pullback_ext.prune.tokens import TokenState
@@ -54,20 +55,10 @@ def test_prune_with_full_llf_matches_a_hand_written_reference():
     x = pixels()
     enc = model.encoder.layer
     h1 = enc[0](model.embeddings(x))
-    expected, frozen_at = [], []
-    for b in range(2):
-        removed = sorted((torch.argsort(h1[b, 1:].norm(dim=-1))[:6] + 1).tolist())
-        kept = [t for t in range(N) if t not in removed]
-        y = h1[b:b + 1, kept]
-        for layer in enc[1:3]:
-            y = layer(y)
-        full = h1[b:b + 1].clone()
-        full[:, kept] = y
-        expected.append(enc[3](full))
-        frozen_at.append(removed)
+    expected, frozen_at = norm_prune_full_llf_reference(h1, enc[1:3], enc[3], 6)
     patch.hf_dinov2(model, ratio=6 / 16, layers=(1,), mode="prune", strategy="norm", llf="full")
     out = model(pixel_values=x, output_hidden_states=True)
-    torch.testing.assert_close(out.last_hidden_state, model.layernorm(torch.cat(expected)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.last_hidden_state, model.layernorm(expected), rtol=1e-5, atol=1e-5)
     assert all(hs.shape == (2, N, 32) for hs in out.hidden_states)
     for b in range(2):
         torch.testing.assert_close(out.hidden_states[3][b, frozen_at[b]], h1[b, frozen_at[b]])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
+from prune_helpers import norm_prune_full_llf_reference
 from pullback_ext.errors import PullbackError
 
 
@@ -45,20 +46,10 @@ def test_full_llf_matches_a_hand_written_reference_and_hidden_states_are_full():
     enc = model.dpt.encoder.layer
     h = model.dpt.embeddings(x).last_hidden_states
     h1 = enc[0](h)
-    expected, frozen_at = [], []
-    for b in range(2):
-        removed = sorted((torch.argsort(h1[b, 1:].norm(dim=-1))[:6] + 1).tolist())
-        kept = [t for t in range(17) if t not in removed]
-        y = h1[b:b + 1, kept]
-        for layer in enc[1:3]:
-            y = layer(y)
-        full = h1[b:b + 1].clone()
-        full[:, kept] = y
-        expected.append(enc[3](full))
-        frozen_at.append(removed)
+    expected, frozen_at = norm_prune_full_llf_reference(h1, enc[1:3], enc[3], 6)
     patch.hf_dpt(model, ratio=6 / 16, layers=(1,), strategy="norm", llf="full")
     out = model.dpt(x, output_hidden_states=True)
-    torch.testing.assert_close(out.last_hidden_state, model.dpt.layernorm(torch.cat(expected)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.last_hidden_state, model.dpt.layernorm(expected), rtol=1e-5, atol=1e-5)
     assert all(hs.shape == (2, 17, 32) for hs in out.hidden_states)
     for b in range(2):
         torch.testing.assert_close(out.hidden_states[3][b, frozen_at[b]], h1[b, frozen_at[b]])

@@ -30,6 +30,7 @@ class Backbone:
     full: Callable
     reduced: Callable
     features_dim: int
+    block_tokens: Callable  # (images, layer) -> patch tokens [B, n, D] after block ``layer``, unreduced
     preprocess: Callable | None = None  # how images from a folder are prepared (None: in [0, 1])
 
 
@@ -45,9 +46,13 @@ def demo_backbone(model) -> Backbone:
                                    take=set(model.hook_layers))
         return model.decode(final, hooked)
 
+    def block_tokens(images: torch.Tensor, layer: int) -> torch.Tensor:
+        return model.run_blocks(model.embed(images), 0, layer + 1)[:, int(bb.num_prefix_tokens):]
+
     return Backbone(
         name="demo", depth=len(bb.blocks), num_prefix=int(bb.num_prefix_tokens), has_cls=bb.cls_token is not None,
         image_size=int(model.image_size), tasks=("cls", "depth"), full=full, reduced=reduced, features_dim=int(bb.embed_dim),
+        block_tokens=block_tokens,
     )
 
 
@@ -62,11 +67,15 @@ def timm_backbone(model) -> Backbone:
     def reduced(cfg: ReductionConfig, images: torch.Tensor) -> dict:
         return {"embedding": model.forward_head(timm_vit.forward_features(model, cfg, images), pre_logits=True)}
 
+    def block_tokens(images: torch.Tensor, layer: int) -> torch.Tensor:
+        return model.forward_intermediates(images, indices=[layer], output_fmt="NLC", intermediates_only=True)[0]
+
     size = model.patch_embed.img_size
     return Backbone(
         name=type(model).__name__, depth=len(model.blocks), num_prefix=int(model.num_prefix_tokens),
         has_cls=getattr(model, "cls_token", None) is not None, image_size=int(size[0] if isinstance(size, (tuple, list)) else size),
-        tasks=("cls",), full=full, reduced=reduced, features_dim=int(model.embed_dim), preprocess=timm_preprocess(model),
+        tasks=("cls",), full=full, reduced=reduced, features_dim=int(model.embed_dim), block_tokens=block_tokens,
+        preprocess=timm_preprocess(model),
     )
 
 
@@ -95,21 +104,20 @@ def hf_backbone(model, folder: str | None = None) -> Backbone:
         finally:
             restore(encoder.module)
 
+    def block_tokens(images: torch.Tensor, layer: int) -> torch.Tensor:  # hidden_states[0] is the embedding
+        return model(pixel_values=images, output_hidden_states=True).hidden_states[layer + 1][:, encoder.num_prefix:]
+
     config = getattr(model.config, "backbone_config", None) or model.config
     size = int(config.image_size if isinstance(config.image_size, int) else config.image_size[0])
     preprocess = hf_preprocess((size, size), folder) if dense else hf_crop_preprocess((size, size), folder)
     return Backbone(
         name=type(model).__name__, depth=len(encoder.module.layer), num_prefix=encoder.num_prefix, has_cls=True,
         image_size=preprocess.size[0], tasks=("depth",) if dense else ("cls",), full=full, reduced=reduced,
-        features_dim=int(config.hidden_size), preprocess=preprocess,
+        features_dim=int(config.hidden_size), block_tokens=block_tokens, preprocess=preprocess,
     )
 
 
-def block_output_tokens(model, backbone: Backbone, images: torch.Tensor, layer: int) -> torch.Tensor:
-    """Patch tokens ``[B, n, D]`` after block ``layer`` of the unreduced model (demo or timm)."""
+def block_output_tokens(backbone: Backbone, images: torch.Tensor, layer: int) -> torch.Tensor:
+    """Patch tokens ``[B, n, D]`` after block ``layer`` of the unreduced model."""
     with torch.no_grad():
-        if backbone.name == "demo":
-            return model.run_blocks(model.embed(images), 0, layer + 1)[:, backbone.num_prefix:]
-        if not hasattr(model, "forward_intermediates"):  # Hugging Face: hidden_states[0] is the embedding
-            return model(pixel_values=images, output_hidden_states=True).hidden_states[layer + 1][:, backbone.num_prefix:]
-        return model.forward_intermediates(images, indices=[layer], output_fmt="NLC", intermediates_only=True)[0]
+        return backbone.block_tokens(images, layer)

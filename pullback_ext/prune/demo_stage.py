@@ -71,7 +71,7 @@ def subspace_analysis(model, layer: int, train_n: int, test: dict, quick: bool, 
     backbone = demo_backbone(model)
 
     def tokens(images):
-        return block_output_tokens(model, backbone, images, layer)
+        return block_output_tokens(backbone, images, layer)
 
     train = render(train_n, seed=12345)
     grid = model.image_size // model.backbone.patch_embed.patch_size[0]

@@ -153,7 +153,7 @@ def subspace_report(probe: str, model, backbone: Backbone, layer: int, ks: tuple
         raise CheckpointError(f"--probe: {probe} needs 'weight' of shape [C, {backbone.features_dim}]; got {got}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise CheckpointError(f"--probe: 'bias' must have shape [{weight.shape[0]}]; got {tuple(bias.shape)}")
-    tokens = block_output_tokens(model, backbone, data["images"], layer)
+    tokens = block_output_tokens(backbone, data["images"], layer)
     result = interventions(tokens, weight.to(tokens.dtype), None if bias is None else bias.to(tokens.dtype), ks=ks)
     result["layer"] = layer
     return result
