@@ -2,8 +2,9 @@
 
 Each subcommand lives in ``pullback_ext/commands/<name>.py`` and exposes
 ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only when their
-subcommand runs, so ``pullback --help`` stays fast. User errors (``PullbackError``, bad values,
-missing files) become a one-line message on stderr and exit code 2.
+subcommand runs, so ``pullback --help`` stays fast. User errors (``PullbackError`` and its
+subclasses, and files that cannot be opened) become a one-line message on stderr and exit code 2;
+anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ COMMANDS = {
     "bench": ("pullback_ext.commands.bench", "run the kernel microbenchmarks"),
 }
 
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, IndexError)
+# Operating-system errors about a path the user named (the message names the path).
+USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 
 
 def _available_commands() -> dict:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+from pullback_ext.errors import PullbackError
 
 REGIMES = {
     "i": ("rich spectrum", "VAE bottleneck first, then an SPN on the latent"),
@@ -137,7 +138,7 @@ class Diagnosis:
 def aggregate(images: Sequence[ImageDiagnosis], thresholds: Thresholds = Thresholds()) -> tuple[dict, str, str]:
     """(aggregate dict, regime, method) over per-image diagnostics, in image order."""
     if not images:
-        raise ValueError("images: expected at least one image diagnosis, got none")
+        raise PullbackError("images: expected at least one image diagnosis, got none")
     agg: dict[str, dict[str, float]] = {}
     for name in AGGREGATED:
         values = torch.tensor([float(getattr(d, name)) for d in images if getattr(d, name) is not None], dtype=torch.float64)
@@ -157,15 +158,15 @@ def _check_settings(rank, oversample, power, probes, slq_steps, trace, seed, chu
         ("slq_steps", slq_steps, 0),
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+            raise PullbackError(f"{name}: expected an int >= {low}, got {value!r}")
     if trace not in TRACE_METHODS:
-        raise ValueError(f"trace: expected one of {TRACE_METHODS}, got {trace!r}")
+        raise PullbackError(f"trace: expected one of {TRACE_METHODS}, got {trace!r}")
     if svd not in SVD_METHODS:
-        raise ValueError(f"svd: expected one of {SVD_METHODS}, got {svd!r}")
+        raise PullbackError(f"svd: expected one of {SVD_METHODS}, got {svd!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed: expected a non-negative int, got {seed!r}")
+        raise PullbackError(f"seed: expected a non-negative int, got {seed!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+        raise PullbackError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
 
 
 def _generator(seed: int, index: int) -> torch.Generator:
@@ -209,7 +210,7 @@ def diagnose_one(
     op = JacobianOperator(fn, F, chunk_size=chunk_size)
     M, P = op.shape
     if rank >= P:
-        raise ValueError(f"rank: expected r < P = N·D = {P}, got {rank}")
+        raise PullbackError(f"rank: expected r < P = N·D = {P}, got {rank}")
     r = min(rank, M)
     gen = _generator(seed, index)
     method = "exact" if trace == "exact" or (trace == "auto" and min(M, P) <= EXACT_TRACE_MAX) else trace
@@ -218,7 +219,7 @@ def diagnose_one(
     if svd == "auto":
         svd = "dense" if method == "exact" and dense_fits(op) else "randomized"
     elif svd == "dense" and not dense_fits(op):
-        raise ValueError(f"svd: 'dense' needs J [{M}, {P}] to fit in 1 GiB; use 'randomized'")
+        raise PullbackError(f"svd: 'dense' needs J [{M}, {P}] to fit in 1 GiB; use 'randomized'")
     r_eff_slq: Optional[float] = None
     if svd == "dense":
         dense = dense_spectrum(op, r)
@@ -240,7 +241,7 @@ def diagnose_one(
             r_eff_slq = slq_effective_rank(op, probes, slq_steps, gen).r_eff
     T = est.value
     if not (torch.isfinite(sigma).all() and math.isfinite(T) and math.isfinite(est.stderr)):
-        raise ValueError(f"probe: Jacobian products at image {index} are not finite (sigma={sigma.tolist()}, trace={T})")
+        raise PullbackError(f"probe: Jacobian products at image {index} are not finite (sigma={sigma.tolist()}, trace={T})")
     kappa_curve = torch.cumsum(sigma**2, 0) / T if T > 0 else torch.zeros_like(sigma)
     kappa = float(kappa_curve[-1]) if T > 0 else 0.0
     above = (kappa_curve >= 0.9).nonzero()
@@ -329,7 +330,7 @@ def diagnose(
     if F.dim() == 2:
         F = F.unsqueeze(0)
     if F.dim() != 3 or F.shape[0] < 1:
-        raise ValueError(f"F: expected shape [B,N,D] or [N,D], got {tuple(F.shape)}")
+        raise PullbackError(f"F: expected shape [B,N,D] or [N,D], got {tuple(F.shape)}")
     if not F.is_floating_point():
         raise TypeError(f"F: expected a floating-point tensor, got dtype {F.dtype}")
     check = getattr(probe, "check_features", None)
@@ -341,7 +342,7 @@ def diagnose(
     if indices is None:
         indices = list(range(F.shape[0]))
     if len(indices) != F.shape[0]:
-        raise ValueError(f"indices: expected {F.shape[0]} indices (one per feature map), got {len(indices)}")
+        raise PullbackError(f"indices: expected {F.shape[0]} indices (one per feature map), got {len(indices)}")
 
     from tqdm.auto import tqdm
 

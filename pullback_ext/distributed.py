@@ -11,6 +11,7 @@ from typing import Any, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+from pullback_ext.errors import PullbackError
 
 T = TypeVar("T")
 
@@ -58,7 +59,7 @@ def shutdown(info: DistInfo) -> None:
 def shard(items: Sequence[T], rank: int, world_size: int) -> list[T]:
     """Round-robin share of ``items`` for ``rank``: items[rank], items[rank + world_size], ..."""
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank, world_size: expected 0 <= rank < world_size, got {rank}, {world_size}")
+        raise PullbackError(f"rank, world_size: expected 0 <= rank < world_size, got {rank}, {world_size}")
     return list(items[rank::world_size])
 
 

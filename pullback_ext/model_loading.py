@@ -198,12 +198,12 @@ def load_hf_model(folder: str, weights: Optional[str], classes: dict) -> tuple[t
 def build_demo(
     weights: Optional[str], layer: int, decoder: str, output_size: Optional[int], dtype: torch.dtype = torch.float32
 ) -> Setup:
-    import pullback_ext.demo
-    from pullback_ext.demo.probes import demo_probe
+    import pullback_ext.embedded
+    from pullback_ext.embedded.probes import demo_probe
     from pullback_ext.images import unit_range_preprocess
 
     _check_decoder(decoder)
-    model = pullback_ext.demo.load(weights).to(dtype)
+    model = pullback_ext.embedded.load(weights).to(dtype)
     if decoder.startswith("linear:"):
         from pullback_ext.probes import linear_probe
 

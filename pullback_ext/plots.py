@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from pullback_ext.fileio import atomic_path
+from pullback_ext.errors import PullbackError
 
 
 def _pyplot():
@@ -45,7 +46,7 @@ def plot_spectrum(
     sigmas: per image σ[r]; traces: per image T.
     """
     if len(sigmas) == 0 or len(sigmas) != len(traces):
-        raise ValueError(f"sigmas, traces: expected the same non-zero number of images, got {len(sigmas)} and {len(traces)}")
+        raise PullbackError(f"sigmas, traces: expected the same non-zero number of images, got {len(sigmas)} and {len(traces)}")
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     r = min(len(s) for s in sigmas)
@@ -78,7 +79,7 @@ def grid_shape(num_patch_tokens: int, grid_size: Optional[Sequence[int]] = None)
     else:
         h = w = int(round(math.sqrt(num_patch_tokens)))
     if h * w != num_patch_tokens:
-        raise ValueError(f"grid_size: {num_patch_tokens} patch tokens do not fill a {h}×{w} grid")
+        raise PullbackError(f"grid_size: {num_patch_tokens} patch tokens do not fill a {h}×{w} grid")
     return h, w
 
 
@@ -96,7 +97,7 @@ def plot_token_energy(
     energies: per image e[N] with the ``num_prefix_tokens`` CLS/register tokens first.
     """
     if len(energies) == 0:
-        raise ValueError("energies: expected at least one image, got none")
+        raise PullbackError("energies: expected at least one image, got none")
     plt = _pyplot()
     shown = list(energies)[:max_images]
     h, w = grid_shape(shown[0].numel() - num_prefix_tokens, grid_size)

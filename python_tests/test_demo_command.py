@@ -23,12 +23,12 @@ def _walk_numbers(value):
 
 def test_missing_stage_is_skipped_and_results_stay_valid(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(demo_command, "STAGES", (("future", "pullback_ext.no_such_module"),
-                                                ("also_future", "pullback_ext.demo.scenes")))
+                                                ("also_future", "pullback_ext.embedded.scenes")))
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["stages"]["future"]["status"] == "skipped"
     assert "no_such_module" in results["stages"]["future"]["reason"]
-    assert results["stages"]["also_future"] == {"status": "skipped", "reason": "pullback_ext.demo.scenes has no run_demo_stage"}
+    assert results["stages"]["also_future"] == {"status": "skipped", "reason": "pullback_ext.embedded.scenes has no run_demo_stage"}
     assert 0 <= results["model"]["this_run"]["top1"] <= 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # no temp files left
     assert "skipped" in capsys.readouterr().out

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from pullback_ext.demo.model import DemoModel
-from pullback_ext.demo.probes import demo_probe
-from pullback_ext.demo.scenes import render
+from pullback_ext.embedded.model import DemoModel
+from pullback_ext.embedded.probes import demo_probe
+from pullback_ext.embedded.scenes import render
 from pullback_ext.probes.cls_row import supports_cls_row
 
 

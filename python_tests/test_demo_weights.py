@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from pullback_ext.demo import heldout, load
+from pullback_ext.embedded import heldout, load
 from pullback_ext.demo.metrics import depth_errors, evaluate
-from pullback_ext.demo.weights_io import CARD_JSON, WEIGHTS_FILE, save_weights
+from pullback_ext.embedded.weights_io import CARD_JSON, WEIGHTS_FILE, save_weights
 from pullback_ext.errors import CheckpointError
 
 
@@ -77,7 +77,7 @@ def test_weights_of_another_model_are_rejected(tmp_path):
 
 
 def test_non_finite_weights_are_rejected(tmp_path, model):
-    from pullback_ext.demo.model import DemoModel
+    from pullback_ext.embedded.model import DemoModel
 
     broken = DemoModel()
     broken.load_state_dict(model.state_dict())

@@ -106,8 +106,8 @@ def test_hf_dpt_cli(image_dir, tmp_path):
 
 
 def test_demo_cli(image_dir, tmp_path):
-    from pullback_ext.demo.model import DemoModel
-    from pullback_ext.demo.weights_io import save_weights
+    from pullback_ext.embedded.model import DemoModel
+    from pullback_ext.embedded.weights_io import save_weights
 
     torch.manual_seed(0)
     save_weights(DemoModel(), tmp_path / "demo.safetensors")

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from pullback_ext.metric.demo_stage import StageSettings, run_demo_stage
+from pullback_ext.demo.importance_stage import StageSettings, run_demo_stage
 
 
 def test_stage_trains_then_reuses_its_checkpoint(tmp_path, monkeypatch):
-    from pullback_ext.demo import heldout
-    from pullback_ext.demo.model import DemoModel
+    from pullback_ext.embedded import heldout
+    from pullback_ext.embedded.model import DemoModel
 
     torch.manual_seed(0)
     model = DemoModel().eval().requires_grad_(False)

@@ -13,14 +13,14 @@ from pullback_ext.prune.evaluation import Plan, markdown_table, run_cost, run_qu
 
 
 def _demo_model():
-    from pullback_ext.demo.model import DemoModel
+    from pullback_ext.embedded.model import DemoModel
 
     torch.manual_seed(0)
     return DemoModel().eval().requires_grad_(False)
 
 
 def _scenes(n, seed):
-    from pullback_ext.demo.scenes import render
+    from pullback_ext.embedded.scenes import render
 
     data = render(n, seed)
     return {"images": data["images"], "labels": data["labels"]}

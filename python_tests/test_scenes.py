@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy import stats
 
-from pullback_ext.demo import heldout
-from pullback_ext.demo.scenes import (
+from pullback_ext.embedded import heldout
+from pullback_ext.embedded.scenes import (
     GROUND_ID, MAX_OBJECTS, NUM_CLASSES, OBJECT_ID0, WALL_ID, SceneBatch, render, render_scenes, sample_scenes,
 )
 

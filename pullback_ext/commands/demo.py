@@ -13,8 +13,8 @@ import argparse
 # (name, module exposing run_demo_stage); add a stage with one line here.
 STAGES = (
     ("diagnostic", "pullback_ext.demo.diagnostic_stage"),
-    ("importance_head", "pullback_ext.metric"),
-    ("pruning", "pullback_ext.prune"),
+    ("importance_head", "pullback_ext.demo.importance_stage"),
+    ("pruning", "pullback_ext.demo.pruning_stage"),
 )
 HELDOUT_SEED = 0
 NUM_SCENES = {True: 4, False: 16}
@@ -77,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from pullback_ext import __version__
-    from pullback_ext.demo import heldout, load
+    from pullback_ext.embedded import heldout, load
     from pullback_ext.demo.metrics import evaluate
-    from pullback_ext.demo.weights_io import CARD_JSON
+    from pullback_ext.embedded.weights_io import CARD_JSON
     from pullback_ext.fileio import atomic_write_json
     from pullback_ext.errors import PullbackError
 
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         "pullback_ext": __version__,
         "quick": quick,
         "torch": torch.__version__,
-        "scenes": {"source": "pullback_ext.demo.heldout", "seed": HELDOUT_SEED, "num_images": int(scenes["labels"].shape[0])},
+        "scenes": {"source": "pullback_ext.embedded.heldout", "seed": HELDOUT_SEED, "num_images": int(scenes["labels"].shape[0])},
         "model": {"reported_heldout": card, "this_run": evaluate(model, scenes)},
         "stages": {},
     }

@@ -117,7 +117,7 @@ def run_demo_stage(model: torch.nn.Module, scenes: dict, out_dir: Path, quick: b
     from tqdm.auto import tqdm
 
     from pullback_ext import diagnose
-    from pullback_ext.demo.probes import demo_probe
+    from pullback_ext.embedded.probes import demo_probe
 
     settings = DiagnosticSettings.for_run(quick)
     images = scenes["images"][: settings.num_images]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from pullback_ext.demo.weights_io import WEIGHTS_DIR
+    from pullback_ext.embedded.weights_io import WEIGHTS_DIR
 
     p = argparse.ArgumentParser(prog="python -m pullback_ext.demo.train", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=800, help="optimiser steps (default 800)")
@@ -54,7 +54,7 @@ def render_training_set(num_images: int, seed: int, chunk: int = 256) -> dict:
     import torch
     from tqdm import tqdm
 
-    from pullback_ext.demo.scenes import render
+    from pullback_ext.embedded.scenes import render
 
     images, depth, labels = [], [], []
     for index in tqdm(range(0, num_images, chunk), desc="render training scenes", unit="chunk"):
@@ -115,7 +115,7 @@ def write_model_card(out: Path, card: dict) -> None:
         "# pullback_ext demo model",
         "",
         "A small Vision Transformer trained from scratch on scenes rendered by",
-        "`pullback_ext.demo.scenes`, with a CLS head (embedding + 9-way classifier) and a DPT-style",
+        "`pullback_ext.embedded.scenes`, with a CLS head (embedding + 9-way classifier) and a DPT-style",
         "metric-depth decoder. It exists so that the library's diagnostics, learned metrics and",
         "token pruning run on a genuinely trained backbone–decoder pair without downloads.",
         "",
@@ -143,7 +143,7 @@ def write_model_card(out: Path, card: dict) -> None:
            if card["training"].get("data_seconds") is not None else ""),
         "",
         "## Held-out quality",
-        f"Measured on {held['num_images']} held-out scenes (`pullback_ext.demo.heldout(n, seed=0)`),",
+        f"Measured on {held['num_images']} held-out scenes (`pullback_ext.embedded.heldout(n, seed=0)`),",
         "with the fp16 weights as shipped:",
         "",
         "| top-1 | depth AbsRel | depth δ1 |",
@@ -164,11 +164,11 @@ def main(argv=None) -> int:
     import torch.nn.functional as Fn
     from tqdm import tqdm
 
-    from pullback_ext.demo import heldout, load
+    from pullback_ext.embedded import heldout, load
     from pullback_ext.demo.metrics import evaluate
-    from pullback_ext.demo.model import DemoModel
-    from pullback_ext.demo.scenes import CLASS_NAMES, HELDOUT_SEED_OFFSET
-    from pullback_ext.demo.weights_io import load_weights, save_weights
+    from pullback_ext.embedded.model import DemoModel
+    from pullback_ext.embedded.scenes import CLASS_NAMES, HELDOUT_SEED_OFFSET
+    from pullback_ext.embedded.weights_io import load_weights, save_weights
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
 
     out_dir = Path(args.out)
     weights_path = out_dir / "demo_vit.safetensors"
-    save_weights(model, weights_path, metadata={"format": "pt", "model": "pullback_ext.demo.DemoModel"})
+    save_weights(model, weights_path, metadata={"format": "pt", "model": "pullback_ext.embedded.DemoModel"})
     shipped = load(weights_path)
     held = evaluate(shipped, heldout(args.eval_images, seed=0))
     elapsed = time.time() - started
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
         "data": {
             "train_images": n_train,
             "train_seeds": f"render(256, {args.seed} * 100000 + chunk) for chunk in 0..{(n_train - 1) // 256}",
-            "heldout": "pullback_ext.demo.heldout(n, seed): seeds from 1e9 on, never used for training",
+            "heldout": "pullback_ext.embedded.heldout(n, seed): seeds from 1e9 on, never used for training",
             "description": "ground plane, back wall, 1-6 spheres/boxes/cylinders, random camera height/pitch/fov, "
                            "checker and stripe textures, Lambertian light with shadows; label = type and colour "
                            "family of the object covering most pixels",

@@ -19,6 +19,7 @@ from pullback_ext.linalg.operator import LinearOperatorBase
 from pullback_ext.linalg.orthonormalize import orthonormalize
 from pullback_ext.linalg.slq import SpectralEntropy, _xlogx
 from pullback_ext.linalg.trace import basis_products
+from pullback_ext.errors import PullbackError
 
 DENSE_MAX_BYTES = 1 << 30
 _ROWS = 16384  # rows of the tall factor converted to float64 at a time
@@ -72,10 +73,10 @@ def dense_spectrum(op: LinearOperatorBase, rank: int, chunk: int = 64) -> DenseS
     M, P = op.shape
     n = min(M, P)
     if not 1 <= rank <= n:
-        raise ValueError(f"rank: expected 1 <= r <= min(M, P) = {n}, got {rank}")
+        raise PullbackError(f"rank: expected 1 <= r <= min(M, P) = {n}, got {rank}")
     A = _tall_factor(op, chunk)
     if not bool(torch.isfinite(A).all()):
-        raise ValueError("probe: Jacobian products are not finite (NaN or inf in J)")
+        raise PullbackError("probe: Jacobian products are not finite (NaN or inf in J)")
     lam, W = torch.linalg.eigh(_gram(A))
     lam, W = lam.flip(0).clamp_min(0), W.flip(1)
     sigma = lam.sqrt()

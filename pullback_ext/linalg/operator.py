@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
+from pullback_ext.errors import PullbackError
 
 
 @contextlib.contextmanager
@@ -31,11 +32,11 @@ def _check_block(X: Tensor, rows: int, name: str, like: Tensor) -> None:
     if not isinstance(X, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(X).__name__}")
     if X.dim() != 2 or X.shape[0] != rows:
-        raise ValueError(f"{name}: expected shape [{rows}, k], got {tuple(X.shape)}")
+        raise PullbackError(f"{name}: expected shape [{rows}, k], got {tuple(X.shape)}")
     if X.dtype != like.dtype:
         raise TypeError(f"{name}: expected dtype {like.dtype}, got {X.dtype}")
     if X.device != like.device:
-        raise ValueError(f"{name}: expected device {like.device}, got {X.device}")
+        raise PullbackError(f"{name}: expected device {like.device}, got {X.device}")
 
 
 class LinearOperatorBase:
@@ -100,7 +101,7 @@ class DenseOperator(LinearOperatorBase):
     def __init__(self, J: Tensor) -> None:
         super().__init__()
         if not isinstance(J, Tensor) or J.dim() != 2 or not J.is_floating_point():
-            raise ValueError(
+            raise PullbackError(
                 "J: expected a 2-D floating tensor [M, P], got "
                 + (f"shape {tuple(J.shape)} dtype {J.dtype}" if isinstance(J, Tensor) else type(J).__name__)
             )
@@ -139,13 +140,13 @@ class JacobianOperator(LinearOperatorBase):
         if F.dim() == 3 and F.shape[0] == 1:
             F = F[0]
         if F.dim() != 2:
-            raise ValueError(f"F: expected one feature map of shape [N,D] (or [1,N,D]), got {tuple(F.shape)}")
+            raise PullbackError(f"F: expected one feature map of shape [N,D] (or [1,N,D]), got {tuple(F.shape)}")
         if not F.is_floating_point():
             raise TypeError(f"F: expected a floating-point tensor, got dtype {F.dtype}")
         if not torch.isfinite(F).all():
-            raise ValueError("F: contains NaN or Inf")
+            raise PullbackError("F: contains NaN or Inf")
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+            raise PullbackError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
         self.probe = probe
         self.F = F.detach()
         self.chunk_size = chunk_size
@@ -156,7 +157,7 @@ class JacobianOperator(LinearOperatorBase):
             y, self._vjp_fn = torch.func.vjp(self._single, self.F)
         y = y.detach()
         if not torch.isfinite(y).all():
-            raise ValueError("probe: output at F contains NaN or Inf")
+            raise PullbackError("probe: output at F contains NaN or Inf")
         self.output = y
         self.token_shape = (F.shape[0], F.shape[1])
         self.shape = (y.shape[0], F.shape[0] * F.shape[1])

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from pullback_ext.linalg.kernels import kernel
+from pullback_ext.errors import PullbackError
 
 
 def orthonormalize(X: Tensor) -> Tensor:
@@ -15,7 +16,7 @@ def orthonormalize(X: Tensor) -> Tensor:
     Householder QR is used only while the ops module is absent from the package.
     """
     if X.dim() != 2 or X.shape[1] > X.shape[0]:
-        raise ValueError(f"X: expected a tall-skinny block [P,k] with k <= P, got {tuple(X.shape)}")
+        raise PullbackError(f"X: expected a tall-skinny block [P,k] with k <= P, got {tuple(X.shape)}")
     block_orthonormalize = kernel("block_orthonormalize")
     if block_orthonormalize is None:
         return torch.linalg.qr(X).Q

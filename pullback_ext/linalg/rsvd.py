@@ -10,6 +10,7 @@ from torch import Tensor
 
 from pullback_ext.linalg.operator import LinearOperatorBase
 from pullback_ext.linalg.orthonormalize import orthonormalize
+from pullback_ext.errors import PullbackError
 
 
 @dataclass
@@ -40,9 +41,9 @@ def subspace_alignment(A: Tensor, B: Tensor) -> float:
     if not isinstance(A, Tensor) or not isinstance(B, Tensor):
         raise TypeError("A, B: expected torch.Tensors [P,r]")
     if A.dim() != 2 or A.shape != B.shape:
-        raise ValueError(f"A, B: expected two [P,r] tensors of the same shape, got {tuple(A.shape)} and {tuple(B.shape)}")
+        raise PullbackError(f"A, B: expected two [P,r] tensors of the same shape, got {tuple(A.shape)} and {tuple(B.shape)}")
     if A.shape[1] == 0:
-        raise ValueError("A, B: expected r >= 1 columns, got 0")
+        raise PullbackError("A, B: expected r >= 1 columns, got 0")
     C = A.double().T @ B.double()
     return float((C**2).sum() / A.shape[1])
 
@@ -74,15 +75,15 @@ def randomized_svd(
         raise TypeError(f"op: expected a JacobianOperator-like operator, got {type(op).__name__}")
     M, P = op.shape
     if not isinstance(rank, int) or rank < 1 or rank > min(M, P):
-        raise ValueError(f"rank: expected an int in [1, min(M, P) = {min(M, P)}] (M={M}, P={P}), got {rank!r}")
+        raise PullbackError(f"rank: expected an int in [1, min(M, P) = {min(M, P)}] (M={M}, P={P}), got {rank!r}")
     if not isinstance(oversample, int) or oversample < 0:
-        raise ValueError(f"oversample: expected an int >= 0, got {oversample!r}")
+        raise PullbackError(f"oversample: expected an int >= 0, got {oversample!r}")
     if not isinstance(power, int) or power < 0:
-        raise ValueError(f"power: expected an int >= 0, got {power!r}")
+        raise PullbackError(f"power: expected an int >= 0, got {power!r}")
     if adaptive_tol is not None and not (0 < adaptive_tol < 1):
-        raise ValueError(f"adaptive_tol: expected a float in (0, 1) or None, got {adaptive_tol!r}")
+        raise PullbackError(f"adaptive_tol: expected a float in (0, 1) or None, got {adaptive_tol!r}")
     if not isinstance(max_power, int) or max_power < 1:
-        raise ValueError(f"max_power: expected an int >= 1, got {max_power!r}")
+        raise PullbackError(f"max_power: expected an int >= 1, got {max_power!r}")
     r0 = min(rank + oversample, P)
 
     omega = torch.randn(P, r0, generator=generator, dtype=torch.float64, device="cpu")

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from pullback_ext.linalg.operator import LinearOperatorBase
 from pullback_ext.linalg.trace import rademacher
+from pullback_ext.errors import PullbackError
 
 
 @dataclass
@@ -49,9 +50,9 @@ def lanczos_quadrature(
     float64. A process that exhausts its Krylov space stops contributing (zero weights beyond).
     """
     if not isinstance(probes, int) or probes < 2:
-        raise ValueError(f"probes: expected an int >= 2, got {probes!r}")
+        raise PullbackError(f"probes: expected an int >= 2, got {probes!r}")
     if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
+        raise PullbackError(f"steps: expected an int >= 1, got {steps!r}")
     k = min(steps, n)
     nodes, weights = [], []
     for start in range(0, probes, batch):

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from pullback_ext.linalg.operator import LinearOperatorBase
+from pullback_ext.errors import PullbackError
 
 EXACT_TRACE_MAX = 512
 
@@ -25,7 +26,7 @@ class TraceEstimate:
 
 def _check_probes(probes: int) -> None:
     if not isinstance(probes, int) or probes < 2:
-        raise ValueError(f"probes: expected an int >= 2 (needed for a standard error), got {probes!r}")
+        raise PullbackError(f"probes: expected an int >= 2 (needed for a standard error), got {probes!r}")
 
 
 def rademacher(n: int, k: int, generator: Optional[torch.Generator], dtype: torch.dtype, device) -> Tensor:
@@ -80,7 +81,7 @@ def hutchpp(
     """
     _check_probes(probes)
     if V.dim() != 2 or V.shape[0] != op.P:
-        raise ValueError(f"V: expected an orthonormal basis [P={op.P}, r], got {tuple(V.shape)}")
+        raise PullbackError(f"V: expected an orthonormal basis [P={op.P}, r], got {tuple(V.shape)}")
     if energy is None:
         energy = float((op.jvp(V).double() ** 2).sum())
     Z = rademacher(op.P, probes, generator, op.dtype, op.device)

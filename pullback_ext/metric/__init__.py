@@ -10,12 +10,6 @@ from pullback_ext.metric.training import TrainConfig, fit
 from pullback_ext.metric.vae import FeatureVAE, LatentProbe
 
 
-def run_demo_stage(model, scenes, out_dir, quick: bool = False) -> dict:
-    """Importance head on the demo CLS probe, for ``pullback demo`` (see ``demo_stage``)."""
-    from pullback_ext.metric.demo_stage import run_demo_stage as run
-
-    return run(model, scenes, out_dir, quick)
-
 
 __all__ = [
     "FeatureVAE",
@@ -30,7 +24,6 @@ __all__ = [
     "fit",
     "load_model",
     "parameter_count",
-    "run_demo_stage",
     "save_model",
     "spearman_per_image",
 ]

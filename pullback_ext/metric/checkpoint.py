@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pullback_ext.errors import CheckpointError
+from pullback_ext.errors import CheckpointError, PullbackError
 from pullback_ext.fileio import atomic_path, atomic_write_text
 
 FORMAT = "pullback_ext.metric/1"
@@ -73,7 +73,7 @@ def save_model(directory: str | os.PathLike, kind: str, model: nn.Module, extra:
     ``extra`` (the probe definition, training settings, results) is stored in the config.
     """
     if kind not in _model_classes():
-        raise ValueError(f"kind: expected one of {sorted(_model_classes())}, got {kind!r}")
+        raise PullbackError(f"kind: expected one of {sorted(_model_classes())}, got {kind!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = {"format": FORMAT, "kind": kind, "model": model.config(), **(extra or {})}

@@ -92,8 +92,8 @@ class ImageSource:
             from pullback_ext.images import load_images
 
             return load_images(self.paths[start:stop], self.preprocess)
-        from pullback_ext.demo import heldout
-        from pullback_ext.demo.scenes import render
+        from pullback_ext.embedded import heldout
+        from pullback_ext.embedded.scenes import render
 
         if self.heldout:
             return heldout(stop, 0)["images"][start:stop]

@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import Tensor
+from pullback_ext.errors import PullbackError
 
 
 def _ranks(x: Tensor) -> Tensor:
@@ -29,9 +30,9 @@ def spearman_per_image(scores: Tensor, target: Tensor) -> Tensor:
     An image whose scores or target are constant has no defined ρ: NaN for that image.
     """
     if scores.shape != target.shape or scores.dim() != 2:
-        raise ValueError(f"scores, target: expected two [B,N] tensors of one shape, got {tuple(scores.shape)} and {tuple(target.shape)}")
+        raise PullbackError(f"scores, target: expected two [B,N] tensors of one shape, got {tuple(scores.shape)} and {tuple(target.shape)}")
     if scores.shape[1] < 2:
-        raise ValueError(f"scores: expected N >= 2 tokens per image, got {scores.shape[1]}")
+        raise PullbackError(f"scores: expected N >= 2 tokens per image, got {scores.shape[1]}")
     a, b = _ranks(scores), _ranks(target)
     a = a - a.mean(-1, keepdim=True)
     b = b - b.mean(-1, keepdim=True)

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from pullback_ext.metric.trunk import TokenEncoder
+from pullback_ext.errors import PullbackError
 
 
 class ImportanceHead(nn.Module):
@@ -31,7 +32,7 @@ class ImportanceHead(nn.Module):
         orders of magnitude away from 1, which would otherwise dominate the first steps)."""
         positive = target[target > 0].double()
         if positive.numel() == 0:
-            raise ValueError("target: expected some positive importance values, got none")
+            raise PullbackError("target: expected some positive importance values, got none")
         self.score.bias.fill_(float(positive.log().mean()))
 
     def forward(self, F: Tensor) -> Tensor:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from pullback_ext.errors import PullbackError
 
 
 def _check_pair(a: Tensor, b: Tensor, names: tuple[str, str]) -> None:
     if a.shape != b.shape:
-        raise ValueError(f"{names[1]}: expected the shape of {names[0]} {tuple(a.shape)}, got {tuple(b.shape)}")
+        raise PullbackError(f"{names[1]}: expected the shape of {names[0]} {tuple(a.shape)}, got {tuple(b.shape)}")
 
 
 def _check_bases(U: Tensor, V: Tensor) -> None:
     if U.dim() != 3 or V.dim() != 3 or U.shape[:2] != V.shape[:2] or V.shape[2] > U.shape[2]:
-        raise ValueError(f"U, V: expected U[B,P,r] and V[B,P,m] with m <= r, got {tuple(U.shape)} and {tuple(V.shape)}")
+        raise PullbackError(f"U, V: expected U[B,P,r] and V[B,P,m] with m <= r, got {tuple(U.shape)} and {tuple(V.shape)}")
 
 
 def subspace_alignment(U: Tensor, V: Tensor) -> Tensor:
@@ -53,7 +54,7 @@ def nondegenerate_modes(sigma: Tensor, rank: int, ratio: float = 1.05) -> Tensor
     energy to match in log space) are excluded as well.
     """
     if sigma.dim() != 2 or sigma.shape[1] < rank:
-        raise ValueError(f"sigma: expected shape [B, >= {rank}], got {tuple(sigma.shape)}")
+        raise PullbackError(f"sigma: expected shape [B, >= {rank}], got {tuple(sigma.shape)}")
     s = sigma.double()
     tiny = torch.finfo(s.dtype).tiny
     close = s[:, :-1] / s[:, 1:].clamp_min(tiny) < ratio

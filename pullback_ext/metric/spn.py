@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from pullback_ext.metric.trunk import TokenEncoder
+from pullback_ext.errors import PullbackError
 
 
 def orthonormalize(X: Tensor) -> Tensor:
@@ -48,7 +49,7 @@ class LowRankMetric:
             return v.reshape(B, P, 1), True
         if v.dim() == 3 and v.shape[0] == B and v.shape[1] == P:
             return v, False
-        raise ValueError(
+        raise PullbackError(
             f"{name}: expected shape [B={B},P={P},k] or [B={B},N={self.num_tokens},D={P // self.num_tokens}],"
             f" got {tuple(v.shape)}"
         )
@@ -88,9 +89,9 @@ class SPN(nn.Module):
     def __init__(self, dim: int, rank: int, hidden: int = 256, heads: int = 4, eps: float = 1e-3) -> None:
         super().__init__()
         if not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank: expected a positive int, got {rank!r}")
+            raise PullbackError(f"rank: expected a positive int, got {rank!r}")
         if not eps >= 0:
-            raise ValueError(f"eps: expected >= 0, got {eps!r}")
+            raise PullbackError(f"eps: expected >= 0, got {eps!r}")
         self.dim, self.rank, self.hidden, self.heads, self.eps = dim, rank, hidden, heads, float(eps)
         self.encoder = TokenEncoder(dim, hidden, heads)
         self.basis = nn.Linear(hidden, dim * rank)
@@ -102,7 +103,7 @@ class SPN(nn.Module):
         """Set the energy unit to the geometric mean of the positive target energies σ² given."""
         positive = energies[energies > 0].double()
         if positive.numel() == 0:
-            raise ValueError("energies: expected some positive target energies σ², got none")
+            raise PullbackError("energies: expected some positive target energies σ², got none")
         self.energy_scale.fill_(float(positive.log().mean().exp()))
 
     def config(self) -> dict:
@@ -112,7 +113,7 @@ class SPN(nn.Module):
         h = self.encoder(F)
         B, N, _ = h.shape
         if self.rank > N * self.dim:
-            raise ValueError(f"rank: expected <= P = N·D = {N * self.dim}, got {self.rank}")
+            raise PullbackError(f"rank: expected <= P = N·D = {N * self.dim}, got {self.rank}")
         X = self.basis(h).view(B, N, self.dim, self.rank).reshape(B, N * self.dim, self.rank)
         U = orthonormalize(X)
         lam = (nn.functional.softplus(self.energy(h.mean(1)).float()) + 1e-8) * self.energy_scale.float()
@@ -129,11 +130,11 @@ class SPN(nn.Module):
         K = ``steps``; K = 1 is the local (Mahalanobis-like) distance at the midpoint.
         """
         if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps: expected a positive int, got {steps!r}")
+            raise PullbackError(f"steps: expected a positive int, got {steps!r}")
         for name, X in (("F1", F1), ("F2", F2)):
             self.encoder.check_input(X)
         if F1.shape != F2.shape:
-            raise ValueError(f"F2: expected the shape of F1 {tuple(F1.shape)}, got {tuple(F2.shape)}")
+            raise PullbackError(f"F2: expected the shape of F1 {tuple(F1.shape)}, got {tuple(F2.shape)}")
         B, N, D = F1.shape
         delta = (F2 - F1) / steps
         t = (torch.arange(steps, dtype=F1.dtype, device=F1.device) + 0.5).view(1, steps, 1, 1)

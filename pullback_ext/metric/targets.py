@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import Tensor
 
-from pullback_ext.errors import CheckpointError
+from pullback_ext.errors import CheckpointError, PullbackError
 from pullback_ext.fileio import atomic_write_json
 from pullback_ext.metric.checkpoint import atomic_save_tensors
 
@@ -43,18 +43,18 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("randnla", "exact"):
-            raise ValueError(f"mode: expected 'randnla' or 'exact', got {self.mode!r}")
+            raise PullbackError(f"mode: expected 'randnla' or 'exact', got {self.mode!r}")
         for name in ("rank", "power", "oversample", "block_norm_probes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (1 if name in ("rank", "block_norm_probes") else 0):
-                raise ValueError(f"{name}: expected a {'positive' if name in ('rank', 'block_norm_probes') else 'non-negative'} int, got {value!r}")
+                raise PullbackError(f"{name}: expected a {'positive' if name in ('rank', 'block_norm_probes') else 'non-negative'} int, got {value!r}")
 
 
 def _dense_jacobian_transposed(op) -> Tensor:
     """Jᵀ[P,M] from products against the standard basis of the smaller side."""
     M, P = op.shape
     if min(M, P) > EXACT_MAX_SIDE:
-        raise ValueError(f"mode: 'exact' needs min(M, P) <= {EXACT_MAX_SIDE}, got M={M}, P={P}; use 'randnla'")
+        raise PullbackError(f"mode: 'exact' needs min(M, P) <= {EXACT_MAX_SIDE}, got M={M}, P={P}; use 'randnla'")
     from pullback_ext.linalg import jacobian_transposed
 
     return jacobian_transposed(op)
@@ -123,10 +123,10 @@ def compute_targets(
     from pullback_ext.linalg import JacobianOperator
 
     if not isinstance(F, Tensor) or F.dim() != 3:
-        raise ValueError(f"F: expected a tensor [B,N,D], got {tuple(F.shape) if isinstance(F, Tensor) else type(F).__name__}")
+        raise PullbackError(f"F: expected a tensor [B,N,D], got {tuple(F.shape) if isinstance(F, Tensor) else type(F).__name__}")
     keys = list(range(F.shape[0])) if stream is None else list(stream)
     if len(keys) != F.shape[0]:
-        raise ValueError(f"stream: expected {F.shape[0]} ids (one per image), got {len(keys)}")
+        raise PullbackError(f"stream: expected {F.shape[0]} ids (one per image), got {len(keys)}")
     out: dict[str, list[Tensor]] = {}
     N = F.shape[1]
     for b, key in enumerate(keys):

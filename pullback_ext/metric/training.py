@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from pullback_ext.fileio import atomic_write_text
 from pullback_ext.metric import checkpoint
 from pullback_ext.metric.targets import image_generator
+from pullback_ext.errors import PullbackError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -49,15 +50,15 @@ class TrainConfig:
         for name in ("steps", "batch_size", "checkpoint_every", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+                raise PullbackError(f"{name}: expected a positive int, got {value!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps: expected an int >= 0, got {self.warmup_steps!r}")
+            raise PullbackError(f"warmup_steps: expected an int >= 0, got {self.warmup_steps!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr: expected a positive finite float, got {self.lr!r}")
+            raise PullbackError(f"lr: expected a positive finite float, got {self.lr!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio: expected a float in [0, 1], got {self.min_lr_ratio!r}")
+            raise PullbackError(f"min_lr_ratio: expected a float in [0, 1], got {self.min_lr_ratio!r}")
         if not 0.0 <= self.ema_decay < 1.0:
-            raise ValueError(f"ema_decay: expected a float in [0, 1) (0: no averaging), got {self.ema_decay!r}")
+            raise PullbackError(f"ema_decay: expected a float in [0, 1) (0: no averaging), got {self.ema_decay!r}")
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -163,9 +164,9 @@ def fit(
         out.mkdir(parents=True, exist_ok=True)
     num = next(iter(data.values())).shape[0]
     if cfg.batch_size > num:
-        raise ValueError(f"batch_size: expected <= the number of training samples ({num}), got {cfg.batch_size}")
+        raise PullbackError(f"batch_size: expected <= the number of training samples ({num}), got {cfg.batch_size}")
     if cfg.batch_size % world != 0:
-        raise ValueError(f"batch_size: expected a multiple of the world size {world}, got {cfg.batch_size}")
+        raise PullbackError(f"batch_size: expected a multiple of the world size {world}, got {cfg.batch_size}")
     param = next(model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     averaged = copy.deepcopy(model) if cfg.ema_decay > 0 else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from pullback_ext.errors import PullbackError
 
 
 class AttentionBlock(nn.Module):
@@ -23,7 +24,7 @@ class AttentionBlock(nn.Module):
     def __init__(self, hidden: int, heads: int, attn_dim: int, mlp_hidden: int = 0) -> None:
         super().__init__()
         if attn_dim % heads != 0:
-            raise ValueError(f"attn_dim: expected a multiple of heads={heads}, got {attn_dim}")
+            raise PullbackError(f"attn_dim: expected a multiple of heads={heads}, got {attn_dim}")
         self.heads = heads
         self.norm = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * attn_dim, bias=False)
@@ -46,14 +47,14 @@ class TokenEncoder(nn.Module):
         super().__init__()
         for name, value in (("dim", dim), ("hidden", hidden), ("heads", heads), ("depth", depth)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+                raise PullbackError(f"{name}: expected a positive int, got {value!r}")
         if not isinstance(mlp_hidden, int) or mlp_hidden < 0:
-            raise ValueError(f"mlp_hidden: expected an int >= 0, got {mlp_hidden!r}")
+            raise PullbackError(f"mlp_hidden: expected an int >= 0, got {mlp_hidden!r}")
         if hidden % 4 != 0:
-            raise ValueError(f"hidden: expected a multiple of 4, got {hidden}")
+            raise PullbackError(f"hidden: expected a multiple of 4, got {hidden}")
         attn_dim = hidden // 4
         if attn_dim % heads != 0:
-            raise ValueError(f"heads: expected a divisor of hidden/4={attn_dim}, got {heads}")
+            raise PullbackError(f"heads: expected a divisor of hidden/4={attn_dim}, got {heads}")
         self.dim = dim
         self.input_norm = nn.LayerNorm(dim)
         self.embed = nn.Linear(dim, hidden)
@@ -66,7 +67,7 @@ class TokenEncoder(nn.Module):
         if not F.is_floating_point():
             raise TypeError(f"F: expected a floating-point tensor, got dtype {F.dtype}")
         if F.dim() != 3 or F.shape[-1] != self.dim or F.shape[1] < 1:
-            raise ValueError(f"F: expected shape [B,N,{self.dim}], got {tuple(F.shape)}")
+            raise PullbackError(f"F: expected shape [B,N,{self.dim}], got {tuple(F.shape)}")
 
     def forward(self, F: Tensor) -> Tensor:
         self.check_input(F)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from pullback_ext.probes.base import Probe
+from pullback_ext.errors import PullbackError
 
 
 def _mlp(inp: int, hidden: int, out: int) -> nn.Sequential:
@@ -28,7 +29,7 @@ class FeatureVAE(nn.Module):
         super().__init__()
         for name, value in (("dim", dim), ("latent_dim", latent_dim), ("hidden", hidden)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+                raise PullbackError(f"{name}: expected a positive int, got {value!r}")
         self.dim, self.latent_dim, self.hidden = dim, latent_dim, hidden
         self.encoder = _mlp(dim, hidden, 2 * latent_dim)
         self.decoder = _mlp(latent_dim, hidden, dim)
@@ -51,7 +52,7 @@ class FeatureVAE(nn.Module):
         if not isinstance(X, Tensor) or not X.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point torch.Tensor, got {getattr(X, 'dtype', type(X).__name__)}")
         if X.dim() < 2 or X.shape[-1] != width:
-            raise ValueError(f"{name}: expected shape [..., {width}], got {tuple(X.shape)}")
+            raise PullbackError(f"{name}: expected shape [..., {width}], got {tuple(X.shape)}")
 
     def encode(self, F: Tensor) -> tuple[Tensor, Tensor]:
         """F[...,D] -> (mean[...,d], logvar[...,d])."""
@@ -73,7 +74,7 @@ class FeatureVAE(nn.Module):
         if noise is None:
             noise = torch.randn_like(mean)
         elif noise.shape != mean.shape:
-            raise ValueError(f"noise: expected shape {tuple(mean.shape)}, got {tuple(noise.shape)}")
+            raise PullbackError(f"noise: expected shape {tuple(mean.shape)}, got {tuple(noise.shape)}")
         return self.decode(mean + noise.to(mean.dtype) * (0.5 * logvar).exp()), mean, logvar
 
     def loss(self, F: Tensor, beta: float = 1e-3, noise: Tensor | None = None) -> tuple[Tensor, dict]:
@@ -95,7 +96,7 @@ class LatentProbe(Probe):
 
     def __init__(self, base: Probe, vae: FeatureVAE) -> None:
         if vae.dim != base.dim:
-            raise ValueError(f"vae: expected a VAE on D={base.dim} features (the probe's dim), got dim={vae.dim}")
+            raise PullbackError(f"vae: expected a VAE on D={base.dim} features (the probe's dim), got dim={vae.dim}")
         super().__init__(base.layer, base.num_tokens, vae.latent_dim, base.num_prefix_tokens)
         self.base = base
         self.vae = vae

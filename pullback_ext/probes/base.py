@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from pullback_ext.errors import PullbackError
 
 
 class Probe(torch.nn.Module):
@@ -51,7 +52,7 @@ class Probe(torch.nn.Module):
         self._output_dim: Optional[int] = None
         if output_transform is not None:
             if not isinstance(output_transform, Tensor) or output_transform.dim() != 2:
-                raise ValueError(
+                raise PullbackError(
                     "output_transform: expected a 2-D tensor L[M_out, M], got "
                     f"{type(output_transform).__name__}"
                     + (f" of shape {tuple(output_transform.shape)}" if isinstance(output_transform, Tensor) else "")
@@ -82,7 +83,7 @@ class Probe(torch.nn.Module):
         if L is None:
             return y
         if L.shape[1] != y.shape[-1]:
-            raise ValueError(
+            raise PullbackError(
                 f"output_transform: expected L with {y.shape[-1]} columns (the probe's output "
                 f"dim M), got shape {tuple(L.shape)}"
             )
@@ -107,7 +108,7 @@ class Probe(torch.nn.Module):
         if not F.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point tensor, got dtype {F.dtype}")
         if F.dim() not in (2, 3) or tuple(F.shape[-2:]) != (self.num_tokens, self.dim):
-            raise ValueError(
+            raise PullbackError(
                 f"{name}: expected shape [B,{self.num_tokens},{self.dim}] or "
                 f"[{self.num_tokens},{self.dim}] (N, D of the probe), got {tuple(F.shape)}"
             )

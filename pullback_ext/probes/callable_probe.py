@@ -9,6 +9,7 @@ from torch import Tensor
 
 from pullback_ext.probes.modes import jvp_friendly
 from pullback_ext.probes.base import Probe
+from pullback_ext.errors import PullbackError
 
 
 class CallableProbe(Probe):
@@ -58,12 +59,12 @@ def from_callable(
     """
     if isinstance(features, Tensor):
         if features.dim() not in (2, 3):
-            raise ValueError(f"features: expected an example F of shape [B,N,D] or [N,D], got {tuple(features.shape)}")
+            raise PullbackError(f"features: expected an example F of shape [B,N,D] or [N,D], got {tuple(features.shape)}")
         return CallableProbe(fn, features.shape[-2], features.shape[-1], None, layer, num_prefix_tokens, output_transform)
     if not callable(features):
         raise TypeError(f"features: expected an example tensor or a callable images -> F, got {type(features).__name__}")
     if not isinstance(num_tokens, int) or not isinstance(dim, int) or num_tokens < 1 or dim < 1:
-        raise ValueError(
+        raise PullbackError(
             f"num_tokens, dim: expected positive ints when features is a callable, got {num_tokens!r}, {dim!r}"
         )
     return CallableProbe(fn, num_tokens, dim, features, layer, num_prefix_tokens, output_transform)

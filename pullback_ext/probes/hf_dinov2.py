@@ -18,6 +18,7 @@ from torch import Tensor
 
 from pullback_ext.probes.base import Probe
 from pullback_ext.probes.modes import evaluation, jvp_friendly
+from pullback_ext.errors import PullbackError
 
 OUTPUTS = ("cls", "tokens", "pooled")
 _BASE_MODELS = ("Dinov2Model", "Dinov2WithRegistersModel")
@@ -41,15 +42,15 @@ class HFDinov2Probe(Probe):
         base = _base_model(model)
         depth = len(base.encoder.layer)
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < depth:
-            raise ValueError(f"layer: expected an int in [0, {depth - 1}] (the encoder has {depth} layers), got {layer!r}")
+            raise PullbackError(f"layer: expected an int in [0, {depth - 1}] (the encoder has {depth} layers), got {layer!r}")
         if output not in OUTPUTS:
-            raise ValueError(f"output: expected one of {', '.join(OUTPUTS)}, got {output!r}")
+            raise PullbackError(f"output: expected one of {', '.join(OUTPUTS)}, got {output!r}")
         config = base.config
         if image_size is None:
             size = config.image_size
             image_size = (size, size) if isinstance(size, int) else tuple(size)
         if len(image_size) != 2 or min(image_size) < 1:
-            raise ValueError(f"image_size: expected (H, W), got {tuple(image_size)!r}")
+            raise PullbackError(f"image_size: expected (H, W), got {tuple(image_size)!r}")
         grid = (int(image_size[0]) // config.patch_size, int(image_size[1]) // config.patch_size)
         prefix = 1 + int(getattr(config, "num_register_tokens", 0) or 0)
         super().__init__(layer, grid[0] * grid[1] + prefix, config.hidden_size, prefix, output_transform)
@@ -62,10 +63,10 @@ class HFDinov2Probe(Probe):
     def features(self, images: Tensor) -> Tensor:
         """images[B,3,H,W] -> F[B,N,D] after encoder layer ℓ."""
         if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[1] != 3:
-            raise ValueError("images: expected a tensor [B,3,H,W], got "
+            raise PullbackError("images: expected a tensor [B,3,H,W], got "
                              + (str(tuple(images.shape)) if isinstance(images, Tensor) else type(images).__name__))
         if tuple(images.shape[-2:]) != self.image_size:
-            raise ValueError(f"images: expected spatial size {self.image_size} (the probe's image_size), "
+            raise PullbackError(f"images: expected spatial size {self.image_size} (the probe's image_size), "
                              f"got {tuple(images.shape[-2:])}")
         with evaluation(self.model):
             return self.model(pixel_values=images, output_hidden_states=True).hidden_states[self.layer + 1]

@@ -24,13 +24,14 @@ from torch import Tensor
 
 from pullback_ext.probes.modes import evaluation, jvp_friendly
 from pullback_ext.probes.base import Probe
+from pullback_ext.errors import PullbackError
 
 
 def _encoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     dpt = getattr(model, "dpt", None)
     if dpt is not None and getattr(model, "backbone", None) is None:
         if getattr(model.config, "is_hybrid", False):
-            raise ValueError("model: hybrid DPT (convolutional stem) is not supported; use a ViT-backbone DPT")
+            raise PullbackError("model: hybrid DPT (convolutional stem) is not supported; use a ViT-backbone DPT")
         return dpt.encoder.layer
     backbone = getattr(model, "backbone", None)
     if backbone is not None and hasattr(backbone, "encoder") and hasattr(backbone.encoder, "layer"):
@@ -84,11 +85,11 @@ class HFDepthProbe(Probe):
         depth = len(layers)
         hooks = _hooked_indices(model)
         if not multi_layer and (not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < depth):
-            raise ValueError(f"layer: expected an int in [0, {depth - 1}] (the encoder has {depth} layers), got {layer!r}")
+            raise PullbackError(f"layer: expected an int in [0, {depth - 1}] (the encoder has {depth} layers), got {layer!r}")
         if output_size is not None and (not isinstance(output_size, int) or output_size < 1):
-            raise ValueError(f"output_size: expected a positive int or None, got {output_size!r}")
+            raise PullbackError(f"output_size: expected a positive int or None, got {output_size!r}")
         if len(image_size) != 2 or min(image_size) < 1:
-            raise ValueError(f"image_size: expected (H, W), got {tuple(image_size)!r}")
+            raise PullbackError(f"image_size: expected (H, W), got {tuple(image_size)!r}")
         patch = _patch_size(model)
         grid = (int(image_size[0]) // patch, int(image_size[1]) // patch)
         hidden = int(model.config.backbone_config.hidden_size if getattr(model, "backbone", None) is not None else model.config.hidden_size)
@@ -112,12 +113,12 @@ class HFDepthProbe(Probe):
 
     def _check_images(self, images: Tensor) -> None:
         if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[1] != 3:
-            raise ValueError(
+            raise PullbackError(
                 "images: expected a tensor [B,3,H,W], got "
                 + (str(tuple(images.shape)) if isinstance(images, Tensor) else type(images).__name__)
             )
         if tuple(images.shape[-2:]) != self.image_size:
-            raise ValueError(f"images: expected spatial size {self.image_size} (the probe's image_size), got {tuple(images.shape[-2:])}")
+            raise PullbackError(f"images: expected spatial size {self.image_size} (the probe's image_size), got {tuple(images.shape[-2:])}")
 
     @torch.no_grad()
     def features(self, images: Tensor) -> Tensor:
@@ -168,7 +169,7 @@ class HFDepthProbe(Probe):
     def outputs(self, F: Tensor) -> Tensor:
         if self._needs_context():
             if self._context is None or self._context.shape[0] != F.shape[0]:
-                raise ValueError(
+                raise PullbackError(
                     "F: this probe reads decoder hooks before layer ℓ from the image; call features(images) "
                     "with the same batch first, or use for_image(i)"
                 )
@@ -215,7 +216,7 @@ def from_hf_dpt(
     """
     _encoder_layers(model)
     if not multi_layer and layer is None:
-        raise ValueError("layer: required for the single-layer probe (or pass multi_layer=True)")
+        raise PullbackError("layer: required for the single-layer probe (or pass multi_layer=True)")
     if image_size is None:
         config = model.config.backbone_config if getattr(model, "backbone", None) is not None else model.config
         size = config.image_size

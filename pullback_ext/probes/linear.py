@@ -7,6 +7,7 @@ from typing import Callable, Optional
 from torch import Tensor
 
 from pullback_ext.probes.base import Probe
+from pullback_ext.errors import PullbackError
 
 
 class LinearTokenProbe(Probe):
@@ -23,14 +24,14 @@ class LinearTokenProbe(Probe):
         output_transform: Optional[Tensor] = None,
     ) -> None:
         if not isinstance(W, Tensor) or W.dim() != 2 or not W.is_floating_point():
-            raise ValueError(
+            raise PullbackError(
                 "W: expected a floating 2-D tensor [C,D], got "
                 + (f"shape {tuple(W.shape)} dtype {W.dtype}" if isinstance(W, Tensor) else type(W).__name__)
             )
         if not isinstance(num_tokens, int) or num_tokens < 1:
-            raise ValueError(f"num_tokens: expected a positive int, got {num_tokens!r}")
+            raise PullbackError(f"num_tokens: expected a positive int, got {num_tokens!r}")
         if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (W.shape[0],)):
-            raise ValueError(
+            raise PullbackError(
                 f"bias: expected shape [{W.shape[0]}], got "
                 + (str(tuple(bias.shape)) if isinstance(bias, Tensor) else type(bias).__name__)
             )

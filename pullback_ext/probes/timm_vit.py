@@ -10,6 +10,7 @@ from torch import Tensor
 from pullback_ext.probes.base import Probe
 from pullback_ext.probes.cls_row import run_blocks_for_cls_row
 from pullback_ext.probes.modes import evaluation, jvp_friendly
+from pullback_ext.errors import PullbackError
 
 OUTPUTS = ("cls", "tokens", "pooled")
 
@@ -46,12 +47,12 @@ class TimmViTProbe(Probe):
         _check_timm_vit(model)
         depth = len(model.blocks)
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < depth:
-            raise ValueError(f"layer: expected an int in [0, {depth - 1}] (the model has {depth} blocks), got {layer!r}")
+            raise PullbackError(f"layer: expected an int in [0, {depth - 1}] (the model has {depth} blocks), got {layer!r}")
         if not callable(output) and output not in OUTPUTS:
-            raise ValueError(f"output: expected one of {OUTPUTS} or a callable, got {output!r}")
+            raise PullbackError(f"output: expected one of {OUTPUTS} or a callable, got {output!r}")
         prefix = int(model.num_prefix_tokens)
         if output == "cls" and (getattr(model, "cls_token", None) is None or prefix < 1):
-            raise ValueError("output: 'cls' needs a model with a CLS token; this one has none (use 'pooled' or 'tokens')")
+            raise PullbackError("output: 'cls' needs a model with a CLS token; this one has none (use 'pooled' or 'tokens')")
         grid = tuple(int(g) for g in model.patch_embed.grid_size)
         super().__init__(
             layer=layer,
@@ -69,7 +70,7 @@ class TimmViTProbe(Probe):
     def features(self, images: Tensor) -> Tensor:
         """images[B,3,H,W] (preprocessed) -> F[B,N,D], the tokens after block ``layer``."""
         if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[1] != 3:
-            raise ValueError(
+            raise PullbackError(
                 "images: expected a tensor [B,3,H,W], got "
                 + (str(tuple(images.shape)) if isinstance(images, Tensor) else type(images).__name__)
             )

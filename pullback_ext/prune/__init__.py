@@ -7,14 +7,8 @@
 - ``schedules``: ViT-B stage schedules scaled to other depths
 - ``quality``, ``cost``, ``evaluation``, ``report``: metrics, FLOPs / wall-clock, strategy × ratio
   tables, JSON and plots; ``backbones``, ``images``, ``setup``: what ``pullback evaluate`` loads
-- ``subspace``: Geosubprobe-style subspace interventions; ``demo_stage``: the demo's short run
+- ``subspace``: Geosubprobe-style subspace interventions
 
 The patch API itself is :mod:`pullback_ext.patch`.
 """
 
-
-def run_demo_stage(model, scenes, out_dir, quick: bool = False) -> dict:
-    """Token merging / pruning comparison for ``pullback demo`` (see ``demo_stage``)."""
-    from pullback_ext.prune.demo_stage import run_demo_stage as run
-
-    return run(model, scenes, out_dir, quick)

@@ -36,7 +36,7 @@ def load_folder(directory: str, preprocess: Callable, limit: int | None = None) 
 
 def demo_scenes(n: int, seed: int, size: int) -> dict:
     """``n`` held-out demo scenes of seed ``seed`` (images in [0, 1] and class labels)."""
-    from pullback_ext.demo import heldout
+    from pullback_ext.embedded import heldout
 
     data = heldout(n, seed, size)
     return {"images": data["images"], "labels": data["labels"]}

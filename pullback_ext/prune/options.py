@@ -16,7 +16,7 @@ def load_backbone(demo: bool, model_name: Optional[str] = None, weights: Optiona
     random weights unless ``weights`` is given) or a local transformers folder (``hf:DIR``: DINOv2,
     DPT or Depth Anything; weights from ``weights`` or the folder)."""
     if demo:
-        from pullback_ext.demo import load
+        from pullback_ext.embedded import load
 
         model = load(weights)
         return demo_backbone(model), model
@@ -87,7 +87,7 @@ def load_scorers(head: Optional[str], spn: Optional[str], model, backbone: Backb
             raise PullbackError("--oracle needs --demo (a probe map of the model's decoder)")
         if len(layers) != 1 or layers[0] < 1:
             raise PullbackError(f"--oracle scores the full token set: use a single stage at layer >= 1; got {layers}")
-        from pullback_ext.demo.probes import demo_probe
+        from pullback_ext.embedded.probes import demo_probe
         from pullback_ext.prune.oracle import OracleScorer
 
         decoder = "embedding" if task == "cls" else "depth"
@@ -141,7 +141,7 @@ def subspace_report(probe: str, model, backbone: Backbone, layer: int, ks: tuple
     if probe == "fit":
         if not demo:
             raise PullbackError("--probe fit needs --demo (depth targets of rendered scenes); give a probe file otherwise")
-        from pullback_ext.prune.demo_stage import subspace_analysis
+        from pullback_ext.prune.subspace import subspace_analysis
 
         return subspace_analysis(model, layer, 128, _with_depth(data), quick=False, ks=ks)
     from pullback_ext.model_loading import read_state_dict
@@ -162,7 +162,7 @@ def subspace_report(probe: str, model, backbone: Backbone, layer: int, ks: tuple
 def _with_depth(data: dict) -> dict:
     if data.get("depth") is not None:
         return data
-    from pullback_ext.demo import heldout
+    from pullback_ext.embedded import heldout
 
     return heldout(data["images"].shape[0], 0)
 

@@ -98,3 +98,34 @@ def interventions(
             rows.append(row)
         out["results"][kind] = rows
     return out
+
+
+def depth_probe_targets(depth: torch.Tensor, grid: int) -> torch.Tensor:
+    """Per-token targets ``[B, grid², 4]`` from depth maps ``[B, H, W]``: the log-depth of the
+    2×2 quadrants of each patch of a ``grid × grid`` patch grid."""
+    pooled = torch.nn.functional.adaptive_avg_pool2d(depth.log()[:, None], 2 * grid)  # [B,1,2g,2g]
+    q = pooled.view(depth.shape[0], grid, 2, grid, 2).permute(0, 1, 3, 2, 4)
+    return q.reshape(depth.shape[0], grid * grid, 4)
+
+
+def subspace_analysis(model, layer: int, train_n: int, test: dict, quick: bool, ks=None) -> dict:
+    """Fit a linear per-token depth probe on block ``layer`` outputs of ``train_n`` rendered
+    scenes of the embedded model ``model``, then intervene on the held-out ``test`` scenes
+    (``images``, ``depth``)."""
+    from pullback_ext.embedded.scenes import render
+    from pullback_ext.prune.backbones import block_output_tokens, demo_backbone
+
+    backbone = demo_backbone(model)
+
+    def tokens(images):
+        return block_output_tokens(backbone, images, layer)
+
+    train = render(train_n, seed=12345)
+    grid = model.image_size // model.backbone.patch_embed.patch_size[0]
+    weight, bias = fit_linear_probe(tokens(train["images"]), depth_probe_targets(train["depth"], grid))
+    depth = test.get("depth")
+    ks = ((1, 2, 4) if quick else (1, 2, 3, 4)) if ks is None else ks
+    targets = None if depth is None else depth_probe_targets(depth, grid)
+    result = interventions(tokens(test["images"]), weight, bias, ks=ks, targets=targets)
+    result["layer"] = layer
+    return result

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
+from pullback_ext.errors import PullbackError
 
 TYPES = ("sphere", "box", "cylinder")
 COLOURS = ("red", "green", "blue")
@@ -94,7 +95,7 @@ def _hsv_to_rgb(h: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> torch.Tens
 def sample_scenes(n: int, seed: int) -> SceneBatch:
     """Draw ``n`` random scenes from ``seed`` (deterministic)."""
     if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n: expected a positive int, got {n!r}")
+        raise PullbackError(f"n: expected a positive int, got {n!r}")
     gen = torch.Generator().manual_seed(int(seed))
     K = MAX_OBJECTS
     fov = _uniform(gen, n, math.radians(45), math.radians(65))
@@ -233,7 +234,7 @@ def intersect_objects(origin: torch.Tensor, direction: torch.Tensor, scenes: Sce
 def render_scenes(scenes: SceneBatch, size: int = 112, chunk: int = 32) -> dict:
     """Render a :class:`SceneBatch`; see :func:`render` for the returned dictionary."""
     if not isinstance(size, int) or size < 8:
-        raise ValueError(f"size: expected an int >= 8, got {size!r}")
+        raise PullbackError(f"size: expected an int >= 8, got {size!r}")
     parts = [_render_chunk(scenes.slice(s, s + chunk), size) for s in range(0, len(scenes), chunk)]
     out = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
     out["class_names"] = CLASS_NAMES

@@ -17,7 +17,8 @@ from typing import Sequence
 import torch.nn.functional as Fn
 from torch import Tensor, nn
 
-from pullback_ext.demo.scenes import CLASS_NAMES
+from pullback_ext.embedded.scenes import CLASS_NAMES
+from pullback_ext.errors import PullbackError
 
 IMAGE_SIZE = 112
 PATCH_SIZE = 8
@@ -145,7 +146,7 @@ class DemoModel(nn.Module):
             raise TypeError(f"images: expected a torch.Tensor, got {type(images).__name__}")
         expected = (3, self.image_size, self.image_size)
         if images.dim() != 4 or tuple(images.shape[1:]) != expected:
-            raise ValueError(f"images: expected shape [B,{','.join(map(str, expected))}], got {tuple(images.shape)}")
+            raise PullbackError(f"images: expected shape [B,{','.join(map(str, expected))}], got {tuple(images.shape)}")
         if not images.is_floating_point():
             raise TypeError(f"images: expected a floating-point tensor in [0,1], got dtype {images.dtype}")
 

@@ -49,11 +49,11 @@ def run_demo_stage(
 ) -> dict:
     """Train (or load) the head for the demo model's CLS probe; held-out Spearman ρ against imp*.
 
-    ``scenes``: held-out scenes as returned by ``pullback_ext.demo.heldout`` (uses "images").
+    ``scenes``: held-out scenes as returned by ``pullback_ext.embedded.heldout`` (uses "images").
     Writes ``out_dir/importance_head/`` (checkpoint, metrics.jsonl, target cache); a second run
     with the same settings and weights reuses them.
     """
-    from pullback_ext.demo.probes import demo_probe
+    from pullback_ext.embedded.probes import demo_probe
     from pullback_ext.metric.data import DEMO_TRAIN_SEED, ImageSource, features
     from pullback_ext.metric.head import ImportanceHead, parameter_count
     from pullback_ext.metric.targets import TargetCache, TargetConfig, compute_targets

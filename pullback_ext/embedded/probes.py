@@ -22,6 +22,7 @@ from torch import Tensor
 
 from pullback_ext.probes.base import Probe
 from pullback_ext.probes.cls_row import run_blocks_for_cls_row
+from pullback_ext.errors import PullbackError
 
 DECODERS = ("cls", "embedding", "depth")
 
@@ -31,7 +32,7 @@ def _size_pair(output_size, name: str = "output_size") -> Optional[tuple[int, in
         return None
     pair = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
     if len(pair) != 2 or not all(isinstance(s, int) and s >= 1 for s in pair):
-        raise ValueError(f"{name}: expected None, a positive int or a pair of positive ints, got {output_size!r}")
+        raise PullbackError(f"{name}: expected None, a positive int or a pair of positive ints, got {output_size!r}")
     return pair
 
 
@@ -46,12 +47,12 @@ class DemoProbe(Probe):
                  output_transform: Optional[Tensor] = None) -> None:
         depth = len(model.backbone.blocks)
         if not isinstance(layer, int) or not 0 <= layer < depth:
-            raise ValueError(f"layer: expected an int in [0, {depth - 1}] (a block of the demo model), got {layer!r}")
+            raise PullbackError(f"layer: expected an int in [0, {depth - 1}] (a block of the demo model), got {layer!r}")
         if decoder not in DECODERS:
-            raise ValueError(f"decoder: expected one of {DECODERS}, got {decoder!r}")
+            raise PullbackError(f"decoder: expected one of {DECODERS}, got {decoder!r}")
         self.output_size = _size_pair(output_size)
         if self.output_size is not None and decoder != "depth":
-            raise ValueError(f"output_size: only meaningful for decoder='depth', got {output_size!r} with decoder={decoder!r}")
+            raise PullbackError(f"output_size: only meaningful for decoder='depth', got {output_size!r} with decoder={decoder!r}")
         bb = model.backbone
         num_tokens = bb.patch_embed.num_patches + bb.num_prefix_tokens
         super().__init__(layer, num_tokens, bb.embed_dim, bb.num_prefix_tokens, output_transform)
@@ -97,7 +98,7 @@ class DemoProbe(Probe):
             return self._recorded_hooks
         if recorded.shape[0] == 1:
             return {h: t.expand(F.shape[0], -1, -1) for h, t in self._recorded_hooks.items()}
-        raise ValueError(
+        raise PullbackError(
             f"F: expected a batch of {recorded.shape[0]} feature maps (the last features() batch) for the "
             f"frozen decoder hooks, got {F.shape[0]}; use for_image(i) for one image"
         )

@@ -12,10 +12,11 @@ from typing import Optional
 
 import torch
 
-from pullback_ext.prune.backbones import block_output_tokens, demo_backbone
+from pullback_ext.prune.backbones import demo_backbone
 from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
 from pullback_ext.prune.report import plot_quality, write_json, write_text
 from pullback_ext.prune.schedules import scale_layers
+from pullback_ext.prune.subspace import subspace_analysis
 from pullback_ext.prune.strategies import TRAINING_FREE
 
 QUICK = {"images": 16, "seeds": 1, "cls_ratios": (0.1, 0.3, 0.5), "depth_ratios": (0.25, 0.5), "batches": (1, 16), "repeats": 2}
@@ -55,34 +56,6 @@ def trained_heads(out_dir: Path) -> dict:
     return found
 
 
-def _probe_targets(depth: torch.Tensor, grid: int) -> torch.Tensor:
-    """Per-token targets ``[B, grid², 4]``: log-depth of the 2×2 quadrants of each patch."""
-    pooled = torch.nn.functional.adaptive_avg_pool2d(depth.log()[:, None], 2 * grid)  # [B,1,2g,2g]
-    q = pooled.view(depth.shape[0], grid, 2, grid, 2).permute(0, 1, 3, 2, 4)
-    return q.reshape(depth.shape[0], grid * grid, 4)
-
-
-def subspace_analysis(model, layer: int, train_n: int, test: dict, quick: bool, ks=None) -> dict:
-    """Fit a linear per-token depth probe on block ``layer`` outputs of ``train_n`` rendered
-    scenes, then intervene on the held-out ``test`` scenes (``images``, ``depth``)."""
-    from pullback_ext.demo.scenes import render
-    from pullback_ext.prune.subspace import fit_linear_probe, interventions
-
-    backbone = demo_backbone(model)
-
-    def tokens(images):
-        return block_output_tokens(backbone, images, layer)
-
-    train = render(train_n, seed=12345)
-    grid = model.image_size // model.backbone.patch_embed.patch_size[0]
-    weight, bias = fit_linear_probe(tokens(train["images"]), _probe_targets(train["depth"], grid))
-    depth = test.get("depth")
-    ks = ((1, 2, 4) if quick else (1, 2, 3, 4)) if ks is None else ks
-    result = interventions(tokens(test["images"]), weight, bias, ks=ks, targets=None if depth is None else _probe_targets(depth, grid))
-    result["layer"] = layer
-    return result
-
-
 def _plan(backbone, task: str, spec: dict, head, results: dict) -> Plan:
     """The task's plan; with a head, its first stage sits at the layer the head was trained on."""
     from pullback_ext.errors import PullbackError
@@ -107,7 +80,7 @@ def run_demo_stage(model, scenes=None, out_dir: str | Path = "out/demo/prune", q
     """Run the comparison and write ``pruning/{cls,depth}/results.json``, ``table.md``,
     ``quality.png`` and ``pruning/subspace.json`` under ``out_dir``; returns the results.
 
-    ``scenes``: a dict from :func:`pullback_ext.demo.heldout` (or a list of them, one per seed),
+    ``scenes``: a dict from :func:`pullback_ext.embedded.heldout` (or a list of them, one per seed),
     used when large enough, else held-out scenes are rendered. ``heads``: optional
     ``{task: (scorer, stage layer)}`` for ``cls`` / ``depth``; by default the head written by the
     importance-head stage under ``out_dir`` is used. Tasks without a head compare the
@@ -138,7 +111,7 @@ def run_demo_stage(model, scenes=None, out_dir: str | Path = "out/demo/prune", q
         print(f"[pruning] {task}: {TITLES[task]}\n{tables}", flush=True)
         plot_quality(result, folder / "quality.png")
         results[task] = result
-    from pullback_ext.demo import heldout
+    from pullback_ext.embedded import heldout
 
     test = heldout(settings["images"], 0)
     results["subspace"] = subspace_analysis(model, model.hook_layers[1], 32 if quick else 128, test, quick)
