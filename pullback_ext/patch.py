@@ -4,6 +4,9 @@
     patch.timm(model, head=head, ratio=0.3, layers=(4,), mode="merge", strategy="importance")
     patch.hf_dinov2(dinov2, head=head, ratio=0.3)       # Hugging Face DINOv2 (CLS: merge)
     patch.hf_dpt(depth_model, head=head, ratio=0.5)     # Hugging Face DPT / Depth Anything (prune)
+    options = patch.ReductionOptions(strategy="tome", ratio=0.5, layers=(4, 8))
+    patch.timm(model, options, mode="prune")            # options object, keywords override fields
+    patch.config(model)             # the options in use, every "auto" chosen
     patch.unpatch(model)            # the original forward again
 
 ``mode="merge"`` (CLS decoders): the ``ratio`` fraction of patch tokens with the lowest keep scores
@@ -18,14 +21,24 @@ token attend to every token (Token Cropr's fusion, meant for a backbone trained 
 schedule (``ratio`` is then the total fraction, split evenly, or one fraction per layer) — see
 :func:`pullback_ext.prune.schedules.scale_layers` to map ViT-B schedules to other depths. CLS and register tokens are never merged or pruned.
 The gather, merge and re-insert steps run through the ``pullback_ext.ops`` kernels.
+
+Every option is a field of :class:`~pullback_ext.prune.reduction_options.ReductionOptions`, which
+documents and validates them once. Each patch function is ``fn(model, options=None, /, **overrides)``
+and builds one ``ReductionOptions`` from both, so the option list is written in one place; the
+functions' ``__signature__`` lists every field as a keyword with its default, which ``help()``,
+IPython and editors that read runtime signatures show (explicit keyword lists would repeat the
+13 options in every function, and let their defaults drift apart).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import types
-from typing import Callable, Optional
+from typing import Optional
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions, with_overrides
 
 _ATTR = "_pullback_reduction"
 
@@ -34,36 +47,23 @@ def _is_patched(model) -> bool:
     return getattr(model, _ATTR, None) is not None
 
 
-def timm(
-    model,
-    head=None,
-    ratio=0.3,
-    layers=(4,),
-    mode: str = "merge",
-    strategy: str = "importance",
-    llf=True,
-    *,
-    spn: Optional[Callable] = None,
-    matching: str = "auto",
-    eps: Optional[float] = None,
-    prop_attn="auto",
-    weights: str = "auto",
-    selection: str = "auto",
-    seed: Optional[int] = 0,
-):
+def _option_keywords(fn):
+    """Show every :class:`ReductionOptions` field as a keyword of ``fn(model, options=None, /, **overrides)``."""
+    signature = inspect.signature(fn)
+    keywords = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                for f in dataclasses.fields(ReductionOptions)]
+    fn.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:2] + keywords)
+    return fn
+
+
+@_option_keywords
+def timm(model, options: Optional[ReductionOptions] = None, /, **overrides):
     """Patch a timm ``VisionTransformer`` in place (re-patching replaces the previous plan).
 
-    ``head``: importance head ``F [B, K, D] -> [B, K]`` (or an SPN) for ``importance``, or a
-    callable giving imp* for ``oracle``; a sequence gives one per stage of ``layers``. ``llf``:
-    ``True`` (= ``"masked"``), ``"full"`` or ``False`` (see the module docstring). ``spn``: returns
-    ``(U [B, K*D, r], lam [B, r])`` for the pullback matching of merge mode. ``prop_attn``: add ``log(size)`` to attention logits after
-    merges (``auto``: on in merge mode). ``weights``: ``auto``/``size``/``importance`` for merged
-    averages. ``selection``: ``auto``/``lowest``/``bound``, which tokens a scorer strategy merges
-    away (see :func:`pullback_ext.prune.pipeline.make_config`). ``seed``: for ``random``.
-    Returns the model.
+    ``options`` and the keywords (which replace its fields) are those of :class:`ReductionOptions`;
+    ``mode="auto"`` merges. Returns the model.
     """
     from pullback_ext.prune import timm_vit
-    from pullback_ext.prune.pipeline import make_config
 
     needed = ("patch_embed", "_pos_embed", "blocks", "norm", "num_prefix_tokens", "forward_features")
     missing = [a for a in needed if not hasattr(model, a)]
@@ -71,64 +71,30 @@ def timm(
         raise PullbackError(f"model must be a timm VisionTransformer; {type(model).__name__} lacks {', '.join(missing)}")
     if _is_patched(model):
         unpatch(model)
-    cfg = make_config(
-        depth=len(model.blocks), num_prefix=int(model.num_prefix_tokens), has_cls=getattr(model, "cls_token", None) is not None,
-        head=head, ratio=ratio, layers=layers, mode=mode, strategy=strategy, llf=llf, spn=spn, matching=matching,
-        eps=eps, prop_attn=prop_attn, weights=weights, selection=selection, seed=seed,
-    )
-    model.forward_features = types.MethodType(_with_config(timm_vit.forward_features, cfg), model)
-    model.forward_intermediates = types.MethodType(_with_config(timm_vit.forward_intermediates, cfg), model)
-    setattr(model, _ATTR, ("timm", cfg))
+    shape = BackboneShape(depth=len(model.blocks), num_prefix=int(model.num_prefix_tokens),
+                          has_cls=getattr(model, "cls_token", None) is not None)
+    reduction = with_overrides(options, **overrides).resolve(shape)
+    model.forward_features = types.MethodType(_with_reduction(timm_vit.forward_features, reduction), model)
+    model.forward_intermediates = types.MethodType(_with_reduction(timm_vit.forward_intermediates, reduction), model)
+    setattr(model, _ATTR, ("timm", reduction))
     return model
 
 
-def hf_dpt(
-    model,
-    head=None,
-    ratio=0.3,
-    layers=(4,),
-    mode: str = "prune",
-    strategy: str = "importance",
-    llf=True,
-    *,
-    spn: Optional[Callable] = None,
-    matching: str = "auto",
-    eps: Optional[float] = None,
-    prop_attn="auto",
-    weights: str = "auto",
-    selection: str = "auto",
-    seed: Optional[int] = 0,
-):
+@_option_keywords
+def hf_dpt(model, options: Optional[ReductionOptions] = None, /, **overrides):
     """Patch a Hugging Face ``DPTForDepthEstimation`` / ``DPTModel`` (ViT backbone) or a
     ``DepthAnythingForDepthEstimation`` (DINOv2 backbone) in place.
 
-    Same options as :func:`timm`; the encoder's hidden states (what the neck reads) are
-    full-length. Returns the model.
+    Same options as :func:`timm`; ``mode="auto"`` prunes. The encoder's hidden states (what the
+    neck reads) are full-length. Returns the model.
     """
     from pullback_ext.prune.hf_encoders import find_encoder
 
-    return _patch_hf(model, find_encoder(model), head=head, ratio=ratio, layers=layers, mode=mode, strategy=strategy,
-                     llf=llf, spn=spn, matching=matching, eps=eps, prop_attn=prop_attn, weights=weights,
-                     selection=selection, seed=seed)
+    return _patch_hf(model, find_encoder(model), options, overrides, dense_neck=True)
 
 
-def hf_dinov2(
-    model,
-    head=None,
-    ratio=0.3,
-    layers=(4,),
-    mode: str = "auto",
-    strategy: str = "importance",
-    llf=True,
-    *,
-    spn: Optional[Callable] = None,
-    matching: str = "auto",
-    eps: Optional[float] = None,
-    prop_attn="auto",
-    weights: str = "auto",
-    selection: str = "auto",
-    seed: Optional[int] = 0,
-):
+@_option_keywords
+def hf_dinov2(model, options: Optional[ReductionOptions] = None, /, **overrides):
     """Patch a Hugging Face DINOv2 model in place: ``Dinov2Model``, ``Dinov2ForImageClassification``,
     ``Dinov2Backbone``, their ``Dinov2WithRegisters`` versions (register tokens are never merged or
     pruned), or a model built on one (``DepthAnythingForDepthEstimation``).
@@ -141,31 +107,27 @@ def hf_dinov2(
     from pullback_ext.prune.hf_encoders import find_encoder
 
     encoder = find_encoder(model, families=("dinov2",))
-    if mode == "auto":
-        mode = "prune" if encoder.feeds_dense_neck else "merge"
-    return _patch_hf(model, encoder, head=head, ratio=ratio, layers=layers, mode=mode, strategy=strategy, llf=llf,
-                     spn=spn, matching=matching, eps=eps, prop_attn=prop_attn, weights=weights, selection=selection,
-                     seed=seed)
+    return _patch_hf(model, encoder, options, overrides, dense_neck=encoder.feeds_dense_neck)
 
 
-def _patch_hf(model, encoder, **options):
+def _patch_hf(model, encoder, options: Optional[ReductionOptions], overrides: dict, dense_neck: bool):
     from pullback_ext.prune.hf_encoders import install
-    from pullback_ext.prune.pipeline import make_config
 
     if _is_patched(encoder.module):
         unpatch(model)
-    cfg = make_config(depth=len(encoder.module.layer), num_prefix=encoder.num_prefix, has_cls=True, **options)
-    install(encoder, cfg)
-    setattr(encoder.module, _ATTR, ("hf", cfg))
+    shape = BackboneShape(depth=len(encoder.module.layer), num_prefix=encoder.num_prefix, has_cls=True, dense_neck=dense_neck)
+    reduction = with_overrides(options, **overrides).resolve(shape)
+    install(encoder, reduction)
+    setattr(encoder.module, _ATTR, ("hf", reduction))
     return model
 
 
-def _with_config(fn, cfg):
-    """``fn(module, cfg, ...)`` as a method of ``module`` (a named function: torch.compile
+def _with_reduction(fn, reduction):
+    """``fn(module, reduction, ...)`` as a method of ``module`` (a named function: torch.compile
     traces it like any method)."""
 
     def method(module, *args, **kwargs):
-        return fn(module, cfg, *args, **kwargs)
+        return fn(module, reduction, *args, **kwargs)
 
     method.__name__ = method.__qualname__ = fn.__name__
     method.__doc__ = fn.__doc__
@@ -188,9 +150,9 @@ def unpatch(model):
     return model
 
 
-def config(model):
-    """The active reduction plan of a patched model, or None."""
+def config(model) -> Optional[ReductionOptions]:
+    """The options in use on a patched model (every ``auto`` chosen for it), or None."""
     for module in model.modules():
         if _is_patched(module):
-            return getattr(module, _ATTR)[1]
+            return getattr(module, _ATTR)[1].options
     return None

@@ -1,4 +1,5 @@
-"""Small timm ViTs with random weights for the token merging / pruning tests."""
+"""Small timm ViTs and Hugging Face DPT / DINOv2 models with random weights for the token merging /
+pruning tests."""
 
 from __future__ import annotations
 
@@ -21,6 +22,32 @@ def tiny_vit(reg_tokens: int = 0, class_token: bool = True, depth: int = 4, seed
             if p is not None:
                 p.normal_(0.0, 0.5)
     return model.eval().requires_grad_(False)
+
+
+def tiny_dpt():
+    """DPT (ViT backbone) for 32×32 images, patch 8, 4 layers of width 32, eager attention."""
+    from transformers import DPTConfig, DPTForDepthEstimation
+
+    cfg = DPTConfig(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8,
+        backbone_out_indices=[0, 1, 2, 3], neck_hidden_sizes=[8, 16, 16, 16], fusion_hidden_size=16,
+        reassemble_factors=[4, 2, 1, 0.5], initializer_range=0.3,
+    )
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return DPTForDepthEstimation(cfg).eval().requires_grad_(False)
+
+
+def tiny_dinov2(attn: str = "eager", registers: int = 0):
+    """DINOv2 (with ``registers`` register tokens if any) for 32×32 images, patch 8, 4 layers of width 32."""
+    from transformers import Dinov2Config, Dinov2Model, Dinov2WithRegistersConfig, Dinov2WithRegistersModel
+
+    options = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64, image_size=32,
+                   patch_size=8, initializer_range=0.3, layerscale_value=1.0, attn_implementation=attn)
+    torch.manual_seed(0)
+    if registers:
+        return Dinov2WithRegistersModel(Dinov2WithRegistersConfig(num_register_tokens=registers, **options)).eval().requires_grad_(False)
+    return Dinov2Model(Dinov2Config(**options)).eval().requires_grad_(False)
 
 
 def images(n: int = 2, seed: int = 1) -> torch.Tensor:

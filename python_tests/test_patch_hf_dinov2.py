@@ -10,23 +10,12 @@ import torch
 
 import pullback_ext.patch as patch
 from diagnose_helpers import tiny_depth_anything
-from prune_helpers import norm_prune_full_llf_reference
+from prune_helpers import norm_prune_full_llf_reference, tiny_dinov2
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.hf_encoders import dinov2_attention_probs, dinov2_biased_forward, find_encoder
 from pullback_ext.prune.tokens import TokenState
 
 N = 17  # 16 patches of a 32 px image at patch 8, plus CLS
-
-
-def tiny_dinov2(attn: str = "eager", registers: int = 0):
-    from transformers import Dinov2Config, Dinov2Model, Dinov2WithRegistersConfig, Dinov2WithRegistersModel
-
-    options = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64, image_size=32,
-                   patch_size=8, initializer_range=0.3, layerscale_value=1.0, attn_implementation=attn)
-    torch.manual_seed(0)
-    if registers:
-        return Dinov2WithRegistersModel(Dinov2WithRegistersConfig(num_register_tokens=registers, **options)).eval().requires_grad_(False)
-    return Dinov2Model(Dinov2Config(**options)).eval().requires_grad_(False)
 
 
 def pixels(n=2):

@@ -6,21 +6,8 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from prune_helpers import norm_prune_full_llf_reference
+from prune_helpers import norm_prune_full_llf_reference, tiny_dpt
 from pullback_ext.errors import PullbackError
-
-
-def tiny_dpt():
-    from transformers import DPTConfig, DPTForDepthEstimation
-
-    cfg = DPTConfig(
-        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8,
-        backbone_out_indices=[0, 1, 2, 3], neck_hidden_sizes=[8, 16, 16, 16], fusion_hidden_size=16,
-        reassemble_factors=[4, 2, 1, 0.5], initializer_range=0.3,
-    )
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return DPTForDepthEstimation(cfg).eval().requires_grad_(False)
 
 
 def pixels(n=2):

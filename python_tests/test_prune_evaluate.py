@@ -32,10 +32,11 @@ def demo():
 
 
 def test_demo_backbone_reduced_output_equals_the_model_at_zero_ratio(demo):
-    from pullback_ext.prune.pipeline import make_config
+    from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 
     x = _scenes(2, 0)["images"]
-    cfg = make_config(depth=demo.depth, num_prefix=demo.num_prefix, has_cls=True, ratio=0.0, layers=(2,), mode="prune", strategy="norm")
+    shape = BackboneShape(depth=demo.depth, num_prefix=demo.num_prefix, has_cls=True)
+    cfg = ReductionOptions(ratio=0.0, layers=(2,), mode="prune", strategy="norm").resolve(shape)
     full, reduced = demo.full(x), demo.reduced(cfg, x)
     assert all(torch.equal(full[k], reduced[k]) for k in ("embedding", "depth", "logits"))
 

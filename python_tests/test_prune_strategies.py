@@ -8,11 +8,17 @@ import torch
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import merge_drift, nearest_destinations, patch_distances, pullback_distances, select_with_partners
-from pullback_ext.prune.pipeline import apply_stage, make_config
+from pullback_ext.prune.pipeline import apply_stage
+from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.strategies import StageContext, lowest, make_strategy
 from pullback_ext.prune.tokens import TokenState, split_budget
 from prune_helpers import images, tiny_vit
+
+
+def _resolved(depth: int, num_prefix: int = 1, **options):
+    """The reduction of ``options`` for a backbone of ``depth`` blocks with a class token."""
+    return ReductionOptions(**options).resolve(BackboneShape(depth=depth, num_prefix=num_prefix, has_cls=True))
 
 
 def _tokens(b=2, k=11, d=6, seed=0):
@@ -180,8 +186,8 @@ def test_bound_merge_runs_the_matching_once_and_reuses_it_for_destinations(match
     shared = nearest_destinations(x, src, 1, matching, patch_dist=patch_distances(x, 1, matching, spn=spn, eps=0.0))
     assert torch.equal(direct, shared)
 
-    cfg = make_config(depth=2, num_prefix=1, has_cls=True, head=lambda f: f.norm(dim=-1), ratio=3 / 8, layers=(1,),
-                      mode="merge", strategy="importance", spn=spn if matching == "pullback" else None, matching=matching)
+    cfg = _resolved(depth=2, head=lambda f: f.norm(dim=-1), ratio=3 / 8, layers=(1,), mode="merge", strategy="importance",
+                    spn=spn if matching == "pullback" else None, matching=matching)
     calls.clear()
     merged = apply_stage(cfg, TokenState.start(x, 1), 3, [], None)
     assert merged.x.shape[1] == 6 and len(calls) == (1 if matching == "pullback" else 0)
@@ -209,10 +215,10 @@ def test_bound_selection_merges_the_lowest_importance_times_drift():
     drift, nearest = merge_drift(x, 1, "cosine")
     expected = [t + 1 for t in _greedy_reference((importance[0, 1:] * drift[0]).tolist(), (nearest[0] - 1).tolist(), 2)]
     assert 4 in expected and 2 not in expected  # the near-duplicate goes, its twin stays as the destination
-    common = dict(depth=2, num_prefix=1, has_cls=True, head=head, ratio=2 / 6, layers=(1,), mode="merge", strategy="importance")
-    bound = make_config(**common)
-    assert bound.selection == "bound" and bound.prop_attn
-    for cfg, want in ((bound, expected), (make_config(**common, selection="lowest"), [3, 5])):
+    common = dict(depth=2, head=head, ratio=2 / 6, layers=(1,), mode="merge", strategy="importance")
+    bound = _resolved(**common)
+    assert bound.options.selection == "bound" and bound.options.prop_attn
+    for cfg, want in ((bound, expected), (_resolved(**common, selection="lowest"), [3, 5])):
         calls = []
         state = TokenState.start(x, 1)
         merge = state.merge
@@ -223,16 +229,16 @@ def test_bound_selection_merges_the_lowest_importance_times_drift():
 
 
 def test_selection_and_prop_attn_options_are_validated():
-    common = dict(depth=4, num_prefix=1, has_cls=True, ratio=0.2, layers=(1,))
-    assert make_config(**common, mode="prune", strategy="tome").selection == "lowest"
-    assert not make_config(**common, mode="prune", strategy="tome").prop_attn
-    assert make_config(**common, mode="merge", strategy="tome").prop_attn
+    common = dict(depth=4, ratio=0.2, layers=(1,))
+    assert _resolved(**common, mode="prune", strategy="tome").options.selection == "lowest"
+    assert not _resolved(**common, mode="prune", strategy="tome").options.prop_attn
+    assert _resolved(**common, mode="merge", strategy="tome").options.prop_attn
     with pytest.raises(PullbackError, match="selection='bound' needs mode='merge'"):
-        make_config(**common, mode="merge", strategy="tome", selection="bound")
+        _resolved(**common, mode="merge", strategy="tome", selection="bound")
     with pytest.raises(PullbackError, match="selection must be one of"):
-        make_config(**common, mode="merge", strategy="tome", selection="best")
+        _resolved(**common, mode="merge", strategy="tome", selection="best")
     with pytest.raises(PullbackError, match="prop_attn must be"):
-        make_config(**common, mode="merge", strategy="tome", prop_attn="yes")
+        _resolved(**common, mode="merge", strategy="tome", prop_attn="yes")
 
 
 def test_token_state_merge_tracks_sizes_weights_and_owner():

@@ -14,12 +14,13 @@ import torch
 from pullback_ext.errors import PullbackError
 from pullback_ext.images import timm_preprocess
 from pullback_ext.prune import timm_vit
-from pullback_ext.prune.pipeline import ReductionConfig, run_blocks
+from pullback_ext.prune.pipeline import run_blocks
+from pullback_ext.prune.reduction_options import Reduction
 
 
 @dataclass
 class Backbone:
-    """A model seen by the evaluation: ``full(images)`` and ``reduced(cfg, images)`` -> outputs."""
+    """A model seen by the evaluation: ``full(images)`` and ``reduced(reduction, images)`` -> outputs."""
 
     name: str
     depth: int
@@ -41,8 +42,8 @@ def demo_backbone(model) -> Backbone:
     def full(images: torch.Tensor) -> dict:
         return model(images)
 
-    def reduced(cfg: ReductionConfig, images: torch.Tensor) -> dict:
-        final, hooked = run_blocks(cfg, model.embed(images), bb.blocks, timm_vit.call_block, timm_vit.attention_probs,
+    def reduced(reduction: Reduction, images: torch.Tensor) -> dict:
+        final, hooked = run_blocks(reduction, model.embed(images), bb.blocks, timm_vit.call_block, timm_vit.attention_probs,
                                    take=set(model.hook_layers))
         return model.decode(final, hooked)
 
@@ -64,8 +65,8 @@ def timm_backbone(model) -> Backbone:
     def full(images: torch.Tensor) -> dict:
         return {"embedding": model.forward_head(model.forward_features(images), pre_logits=True)}
 
-    def reduced(cfg: ReductionConfig, images: torch.Tensor) -> dict:
-        return {"embedding": model.forward_head(timm_vit.forward_features(model, cfg, images), pre_logits=True)}
+    def reduced(reduction: Reduction, images: torch.Tensor) -> dict:
+        return {"embedding": model.forward_head(timm_vit.forward_features(model, reduction, images), pre_logits=True)}
 
     def block_tokens(images: torch.Tensor, layer: int) -> torch.Tensor:
         return model.forward_intermediates(images, indices=[layer], output_fmt="NLC", intermediates_only=True)[0]
@@ -97,8 +98,8 @@ def hf_backbone(model, folder: str | None = None) -> Backbone:
         out = model(pixel_values=images, output_hidden_states=True)
         return {"depth": out.predicted_depth, "embedding": out.hidden_states[-1][:, 0]}
 
-    def reduced(cfg: ReductionConfig, images: torch.Tensor) -> dict:
-        install(encoder, cfg)
+    def reduced(reduction: Reduction, images: torch.Tensor) -> dict:
+        install(encoder, reduction)
         try:
             return full(images)
         finally:

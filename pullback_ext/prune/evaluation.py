@@ -10,7 +10,7 @@ deviation over all images.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Literal, Optional
 
 import torch
 
@@ -18,7 +18,7 @@ from pullback_ext.errors import PullbackError
 from pullback_ext.prune import quality
 from pullback_ext.prune.backbones import Backbone
 from pullback_ext.prune.cost import count_flops, wall_clock
-from pullback_ext.prune.pipeline import make_config
+from pullback_ext.prune.reduction_options import MODES, BackboneShape, Reduction, ReductionOptions
 from pullback_ext.prune.strategies import NEEDS_SCORER, TRAINING_FREE
 
 METRICS = {"cls": ("cosine_x100",), "depth": ("silog_x100", "cosine_x100")}
@@ -37,23 +37,25 @@ class Plan:
     mode: str
     llf: tuple = (True,)
     scorers: dict = field(default_factory=dict)
-    spn: Optional[object] = None
-    prop_attn: object = "auto"
+    spn: Optional[Callable] = None
+    prop_attn: bool | Literal["auto"] = "auto"
     selection: str = "auto"
     batch_size: int = 16
     knn_k: int = 10
 
-    def config(self, backbone: Backbone, strategy: str, ratio: float, llf: bool, seed: int):
-        return make_config(
-            depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls,
-            head=self.scorers.get(strategy), ratio=ratio, layers=self.layers, mode=self.mode, strategy=strategy,
-            llf=llf, spn=self.spn, prop_attn=self.prop_attn, seed=seed,
-            selection=self.selection if strategy in NEEDS_SCORER else "auto",
+    def reduction(self, backbone: Backbone, strategy: str, ratio: float, llf, seed: int) -> Reduction:
+        """The reduction of one cell (``llf``: one entry of ``self.llf``)."""
+        options = ReductionOptions(
+            head=self.scorers.get(strategy), ratio=ratio, layers=self.layers, mode=self.mode, strategy=strategy, llf=llf,
+            spn=self.spn, prop_attn=self.prop_attn, seed=seed, selection=self.selection if strategy in NEEDS_SCORER else "auto",
         )
+        return options.resolve(BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls))
 
 
 def check_plan(plan: Plan, backbone: Backbone) -> None:
     """Fail early, with the offending option named, before any forward pass."""
+    if plan.mode not in MODES:
+        raise PullbackError(f"mode must be one of {', '.join(MODES)}; got {plan.mode!r}")
     if plan.task not in backbone.tasks:
         raise PullbackError(f"--task {plan.task} needs a model with that decoder; {backbone.name} supports {', '.join(backbone.tasks)}")
     if not plan.strategies:
@@ -63,7 +65,7 @@ def check_plan(plan: Plan, backbone: Backbone) -> None:
     for strategy in plan.strategies:
         for llf in plan.llf:
             for ratio in plan.ratios:
-                plan.config(backbone, strategy, ratio, llf, 0)
+                plan.reduction(backbone, strategy, ratio, llf, 0)
 
 
 def _batched(fn, images: torch.Tensor, batch_size: int, before=None) -> dict:
@@ -128,8 +130,8 @@ def run_quality(backbone: Backbone, image_sets: list, plan: Plan, progress: bool
                 knn.setdefault("unpruned", []).append(
                     quality.knn_top1(full["embedding"], labels, full["embedding"], labels, plan.knn_k, exclude_self=True))
             for llf, strategy, ratio in cells:
-                cfg = plan.config(backbone, strategy, ratio, llf, seed)
-                reduced = _batched(lambda x: backbone.reduced(cfg, x), images, plan.batch_size, _prepare_scorers(plan, strategy))
+                reduction = plan.reduction(backbone, strategy, ratio, llf, seed)
+                reduced = _batched(lambda x: backbone.reduced(reduction, x), images, plan.batch_size, _prepare_scorers(plan, strategy))
                 for metric, values in _errors(plan.task, reduced, full).items():
                     per_image.setdefault((llf, strategy, ratio, metric), []).append(values)
                 if labels is not None:
@@ -216,8 +218,8 @@ def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 6
     bar.update(1)
     base = out["unpruned"]
     for strategy, ratio in cells:
-        cfg = plan.config(backbone, strategy, ratio, llf, 0)
-        entry = measure(lambda x: backbone.reduced(cfg, x), _prepare_scorers(plan, strategy))
+        reduction = plan.reduction(backbone, strategy, ratio, llf, 0)
+        entry = measure(lambda x: backbone.reduced(reduction, x), _prepare_scorers(plan, strategy))
         entry["flop_ratio"] = base["gflops_per_image"] / entry["gflops_per_image"]
         for b in batches:
             entry[f"speedup_batch{b}"] = base[f"batch{b}"]["median_s"] / entry[f"batch{b}"]["median_s"]

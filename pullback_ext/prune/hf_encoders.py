@@ -16,6 +16,7 @@ itself with the bias added to the logits (:func:`biased_layer_forward`).
 
 from __future__ import annotations
 
+import operator
 import types
 from dataclasses import dataclass
 
@@ -24,7 +25,8 @@ import torch.nn.functional as F
 
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.pipeline import ReductionConfig, run_blocks
+from pullback_ext.prune.pipeline import run_blocks
+from pullback_ext.prune.reduction_options import Reduction
 from pullback_ext.prune.tokens import TokenState, internal_indices
 
 _LAYER_ATTR = "_pullback_layer_state"
@@ -67,45 +69,53 @@ def find_encoder(model, families: tuple = ("dpt", "dinov2")) -> Encoder:
     raise PullbackError(f"model must be {' or '.join(wanted[f] for f in families)}; got {type(model).__name__}")
 
 
-def attention_probs(layer, x: torch.Tensor, bias=None) -> torch.Tensor:
-    """Head-averaged attention probabilities ``[B, K, K]`` of a ``DPTViTLayer`` on input ``x``
+@dataclass(frozen=True)
+class _AttentionLayout:
+    """Where a layer family keeps its pre-attention norm, self-attention and projections."""
+
+    norm: str
+    attention: str  # dotted path from the layer
+    projections: tuple  # query, key, value
+    head_size: str
+
+
+_LAYOUTS = {
+    "dpt": _AttentionLayout("layernorm_before", "attention.attention", ("query", "key", "value"), "attention_head_size"),
+    "dinov2": _AttentionLayout("norm1", "attention", ("q_proj", "k_proj", "v_proj"), "head_dim"),
+}
+
+
+def _heads(layer, x: torch.Tensor, family: str, count: int):
+    """``(attention module, normed input h [B, K, D], [q, k, v][:count] as [B, H, K, d])``."""
+    layout = _LAYOUTS[family]
+    attn = operator.attrgetter(layout.attention)(layer)
+    h = getattr(layer, layout.norm)(x)
+    b, k, _ = h.shape
+    shape = (b, k, attn.num_attention_heads, getattr(attn, layout.head_size))
+    return attn, h, [getattr(attn, name)(h).view(shape).transpose(1, 2) for name in layout.projections[:count]]
+
+
+def attention_probs(layer, x: torch.Tensor, bias=None, family: str = "dpt") -> torch.Tensor:
+    """Head-averaged attention probabilities ``[B, K, K]`` of a ``DPTViTLayer`` (``family="dpt"``)
+    or a ``Dinov2Layer`` (``"dinov2"``, also its ``WithRegisters`` twin) on input ``x``
     (``bias``: additive logit mask or None)."""
-    attn = layer.attention.attention
-    h = layer.layernorm_before(x)
-    b, k, _ = h.shape
-    shape = (b, k, attn.num_attention_heads, attn.attention_head_size)
-    q = attn.query(h).view(shape).transpose(1, 2)
-    key = attn.key(h).view(shape).transpose(1, 2)
-    return _mean_probs(q, key, attn.scaling, bias)
-
-
-def dinov2_attention_probs(layer, x: torch.Tensor, bias=None) -> torch.Tensor:
-    """Head-averaged attention probabilities ``[B, K, K]`` of a ``Dinov2Layer`` (or its
-    ``WithRegisters`` twin) on input ``x``."""
-    attn = layer.attention
-    h = layer.norm1(x)
-    b, k, _ = h.shape
-    shape = (b, k, attn.num_attention_heads, attn.head_dim)
-    q = attn.q_proj(h).view(shape).transpose(1, 2)
-    key = attn.k_proj(h).view(shape).transpose(1, 2)
-    return _mean_probs(q, key, attn.scaling, bias)
-
-
-def _mean_probs(q: torch.Tensor, key: torch.Tensor, scaling: float, bias) -> torch.Tensor:
-    logits = (q @ key.transpose(-2, -1)) * scaling
+    attn, _, (q, key) = _heads(layer, x, family, 2)
+    logits = (q @ key.transpose(-2, -1)) * attn.scaling
     if bias is not None:
         logits = logits + bias
     return logits.softmax(dim=-1).mean(dim=1)
 
 
+def dinov2_attention_probs(layer, x: torch.Tensor, bias=None) -> torch.Tensor:
+    """:func:`attention_probs` of a ``Dinov2Layer``."""
+    return attention_probs(layer, x, bias, "dinov2")
+
+
 def biased_layer_forward(layer, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``DPTViTLayer.forward`` on ``x [B, K, D]`` with ``bias`` (``[B, 1, 1|K, K]``) added to the
     attention logits of every head (inference: no dropout)."""
-    attn = layer.attention.attention
-    h = layer.layernorm_before(x)
+    attn, h, (q, key, v) = _heads(layer, x, "dpt", 3)
     b, k, _ = h.shape
-    shape = (b, k, attn.num_attention_heads, attn.attention_head_size)
-    q, key, v = (proj(h).view(shape).transpose(1, 2) for proj in (attn.query, attn.key, attn.value))
     context = F.scaled_dot_product_attention(q, key, v, attn_mask=bias.to(q.dtype), scale=attn.scaling)
     x = layer.attention.output(context.transpose(1, 2).reshape(b, k, attn.all_head_size), h) + x
     return layer.output(layer.intermediate(layer.layernorm_after(x)), x)
@@ -133,7 +143,7 @@ def _layer_forward(holder: dict, family: str):
     return forward
 
 
-def encoder_forward(encoder: Encoder, cfg: ReductionConfig, holder: dict, hidden_states: torch.Tensor,
+def encoder_forward(encoder: Encoder, reduction: Reduction, holder: dict, hidden_states: torch.Tensor,
                     attention_mask=None, **kwargs):
     """The encoder's forward with token reduction; every layer output is full-length."""
     from transformers.modeling_outputs import BaseModelOutput
@@ -152,13 +162,13 @@ def encoder_forward(encoder: Encoder, cfg: ReductionConfig, holder: dict, hidden
 
     probs = dinov2_attention_probs if encoder.family == "dinov2" else attention_probs
     try:
-        final, _ = run_blocks(cfg, hidden_states, encoder.module.layer, call_layer, probs)
+        final, _ = run_blocks(reduction, hidden_states, encoder.module.layer, call_layer, probs)
     finally:
         holder["state"] = holder["bias"] = None
     return BaseModelOutput(last_hidden_state=final)
 
 
-def install(encoder: Encoder, cfg: ReductionConfig) -> None:
+def install(encoder: Encoder, reduction: Reduction) -> None:
     """Patch the encoder and its layers in place."""
     holder: dict = {}
     for layer in encoder.module.layer:
@@ -166,7 +176,7 @@ def install(encoder: Encoder, cfg: ReductionConfig) -> None:
         setattr(layer, _LAYER_ATTR, True)
 
     def forward(module, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
-        return encoder_forward(encoder, cfg, holder, hidden_states, attention_mask, **kwargs)
+        return encoder_forward(encoder, reduction, holder, hidden_states, attention_mask, **kwargs)
 
     if encoder.family == "dinov2":
         from transformers.utils.output_capturing import capture_outputs

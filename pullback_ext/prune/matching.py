@@ -71,13 +71,8 @@ def token_distances(
 
 
 def nearest_destinations(
-    x: torch.Tensor,
-    src: torch.Tensor,
-    num_prefix: int,
-    matching: str,
-    spn: Optional[Callable] = None,
-    eps: Optional[float] = None,
-    patch_dist: Optional[torch.Tensor] = None,
+    x: torch.Tensor, src: torch.Tensor, num_prefix: int, matching: str, spn: Optional[Callable] = None,
+    eps: Optional[float] = None, patch_dist: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Destination ``[B, R]`` (indices into ``x``) of each source token ``src [B, R]``.
 
@@ -103,11 +98,7 @@ def patch_distances(
 
 
 def merge_drift(
-    x: torch.Tensor,
-    num_prefix: int,
-    matching: str,
-    spn: Optional[Callable] = None,
-    eps: Optional[float] = None,
+    x: torch.Tensor, num_prefix: int, matching: str, spn: Optional[Callable] = None, eps: Optional[float] = None,
     patch_dist: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """How far each patch token moves when merged into its nearest other patch token:

@@ -12,7 +12,7 @@ Names: ``importance`` (learned head or SPN), ``oracle`` (imp* from the diagnosti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional, get_args
 
 import torch
 
@@ -20,8 +20,8 @@ from pullback_ext import ops
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import working_precision
 
-STRATEGIES = ("importance", "random", "tome", "evit", "norm", "cls_sim", "asap", "oracle")
-TRAINING_FREE = ("random", "tome", "evit", "norm", "cls_sim", "asap")
+StrategyName = Literal["importance", "random", "tome", "evit", "norm", "cls_sim", "asap", "oracle"]
+STRATEGIES = get_args(StrategyName)
 NEEDS_SCORER = ("importance", "oracle")
 
 
@@ -179,26 +179,41 @@ class ASAPStrategy(Strategy):
         return d[:, ctx.num_prefix:].to(ctx.x.dtype)
 
 
+_TRAINING_FREE_CLASSES = {
+    "random": RandomStrategy,
+    "tome": ToMeStrategy,
+    "evit": EViTStrategy,
+    "norm": NormStrategy,
+    "cls_sim": ClsSimilarityStrategy,
+    "asap": ASAPStrategy,
+}
+TRAINING_FREE = tuple(_TRAINING_FREE_CLASSES)
+NEEDS_CLS = ("evit", "cls_sim")
+
+
+def attention_needed(name: str) -> str:
+    """Which attention the strategy ``name`` reads: ``none``, ``last`` or ``all`` (see :class:`Strategy`)."""
+    return "none" if name in NEEDS_SCORER else _TRAINING_FREE_CLASSES[name].attention
+
+
+def check_scorer(name: str, scorer) -> None:
+    """``importance`` and ``oracle`` need ``scorer``: a callable, or a non-empty sequence of
+    callables (one per stage); the other strategies ignore it."""
+    if name not in NEEDS_SCORER:
+        return
+    if isinstance(scorer, (list, tuple)) and scorer and all(callable(s) for s in scorer):
+        return
+    if scorer is None or not callable(scorer):
+        what = "an importance head or SPN" if name == "importance" else "a callable returning imp* per token"
+        raise PullbackError(f"strategy {name!r} needs head= ({what}); got {scorer!r}")
+
+
 def make_strategy(name: str, scorer=None) -> Strategy:
-    """Build a strategy by name; ``importance`` and ``oracle`` need ``scorer`` (a callable, or a
-    non-empty sequence of callables: one per stage)."""
+    """Build a strategy by name; ``importance`` and ``oracle`` need ``scorer`` (see :func:`check_scorer`)."""
     if name not in STRATEGIES:
         raise PullbackError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}")
-    if name in NEEDS_SCORER:
-        if isinstance(scorer, (list, tuple)) and scorer and all(callable(s) for s in scorer):
-            return ScorerStrategy(name, scorer)
-        if scorer is None or not callable(scorer):
-            what = "an importance head or SPN" if name == "importance" else "a callable returning imp* per token"
-            raise PullbackError(f"strategy {name!r} needs head= ({what}); got {scorer!r}")
-        return ScorerStrategy(name, scorer)
-    return {
-        "random": RandomStrategy,
-        "tome": ToMeStrategy,
-        "evit": EViTStrategy,
-        "norm": NormStrategy,
-        "cls_sim": ClsSimilarityStrategy,
-        "asap": ASAPStrategy,
-    }[name]()
+    check_scorer(name, scorer)
+    return ScorerStrategy(name, scorer) if name in NEEDS_SCORER else _TRAINING_FREE_CLASSES[name]()
 
 
 def lowest(keep_scores: torch.Tensor, count: int, num_prefix: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ from typing import List, Optional, Union
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.pipeline import ReductionConfig, run_blocks
+from pullback_ext.prune.pipeline import run_blocks
+from pullback_ext.prune.reduction_options import Reduction
 
 
 def attention_probs(block, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -47,16 +48,16 @@ def _no_masks(attn_mask, is_causal) -> None:
         raise PullbackError("a token-reduced model does not take attn_mask or is_causal; unpatch it first")
 
 
-def forward_features(model, cfg: ReductionConfig, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+def forward_features(model, reduction: Reduction, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
     """timm ``forward_features`` with token reduction; returns ``[B, N, D]``."""
     _no_masks(attn_mask, is_causal)
-    out, _ = run_blocks(cfg, _embed(model, x), model.blocks, call_block, attention_probs)
+    out, _ = run_blocks(reduction, _embed(model, x), model.blocks, call_block, attention_probs)
     return model.norm(out)
 
 
 def forward_intermediates(
     model,
-    cfg: ReductionConfig,
+    reduction: Reduction,
     x: torch.Tensor,
     indices: Optional[Union[int, List[int]]] = None,
     return_prefix_tokens: bool = False,
@@ -77,7 +78,7 @@ def forward_intermediates(
     take_indices, max_index = feature_take_indices(len(model.blocks), indices)
     b, _, height, width = x.shape
     blocks = model.blocks[: max_index + 1] if stop_early else model.blocks
-    final, taken = run_blocks(cfg, _embed(model, x), blocks, call_block, attention_probs, take=set(take_indices))
+    final, taken = run_blocks(reduction, _embed(model, x), blocks, call_block, attention_probs, take=set(take_indices))
     intermediates = [model.norm(taken[i]) if norm else taken[i] for i in take_indices]
     p = model.num_prefix_tokens
     prefix_tokens = [y[:, :p] for y in intermediates] if p else None

@@ -1,0 +1,267 @@
+"""The options of a token reduction: one frozen, validated :class:`ReductionOptions`.
+
+Every field is checked, and brought to one representation, when the object is built (``llf=True``
+becomes ``"masked"``, a ratio list a tuple, one layer index a 1-tuple); the checks that need the
+model (layer range, class token) and the ``"auto"`` choices run in :meth:`ReductionOptions.resolve`,
+which returns the :class:`Reduction` the block loop runs. A bad value raises
+:class:`~pullback_ext.errors.PullbackError` naming the option and what it expects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune.matching import MATCHINGS
+from pullback_ext.prune.strategies import (
+    NEEDS_CLS, NEEDS_SCORER, STRATEGIES, Strategy, StrategyName, attention_needed, check_scorer, make_strategy,
+)
+
+MODES = ("merge", "prune")
+LLF_MODES = ("masked", "full")
+WEIGHTS = ("size", "importance")
+SELECTIONS = ("lowest", "bound")
+CALLABLES = ("head", "spn")  # fields that hold models or functions: never in :meth:`ReductionOptions.to_dict`
+
+
+@dataclass(frozen=True)
+class ReductionOptions:
+    """How to reduce tokens (defaults in the signature; ``auto`` is resolved per model).
+
+    - ``head``: importance head ``F [B, K, D] -> [B, K]`` (or an SPN) for ``importance``, a callable
+      giving imp* for ``oracle``; a sequence gives one per stage of ``layers`` (kept as a tuple).
+    - ``ratio``: fraction of patch tokens removed in [0, 1): the total, split evenly over the stages,
+      or one fraction per stage (adding up to less than 1).
+    - ``layers``: 0-based blocks whose *input* is reduced, strictly increasing.
+    - ``mode``: ``merge`` (CLS decoders), ``prune`` (dense decoders) or ``auto``: prune when the
+      backbone feeds a dense decoder, merge otherwise.
+    - ``strategy``: which tokens go, one of :data:`~pullback_ext.prune.strategies.STRATEGIES`.
+    - ``llf``: Last-Layer Fusion of prune mode: ``"masked"`` (or ``True``), ``"full"`` or ``False``.
+    - ``spn``: returns ``(U [B, K*D, r], lam [B, r])`` for the pullback matching of merge mode.
+    - ``matching``: ``pullback`` or ``cosine`` (``auto``: pullback with ``spn``, else cosine).
+    - ``eps``: isotropic floor of the pullback distance (None: the SPN's ``eps``).
+    - ``prop_attn``: add ``log(size)`` to attention logits after merges (``auto``: in merge mode; a
+      merged token keeps the attention mass of every token it absorbed, as in ToMe).
+    - ``weights``: merged averages by ``size`` or ``importance`` (``auto``: importance for the
+      ``importance``/``oracle`` strategies, size for the training-free ones).
+    - ``selection``: which tokens a scorer strategy merges away: ``lowest`` importance, or the lowest
+      first-order error ``bound`` ``imp(s) · ‖x_t − x_s‖`` with ``t`` the token it would merge into
+      (the pullback distance when matching in the pullback metric); ``auto``: ``bound`` for merges
+      with ``importance``/``oracle``, ``lowest`` otherwise.
+    - ``seed``: of the ``random`` strategy.
+    """
+
+    head: Optional[Callable | tuple[Callable, ...]] = None
+    ratio: float | tuple[float, ...] = 0.3
+    layers: tuple[int, ...] = (4,)
+    mode: Literal["merge", "prune", "auto"] = "auto"
+    strategy: StrategyName = "importance"
+    llf: Literal["masked", "full", False] = "masked"
+    spn: Optional[Callable] = None
+    matching: Literal["pullback", "cosine", "auto"] = "auto"
+    eps: Optional[float] = None
+    prop_attn: bool | Literal["auto"] = "auto"
+    weights: Literal["size", "importance", "auto"] = "auto"
+    selection: Literal["lowest", "bound", "auto"] = "auto"
+    seed: Optional[int] = 0
+
+    def __post_init__(self):
+        for name, value in _normalised(self).items():
+            object.__setattr__(self, name, value)
+
+    def resolve(self, backbone: BackboneShape) -> Reduction:
+        """Check the options against ``backbone``, choose every ``auto`` value and build the strategy."""
+        mode = self.mode if self.mode != "auto" else ("prune" if backbone.dense_neck else "merge")
+        _check_layer_range(self.layers, backbone.depth, mode == "prune" and bool(self.llf))
+        if self.strategy in NEEDS_CLS and not backbone.has_cls:
+            raise PullbackError(f"strategy {self.strategy!r} needs a class token; this model has none")
+        resolved = dataclasses.replace(self, mode=mode, **_auto_choices(self, mode))
+        return Reduction(resolved, backbone, make_strategy(resolved.strategy, resolved.head))
+
+    def to_dict(self) -> dict:
+        """The options as JSON-ready values (lists for tuples); ``head`` and ``spn`` are left out."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in CALLABLES}
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in out.items()}
+
+    @classmethod
+    def from_dict(cls, data: dict, head=None, spn=None) -> ReductionOptions:
+        """Inverse of :meth:`to_dict` (``head`` and ``spn`` given separately)."""
+        held = sorted(set(data) & set(CALLABLES))
+        if held:
+            raise PullbackError(f"from_dict: give {', '.join(held)} as keyword arguments, not in the data")
+        return with_overrides(None, **data, head=head, spn=spn)
+
+
+def with_overrides(options: Optional[ReductionOptions] = None, /, **overrides) -> ReductionOptions:
+    """``options`` (default: :class:`ReductionOptions`) with the fields named in ``overrides`` replaced."""
+    if options is not None and not isinstance(options, ReductionOptions):
+        raise PullbackError(f"options must be a ReductionOptions or None (give head=, ratio=, ... as keywords); "
+                            f"got {type(options).__name__}")
+    names = [f.name for f in dataclasses.fields(ReductionOptions)]
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise PullbackError(f"unknown reduction option(s) {', '.join(unknown)}; the options are {', '.join(names)}")
+    return dataclasses.replace(options, **overrides) if options is not None else ReductionOptions(**overrides)
+
+
+@dataclass(frozen=True)
+class BackboneShape:
+    """What resolving options needs to know of a backbone: ``depth`` blocks, ``num_prefix`` tokens
+    before the patches (CLS, registers), whether it ``has_cls``, and whether its features feed a
+    dense decoder (``dense_neck``: ``mode="auto"`` prunes)."""
+
+    depth: int
+    num_prefix: int
+    has_cls: bool
+    dense_neck: bool = False
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """What the block loop runs: ``options`` with every ``auto`` chosen and checked against
+    ``backbone``, and the ``strategy`` built from them."""
+
+    options: ReductionOptions
+    backbone: BackboneShape
+    strategy: Strategy
+
+
+def _normalised(o: ReductionOptions) -> dict:
+    """Every field checked and in its one representation; rules between fields apply to the values
+    already chosen (an ``auto`` is checked again once :meth:`ReductionOptions.resolve` chose it)."""
+    mode = _one_of("mode", o.mode, MODES)
+    strategy = _one_of("strategy", o.strategy, STRATEGIES, auto=False)
+    llf, layers = _llf(o.llf), _layers(o.layers)
+    fields = dict(
+        mode=mode, strategy=strategy, llf=llf, layers=layers, ratio=_ratio(o.ratio, len(layers)),
+        head=_head(o.head, strategy, layers), spn=_spn(o.spn), matching=_one_of("matching", o.matching, MATCHINGS),
+        eps=_eps(o.eps), prop_attn=_prop_attn(o.prop_attn), weights=_one_of("weights", o.weights, WEIGHTS),
+        selection=_one_of("selection", o.selection, SELECTIONS), seed=_seed(o.seed),
+    )
+    _check_combinations(**fields)
+    return fields
+
+
+def _check_combinations(mode, strategy, layers, spn, matching, weights, selection, **_) -> None:
+    if attention_needed(strategy) != "none" and layers[0] == 0:
+        raise PullbackError(f"strategy {strategy!r} reads attention of earlier blocks, so layers must start at 1 or later; got 0")
+    if matching == "pullback" and spn is None:
+        raise PullbackError("matching='pullback' needs spn= (an SPN returning U and lam)")
+    if weights == "importance" and strategy not in NEEDS_SCORER:
+        raise PullbackError(f"weights='importance' needs strategy 'importance' or 'oracle'; got {strategy!r}")
+    if selection == "bound" and (mode == "prune" or strategy not in NEEDS_SCORER):
+        raise PullbackError(f"selection='bound' needs mode='merge' and strategy 'importance' or 'oracle'; got {mode!r}, {strategy!r}")
+
+
+def _auto_choices(o: ReductionOptions, mode: str) -> dict:
+    """The value of every field left at ``auto`` (besides ``mode``), for the chosen ``mode``."""
+    scorer = o.strategy in NEEDS_SCORER
+    choices = {
+        "matching": "pullback" if o.spn is not None else "cosine",
+        "weights": "importance" if scorer else "size",
+        "prop_attn": mode == "merge",
+        "selection": "bound" if (mode == "merge" and scorer) else "lowest",
+    }
+    return {name: value for name, value in choices.items() if isinstance(getattr(o, name), str) and getattr(o, name) == "auto"}
+
+
+def _one_of(name: str, value, choices: tuple, auto: bool = True):
+    allowed = ("auto",) + choices if auto else choices
+    if not isinstance(value, str) or value not in allowed:
+        raise PullbackError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _ratio(ratio, num_layers: int) -> float | tuple[float, ...]:
+    if not (_is_real(ratio) or isinstance(ratio, (list, tuple))):
+        raise PullbackError(f"ratio must be a float in [0, 1) or one float per layer; got {ratio!r}")
+    values = [ratio] if _is_real(ratio) else list(ratio)
+    if not _is_real(ratio) and len(values) != num_layers:
+        raise PullbackError(f"ratio has {len(values)} entries but layers has {num_layers}")
+    for v in values:
+        if not _is_real(v) or not (0.0 <= float(v) < 1.0) or v != v:
+            raise PullbackError(f"ratio must lie in [0, 1); got {v!r}")
+    if not _is_real(ratio) and sum(float(v) for v in values) >= 1.0:
+        raise PullbackError(f"per-layer ratios must add up to less than 1; got {values}")
+    return float(ratio) if _is_real(ratio) else tuple(float(v) for v in values)
+
+
+def _llf(llf):
+    """``True`` is the default ``masked`` fusion; returns ``masked``, ``full`` or False."""
+    if llf is True:
+        return "masked"
+    if llf is False or (isinstance(llf, str) and llf in LLF_MODES):
+        return llf
+    raise PullbackError(f"llf must be True, False, 'masked' or 'full'; got {llf!r}")
+
+
+def _layers(layers) -> tuple[int, ...]:
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = (layers,)
+    try:
+        values = [int(layer) for layer in layers]
+        if any(isinstance(layer, bool) or int(layer) != layer for layer in layers):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise PullbackError(f"layers must be block indices (ints); got {layers!r}") from None
+    if not values:
+        raise PullbackError("layers must name at least one block index")
+    if sorted(set(values)) != values:
+        raise PullbackError(f"layers must be strictly increasing; got {values}")
+    return tuple(values)
+
+
+def _check_layer_range(layers: tuple, depth: int, llf_in_prune: bool) -> None:
+    last = depth - 2 if llf_in_prune else depth - 1
+    for layer in layers:
+        if not 0 <= layer <= last:
+            why = " (with LLF the last block always runs on the full sequence)" if llf_in_prune else ""
+            raise PullbackError(f"layers must lie in [0, {last}] for this {depth}-block model{why}; got {layer}")
+
+
+def _head(head, strategy: str, layers: tuple):
+    check_scorer(strategy, head)
+    if isinstance(head, (list, tuple)):
+        if not head or not all(callable(h) for h in head):
+            raise PullbackError(f"head must be a callable or a non-empty sequence of callables (one per stage); got {head!r}")
+        if strategy in NEEDS_SCORER and len(head) not in (1, len(layers)):
+            raise PullbackError(f"head: give one scorer or one per stage; got {len(head)} for {len(layers)} stages {layers}")
+        return tuple(head)
+    if head is not None and not callable(head):
+        raise PullbackError(f"head must be a callable or a non-empty sequence of callables (one per stage); got {head!r}")
+    return head
+
+
+def _spn(spn):
+    if spn is not None and not callable(spn):
+        raise PullbackError(f"spn must be None or a callable returning (U, lam); got {type(spn).__name__}")
+    return spn
+
+
+def _eps(eps) -> Optional[float]:
+    if eps is None:
+        return None
+    if not _is_real(eps) or not float(eps) >= 0.0 or float(eps) == float("inf"):
+        raise PullbackError(f"eps must be None or a finite float >= 0; got {eps!r}")
+    return float(eps)
+
+
+def _prop_attn(prop_attn):
+    if not isinstance(prop_attn, bool) and prop_attn != "auto":
+        raise PullbackError(f"prop_attn must be True, False or 'auto'; got {prop_attn!r}")
+    return prop_attn
+
+
+def _seed(seed) -> Optional[int]:
+    if seed is None:
+        return None
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise PullbackError(f"seed must be an int or None; got {seed!r}")
+    return int(seed)
