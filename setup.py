@@ -96,7 +96,12 @@ def _extension():
     return ext
 
 
-setup(
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-)
+if os.environ.get("PULLBACK_SKIP_EXTENSION") == "1":
+    # The bootstrap builds the extension in place first (only when its inputs changed) and then
+    # installs the package in editable mode without compiling it a second time.
+    setup()
+else:
+    setup(
+        ext_modules=[_extension()],
+        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    )
