@@ -81,7 +81,7 @@ def overhead(args, layers) -> dict:
     p = model.num_prefix_tokens
     count = split_budget(feats.shape[1] - p, args.ratio, 1)[0]
     importance = make_strategy("importance", head)
-    tome = make_strategy("tome")
+    tome = make_strategy("tome_score")
     ctx = StageContext(x=feats, num_prefix=p, has_cls=True)
     scores = importance.keep_scores(ctx)
     pruned = TokenState.start(feats, p).prune(lowest(scores, count, p))

@@ -4,8 +4,10 @@
     patch.timm(model, head=head, ratio=0.3, layers=(4,), mode="merge", strategy="importance")
     patch.hf_dinov2(dinov2, head=head, ratio=0.3)       # Hugging Face DINOv2 (CLS: merge)
     patch.hf_dpt(depth_model, head=head, ratio=0.5)     # Hugging Face DPT / Depth Anything (prune)
-    options = patch.ReductionOptions(strategy="tome", ratio=0.5, layers=(4, 8))
+    options = patch.ReductionOptions(strategy="tome_score", ratio=0.5, layers=(4, 8))
     patch.timm(model, options, mode="prune")            # options object, keywords override fields
+    patch.timm(model, strategy="tome", r=16, schedule="decreasing")   # ToMe as its authors run it
+    patch.timm(model, strategy="evit", keep_rate=0.7)                  # EViT as its authors run it
     patch.config(model)             # the options in use, every "auto" chosen
     patch.unpatch(model)            # the original forward again
 
@@ -21,6 +23,13 @@ token attend to every token (Token Cropr's fusion, meant for a backbone trained 
 schedule (``ratio`` is then the total fraction, split evenly, or one fraction per layer) — see
 :func:`pullback_ext.prune.schedules.scale_layers` to map ViT-B schedules to other depths. CLS and register tokens are never merged or pruned.
 The gather, merge and re-insert steps run through the ``pullback_ext.ops`` kernels.
+
+``strategy="tome"`` and ``"evit"`` are the original methods (timm only for now): they reduce inside
+the blocks, between attention and MLP — ToMe ``r`` tokens in every block of ``block_range``
+(:mod:`pullback_ext.prune.tome`), EViT at three blocks keeping ``keep_rate`` of the patch tokens
+(:mod:`pullback_ext.prune.evit`) — and take their own options instead of ``ratio`` / ``layers`` /
+``mode``; the single-stage criteria of the paper's controlled comparison are ``tome_score`` and
+``evit_score``. :func:`pullback_ext.prune.eta.eta` gives the η a setting produces.
 
 Every option is a field of :class:`~pullback_ext.prune.reduction_options.ReductionOptions`, which
 documents and validates them once. Each patch function is ``fn(model, options=None, /, **overrides)``
@@ -39,6 +48,7 @@ from typing import Optional
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions, with_overrides
+from pullback_ext.prune.strategies import ORIGINALS
 
 _ATTR = "_pullback_reduction"
 
@@ -65,15 +75,10 @@ def timm(model, options: Optional[ReductionOptions] = None, /, **overrides):
     """
     from pullback_ext.prune import timm_vit
 
-    needed = ("patch_embed", "_pos_embed", "blocks", "norm", "num_prefix_tokens", "forward_features")
-    missing = [a for a in needed if not hasattr(model, a)]
-    if missing:
-        raise PullbackError(f"model must be a timm VisionTransformer; {type(model).__name__} lacks {', '.join(missing)}")
+    timm_vit.check_model(model)
     if _is_patched(model):
         unpatch(model)
-    shape = BackboneShape(depth=len(model.blocks), num_prefix=int(model.num_prefix_tokens),
-                          has_cls=getattr(model, "cls_token", None) is not None)
-    reduction = with_overrides(options, **overrides).resolve(shape)
+    reduction = with_overrides(options, **overrides).resolve(timm_vit.backbone_shape(model))
     model.forward_features = types.MethodType(_with_reduction(timm_vit.forward_features, reduction), model)
     model.forward_intermediates = types.MethodType(_with_reduction(timm_vit.forward_intermediates, reduction), model)
     setattr(model, _ATTR, ("timm", reduction))
@@ -117,6 +122,9 @@ def _patch_hf(model, encoder, options: Optional[ReductionOptions], overrides: di
         unpatch(model)
     shape = BackboneShape(depth=len(encoder.module.layer), num_prefix=encoder.num_prefix, has_cls=True, dense_neck=dense_neck)
     reduction = with_overrides(options, **overrides).resolve(shape)
+    if reduction.options.strategy in ORIGINALS:
+        raise PullbackError(f"strategy {reduction.options.strategy!r} (the original method) is available for timm ViTs "
+                            f"(patch.timm) only; Hugging Face models take the single-stage '{reduction.options.strategy}_score'")
     install(encoder, reduction)
     setattr(encoder.module, _ATTR, ("hf", reduction))
     return model

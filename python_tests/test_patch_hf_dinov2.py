@@ -27,10 +27,10 @@ def test_zero_ratio_is_exact_and_unpatch_restores(attn):
     model = tiny_dinov2(attn)
     x = pixels()
     ref = model(pixel_values=x).pooler_output
-    patch.hf_dinov2(model, ratio=0.0, layers=(1, 2), strategy="tome")
+    patch.hf_dinov2(model, ratio=0.0, layers=(1, 2), strategy="tome_score")
     assert patch.config(model).mode == "merge"  # auto: a CLS model merges
     assert torch.equal(model(pixel_values=x).pooler_output, ref)
-    patch.hf_dinov2(model, ratio=0.5, layers=(1, 2), strategy="tome")
+    patch.hf_dinov2(model, ratio=0.5, layers=(1, 2), strategy="tome_score")
     merged = model(pixel_values=x, output_hidden_states=True)
     assert not torch.allclose(merged.pooler_output, ref)
     assert len(merged.hidden_states) == 5 and all(h.shape == (2, N, 32) for h in merged.hidden_states)
@@ -104,14 +104,14 @@ def test_depth_anything_prunes_through_its_dinov2_backbone():
     x = pixels()
     ref = model(pixel_values=x).predicted_depth
     feature_shapes = [f.shape for f in model.backbone(x).feature_maps]
-    patch.hf_dinov2(model, ratio=0.0, layers=(1, 2), strategy="tome")
+    patch.hf_dinov2(model, ratio=0.0, layers=(1, 2), strategy="tome_score")
     assert patch.config(model).mode == "prune" and patch.config(model).llf == "masked"  # auto: a dense neck
     assert torch.equal(model(pixel_values=x).predicted_depth, ref)
-    patch.hf_dinov2(model, ratio=0.4, layers=(1, 2), strategy="tome")
+    patch.hf_dinov2(model, ratio=0.4, layers=(1, 2), strategy="tome_score")
     assert [f.shape for f in model.backbone(x).feature_maps] == feature_shapes
     pruned = model(pixel_values=x).predicted_depth
     assert torch.isfinite(pruned).all() and not torch.allclose(pruned, ref)
-    patch.hf_dpt(model, ratio=0.4, layers=(1, 2), strategy="tome")  # the DPT entry point takes it too
+    patch.hf_dpt(model, ratio=0.4, layers=(1, 2), strategy="tome_score")  # the DPT entry point takes it too
     torch.testing.assert_close(model(pixel_values=x).predicted_depth, pruned)
     patch.unpatch(model)
     assert torch.equal(model(pixel_values=x).predicted_depth, ref)

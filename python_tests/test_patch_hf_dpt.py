@@ -18,9 +18,9 @@ def test_zero_ratio_is_exact_and_unpatch_restores():
     model = tiny_dpt()
     x = pixels()
     ref = model(pixel_values=x).predicted_depth
-    patch.hf_dpt(model, ratio=0.0, layers=(1, 2), strategy="tome")
+    patch.hf_dpt(model, ratio=0.0, layers=(1, 2), strategy="tome_score")
     assert torch.equal(model(pixel_values=x).predicted_depth, ref)
-    patch.hf_dpt(model, ratio=0.5, layers=(1, 2), strategy="tome")
+    patch.hf_dpt(model, ratio=0.5, layers=(1, 2), strategy="tome_score")
     assert not torch.allclose(model(pixel_values=x).predicted_depth, ref)
     patch.unpatch(model)
     assert torch.equal(model(pixel_values=x).predicted_depth, ref)
@@ -81,13 +81,13 @@ def test_biased_layer_forward_matches_the_layer_and_proportional_attention_equal
 def test_merge_with_proportional_attention_runs_through_the_hooked_layers():
     model = tiny_dpt()
     x = pixels()
-    patch.hf_dpt(model, ratio=0.0, layers=(1,), mode="merge", strategy="tome", prop_attn=True)
+    patch.hf_dpt(model, ratio=0.0, layers=(1,), mode="merge", strategy="tome_score", prop_attn=True)
     ref = model.dpt(x).last_hidden_state
     patch.unpatch(model)
     torch.testing.assert_close(ref, model.dpt(x).last_hidden_state)
-    patch.hf_dpt(model, ratio=0.4, layers=(1,), mode="merge", strategy="tome", prop_attn=True)
+    patch.hf_dpt(model, ratio=0.4, layers=(1,), mode="merge", strategy="tome_score", prop_attn=True)
     with_bias = model.dpt(x, output_hidden_states=True)
-    patch.hf_dpt(model, ratio=0.4, layers=(1,), mode="merge", strategy="tome", prop_attn=False)
+    patch.hf_dpt(model, ratio=0.4, layers=(1,), mode="merge", strategy="tome_score", prop_attn=False)
     without = model.dpt(x).last_hidden_state
     assert all(hs.shape == (2, 17, 32) for hs in with_bias.hidden_states)
     assert not torch.allclose(with_bias.last_hidden_state, without, atol=1e-4)

@@ -54,7 +54,7 @@ def test_each_field_is_validated_with_a_message_naming_it(field, value, match):
 
 
 def test_checks_that_need_the_model_run_when_options_are_resolved():
-    options = ReductionOptions(strategy="evit", layers=(3,), mode="prune")
+    options = ReductionOptions(strategy="evit_score", layers=(3,), mode="prune")
     with pytest.raises(PullbackError, match=r"layers must lie in \[0, 2\] for this 4-block model \(with LLF"):
         options.resolve(BackboneShape(depth=4, num_prefix=1, has_cls=True))
     with pytest.raises(PullbackError, match="needs a class token"):

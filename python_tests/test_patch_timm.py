@@ -172,7 +172,7 @@ def test_proportional_attention_equals_attending_to_duplicates():
 
 
 @pytest.mark.parametrize("mode", ["merge", "prune"])
-@pytest.mark.parametrize("strategy", ["importance", "tome", "evit", "norm", "cls_sim", "asap"])
+@pytest.mark.parametrize("strategy", ["importance", "tome_score", "evit_score", "norm", "cls_sim", "asap"])
 def test_batch_rows_are_independent(strategy, mode):
     model = tiny_vit(reg_tokens=1)
     x = images(3)
@@ -186,7 +186,7 @@ def test_fused_and_math_attention_agree():
     model = tiny_vit()
     x = images(2)
     assert all(blk.attn.fused_attn for blk in model.blocks)
-    patch.timm(model, ratio=0.5, layers=(1,), mode="merge", strategy="evit", prop_attn=True)
+    patch.timm(model, ratio=0.5, layers=(1,), mode="merge", strategy="evit_score", prop_attn=True)
     fused = model.forward_features(x)
     for blk in model.blocks:
         blk.attn.fused_attn = False
@@ -198,7 +198,7 @@ def test_unpatch_restores_the_model_and_keeps_its_state_dict():
     x = images(2)
     ref = model(x)
     keys = list(model.state_dict())
-    patch.timm(model, ratio=0.5, layers=(1,), mode="prune", strategy="tome")
+    patch.timm(model, ratio=0.5, layers=(1,), mode="prune", strategy="tome_score")
     assert not torch.equal(model(x), ref)
     assert list(model.state_dict()) == keys
     patch.timm(model, ratio=0.5, layers=(2,), mode="merge", strategy="norm")  # re-patch replaces
@@ -236,7 +236,7 @@ def test_torch_compile_runs_a_patched_model():
         (dict(strategy="magic"), "strategy must be one of"),
         (dict(strategy="importance"), "needs head="),
         (dict(strategy="oracle"), "needs head="),
-        (dict(strategy="evit", layers=(0,)), "layers must start at 1"),
+        (dict(strategy="evit_score", layers=(0,)), "layers must start at 1"),
         (dict(strategy="norm", matching="pullback"), "needs spn="),
         (dict(strategy="norm", weights="importance"), "weights='importance' needs"),
         (dict(strategy="norm", selection="bound"), "selection='bound' needs"),
@@ -254,7 +254,7 @@ def test_invalid_options_give_clear_errors(kwargs, match):
 
 def test_cls_strategies_need_a_class_token_and_models_must_be_vits():
     with pytest.raises(PullbackError, match="needs a class token"):
-        patch.timm(tiny_vit(class_token=False), strategy="evit", layers=(1,))
+        patch.timm(tiny_vit(class_token=False), strategy="evit_score", layers=(1,))
     with pytest.raises(PullbackError, match="timm VisionTransformer"):
         patch.timm(torch.nn.Linear(3, 3), strategy="norm")
 

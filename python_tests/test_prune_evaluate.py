@@ -43,7 +43,7 @@ def test_demo_backbone_reduced_output_equals_the_model_at_zero_ratio(demo):
 
 def test_depth_table_with_and_without_llf(demo):
     sets = [_scenes(4, s) for s in range(2)]
-    plan = Plan(task="depth", strategies=("importance", "tome", "random"), ratios=(0.0, 0.5), layers=(2, 4), mode="prune",
+    plan = Plan(task="depth", strategies=("importance", "tome_score", "random"), ratios=(0.0, 0.5), layers=(2, 4), mode="prune",
                 llf=(True, False), scorers={"importance": lambda F: F.norm(dim=-1)}, batch_size=4)
     result = run_quality(demo, sets, plan, progress=False)
     for key in ("llf", "no_llf"):
@@ -55,7 +55,7 @@ def test_depth_table_with_and_without_llf(demo):
             assert half["mean"] > 0 and len(half["per_seed"]) == 2
             assert table[strategy]["0.5"]["knn_top1"]["mean"] <= 1.0
     w = result["wilcoxon"]["llf"]["0.5"]
-    assert w["baseline"] in ("tome", "random") and (w["p_value"] is None or 0 <= w["p_value"] <= 1)
+    assert w["baseline"] in ("tome_score", "random") and (w["p_value"] is None or 0 <= w["p_value"] <= 1)
     md = markdown_table(result, "llf")
     assert "| importance |" in md and "η=0.5" in md
     json.dumps(result)
@@ -79,14 +79,14 @@ def test_cli_end_to_end_on_a_timm_model(tmp_path):
             Image.fromarray(arr).save(tmp_path / "img" / cls / f"{i}.png")
     out = tmp_path / "out"
     code = main(["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(tmp_path / "img"), "--num-images", "4",
-                 "--seeds", "2", "--ratios", "0,0.3", "--stages", "4,8", "--strategies", "tome,norm",
+                 "--seeds", "2", "--ratios", "0,0.3", "--stages", "4,8", "--strategies", "tome_score,norm",
                  "--time-batches", "1,2", "--time-repeats", "1", "--out", str(out), "--quiet", "--batch-size", "4"])
     assert code == 0
     result = json.loads((out / "results.json").read_text())
     assert result["layers"] == [4, 8] and result["seeds"] == 2
-    assert result["tables"]["merge"]["tome"]["0"]["cosine_x100"]["mean"] == 0.0
+    assert result["tables"]["merge"]["tome_score"]["0"]["cosine_x100"]["mean"] == 0.0
     assert result["cost"]["norm"]["0.3"]["flop_ratio"] > 1.0
-    assert 0.0 <= result["tables"]["merge"]["tome"]["0.3"]["knn_top1"]["mean"] <= 1.0  # class subfolders give labels
+    assert 0.0 <= result["tables"]["merge"]["tome_score"]["0.3"]["knn_top1"]["mean"] <= 1.0  # class subfolders give labels
     assert (out / "quality.png").stat().st_size > 0 and (out / "table.md").read_text().startswith("**cosine_x100**")
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
@@ -198,11 +198,11 @@ def test_cli_end_to_end_on_hugging_face_dinov2_and_depth_anything(image_dir, tmp
     dinov2 = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
                                       image_size=32, patch_size=8, initializer_range=0.3))
     common = ["--images", str(image_dir), "--num-images", "2", "--seeds", "2", "--ratios", "0,0.25", "--stages", "1",
-              "--absolute-layers", "--strategies", "tome,norm", "--no-timing", "--quiet"]
+              "--absolute-layers", "--strategies", "tome_score,norm", "--no-timing", "--quiet"]
     assert main(["evaluate", "--model", _save_hf(dinov2, tmp_path / "dinov2"), "--out", str(tmp_path / "cls")] + common) == 0
     cls = json.loads((tmp_path / "cls" / "results.json").read_text())
     assert cls["model"] == "Dinov2Model" and cls["mode"] == "merge"
-    assert cls["tables"]["merge"]["tome"]["0"]["cosine_x100"]["mean"] == 0.0
+    assert cls["tables"]["merge"]["tome_score"]["0"]["cosine_x100"]["mean"] == 0.0
     assert cls["tables"]["merge"]["norm"]["0.25"]["cosine_x100"]["mean"] > 0.0
 
     da = tiny_depth_anything(dtype=torch.float32)
@@ -212,7 +212,7 @@ def test_cli_end_to_end_on_hugging_face_dinov2_and_depth_anything(image_dir, tmp
     dense = json.loads((tmp_path / "depth" / "results.json").read_text())
     assert dense["model"] == "DepthAnythingForDepthEstimation" and dense["mode"] == "prune"
     table = next(iter(dense["tables"].values()))
-    assert table["tome"]["0"]["silog_x100"]["mean"] == 0.0 and table["tome"]["0.25"]["silog_x100"]["mean"] > 0.0
+    assert table["tome_score"]["0"]["silog_x100"]["mean"] == 0.0 and table["tome_score"]["0.25"]["silog_x100"]["mean"] > 0.0
 
 
 def test_cli_rejects_an_unsupported_hugging_face_model(image_dir, tmp_path, capsys):

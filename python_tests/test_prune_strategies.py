@@ -27,7 +27,7 @@ def _tokens(b=2, k=11, d=6, seed=0):
 
 def test_tome_score_matches_a_loop_reference():
     x = _tokens()
-    scores = make_strategy("tome").keep_scores(StageContext(x=x, num_prefix=1, has_cls=True))
+    scores = make_strategy("tome_score").keep_scores(StageContext(x=x, num_prefix=1, has_cls=True))
     removed = lowest(scores, 4, 1)
     for b in range(2):
         t = x[b, 1:].numpy()
@@ -54,7 +54,7 @@ def test_evit_uses_head_averaged_cls_attention_of_the_block_before_the_stage():
     handle.remove()
     torch.testing.assert_close(attention_probs(blk, x, None), captured[0].mean(1))
     ctx = StageContext(x=x, num_prefix=1, has_cls=True, attentions=[captured[0].mean(1)])
-    torch.testing.assert_close(make_strategy("evit").keep_scores(ctx), captured[0].mean(1)[:, 0, 1:])
+    torch.testing.assert_close(make_strategy("evit_score").keep_scores(ctx), captured[0].mean(1)[:, 0, 1:])
 
 
 def test_asap_matches_a_numpy_reference():
@@ -230,15 +230,15 @@ def test_bound_selection_merges_the_lowest_importance_times_drift():
 
 def test_selection_and_prop_attn_options_are_validated():
     common = dict(depth=4, ratio=0.2, layers=(1,))
-    assert _resolved(**common, mode="prune", strategy="tome").options.selection == "lowest"
-    assert not _resolved(**common, mode="prune", strategy="tome").options.prop_attn
-    assert _resolved(**common, mode="merge", strategy="tome").options.prop_attn
+    assert _resolved(**common, mode="prune", strategy="tome_score").options.selection == "lowest"
+    assert not _resolved(**common, mode="prune", strategy="tome_score").options.prop_attn
+    assert _resolved(**common, mode="merge", strategy="tome_score").options.prop_attn
     with pytest.raises(PullbackError, match="selection='bound' needs mode='merge'"):
-        _resolved(**common, mode="merge", strategy="tome", selection="bound")
+        _resolved(**common, mode="merge", strategy="tome_score", selection="bound")
     with pytest.raises(PullbackError, match="selection must be one of"):
-        _resolved(**common, mode="merge", strategy="tome", selection="best")
+        _resolved(**common, mode="merge", strategy="tome_score", selection="best")
     with pytest.raises(PullbackError, match="prop_attn must be"):
-        _resolved(**common, mode="merge", strategy="tome", prop_attn="yes")
+        _resolved(**common, mode="merge", strategy="tome_score", prop_attn="yes")
 
 
 def test_token_state_merge_tracks_sizes_weights_and_owner():

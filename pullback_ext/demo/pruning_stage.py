@@ -100,7 +100,7 @@ def run_demo_stage(model, scenes=None, out_dir: str | Path = "out/demo/prune", q
     for task, spec in tasks.items():
         plan = _plan(backbone, task, spec, heads.get(task), results)
         result = run_quality(backbone, sets, plan, progress=progress)
-        timed = ("importance", "tome") if "importance" in plan.scorers else ("tome",)
+        timed = ("importance", "tome_score") if "importance" in plan.scorers else ("tome_score",)
         result["cost"] = run_cost(backbone, sets[0]["images"], plan, settings["batches"], settings["repeats"],
                                   strategies=timed, progress=progress)
         folder = out / task

@@ -1,10 +1,12 @@
 """Token merging and pruning with the learned geometry, baselines and their evaluation.
 
 - ``tokens``: the running token state (prune / merge / re-insert through the kernels)
-- ``strategies``: which tokens go (importance, oracle, random, tome, evit, norm, cls_sim, asap);
-  ``oracle``: the imp* scorer; ``matching``: where merged tokens go (pullback distance or cosine)
+- ``strategies``: which tokens go (importance, oracle, random, tome_score, evit_score, norm, cls_sim,
+  asap); ``oracle``: the imp* scorer; ``matching``: where merged tokens go (pullback distance or cosine)
+- ``tome``, ``evit``: ToMe and EViT as their authors run them, reducing inside the blocks
+  (``merged_tokens``: their token state; ``split_block``: a block run as attention, then MLP)
 - ``reduction_options``: the validated options of a reduction; ``pipeline``: the reducing block
-  loop; ``timm_vit`` / ``hf_encoders`` adapters
+  loop; ``timm_vit`` / ``hf_encoders`` adapters; ``eta``: the η a setting produces
 - ``schedules``: ViT-B stage schedules scaled to other depths
 - ``quality``, ``cost``, ``evaluation``, ``report``: metrics, FLOPs / wall-clock, strategy × ratio
   tables, JSON and plots; ``backbones``, ``images``, ``setup``: what ``pullback evaluate`` loads

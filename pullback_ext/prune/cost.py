@@ -10,12 +10,22 @@ import torch
 
 
 def count_flops(fn: Callable, *args) -> int:
-    """Total FLOPs of ``fn(*args)`` as counted by ``torch.utils.flop_counter`` (no grad)."""
+    """Total FLOPs of ``fn(*args)`` as counted by ``torch.utils.flop_counter`` (no grad), with the
+    fused attention of CPU runs counted too (torch's counter has no formula for it)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    extra = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops}
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=extra) as counter:
         fn(*args)
     return int(counter.get_total_flops())
+
+
+def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """``q kᵀ`` and ``softmax(·) v`` of attention on ``q [B, H, Q, d]``, ``k [B, H, K, d]``,
+    ``v [B, H, K, e]``: ``2 B H Q K (d + e)``, as torch counts its other attention kernels."""
+    b, h, q, d = query_shape
+    k, e = key_shape[-2], value_shape[-1]
+    return 2 * b * h * q * k * (d + e)
 
 
 def wall_clock(fn: Callable, *args, repeats: int = 5, warmup: int = 1) -> dict:

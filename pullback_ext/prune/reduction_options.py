@@ -10,21 +10,29 @@ which returns the :class:`Reduction` the block loop runs. A bad value raises
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.prune import evit
 from pullback_ext.prune.matching import MATCHINGS
 from pullback_ext.prune.strategies import (
-    NEEDS_CLS, NEEDS_SCORER, STRATEGIES, Strategy, StrategyName, attention_needed, check_scorer, make_strategy,
+    NEEDS_CLS, NEEDS_SCORER, ORIGINALS, STRATEGIES, OriginalName, Strategy, StrategyName, attention_needed, check_scorer,
+    make_strategy,
 )
+from pullback_ext.prune.tome import SCHEDULES
 
 MODES = ("merge", "prune")
 LLF_MODES = ("masked", "full")
 WEIGHTS = ("size", "importance")
 SELECTIONS = ("lowest", "bound")
 CALLABLES = ("head", "spn")  # fields that hold models or functions: never in :meth:`ReductionOptions.to_dict`
+METHOD_FIELDS = {"tome": ("r", "schedule", "block_range"), "evit": ("keep_rate", "evit_layers")}  # besides strategy
+ORIGINAL_TITLES = {"tome": "ToMe (r tokens merged in every block)", "evit": "EViT (inattentive tokens fused at 3 blocks)"}
+SINGLE_STAGE_FIELDS = ("ratio", "layers", "head", "spn", "matching", "eps", "weights", "selection", "llf")
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,9 @@ class ReductionOptions:
     - ``layers``: 0-based blocks whose *input* is reduced, strictly increasing.
     - ``mode``: ``merge`` (CLS decoders), ``prune`` (dense decoders) or ``auto``: prune when the
       backbone feeds a dense decoder, merge otherwise.
-    - ``strategy``: which tokens go, one of :data:`~pullback_ext.prune.strategies.STRATEGIES`.
+    - ``strategy``: which tokens go: a single-stage criterion of
+      :data:`~pullback_ext.prune.strategies.STRATEGIES`, or an original method of
+      :data:`~pullback_ext.prune.strategies.ORIGINALS` (below).
     - ``llf``: Last-Layer Fusion of prune mode: ``"masked"`` (or ``True``), ``"full"`` or ``False``.
     - ``spn``: returns ``(U [B, K*D, r], lam [B, r])`` for the pullback matching of merge mode.
     - ``matching``: ``pullback`` or ``cosine`` (``auto``: pullback with ``spn``, else cosine).
@@ -52,13 +62,23 @@ class ReductionOptions:
       (the pullback distance when matching in the pullback metric); ``auto``: ``bound`` for merges
       with ``importance``/``oracle``, ``lowest`` otherwise.
     - ``seed``: of the ``random`` strategy.
+
+    The originals (``strategy`` ``tome`` or ``evit``, see :mod:`pullback_ext.prune.tome` and
+    :mod:`pullback_ext.prune.evit`) reduce inside the blocks and take only their own fields (and
+    ``prop_attn`` for ToMe); the single-stage fields above keep their defaults:
+
+    - ``r``: ToMe: tokens merged per block (required); ``schedule``: ``constant`` or ``decreasing``
+      (from 2r to 0, see :func:`~pullback_ext.prune.tome.merges_per_block`); ``block_range``:
+      ``(start, stop)``, the blocks that merge (0-based, ``stop`` excluded; None: all).
+    - ``keep_rate``: EViT: fraction of patch tokens each stage keeps, in (0, 1] (required);
+      ``evit_layers``: the blocks that reorganise (0-based; None: EViT's 4th/7th/10th of 12, scaled).
     """
 
     head: Optional[Callable | tuple[Callable, ...]] = None
     ratio: float | tuple[float, ...] = 0.3
     layers: tuple[int, ...] = (4,)
     mode: Literal["merge", "prune", "auto"] = "auto"
-    strategy: StrategyName = "importance"
+    strategy: StrategyName | OriginalName = "importance"
     llf: Literal["masked", "full", False] = "masked"
     spn: Optional[Callable] = None
     matching: Literal["pullback", "cosine", "auto"] = "auto"
@@ -67,6 +87,11 @@ class ReductionOptions:
     weights: Literal["size", "importance", "auto"] = "auto"
     selection: Literal["lowest", "bound", "auto"] = "auto"
     seed: Optional[int] = 0
+    r: Optional[int] = None
+    schedule: Literal["constant", "decreasing"] = "constant"
+    block_range: Optional[tuple[int, int]] = None
+    keep_rate: Optional[float] = None
+    evit_layers: Optional[tuple[int, ...]] = None
 
     def __post_init__(self):
         for name, value in _normalised(self).items():
@@ -74,11 +99,14 @@ class ReductionOptions:
 
     def resolve(self, backbone: BackboneShape) -> Reduction:
         """Check the options against ``backbone``, choose every ``auto`` value and build the strategy."""
-        mode = self.mode if self.mode != "auto" else ("prune" if backbone.dense_neck else "merge")
-        _check_layer_range(self.layers, backbone.depth, mode == "prune" and bool(self.llf))
         if self.strategy in NEEDS_CLS and not backbone.has_cls:
             raise PullbackError(f"strategy {self.strategy!r} needs a class token; this model has none")
-        resolved = dataclasses.replace(self, mode=mode, **_auto_choices(self, mode))
+        if self.strategy in ORIGINALS:
+            resolved = dataclasses.replace(self, **_original_choices(self, backbone.depth))
+        else:
+            mode = self.mode if self.mode != "auto" else ("prune" if backbone.dense_neck else "merge")
+            _check_layer_range(self.layers, backbone.depth, mode == "prune" and bool(self.llf))
+            resolved = dataclasses.replace(self, mode=mode, **_auto_choices(self, mode))
         return Reduction(resolved, backbone, make_strategy(resolved.strategy, resolved.head))
 
     def to_dict(self) -> dict:
@@ -133,16 +161,74 @@ def _normalised(o: ReductionOptions) -> dict:
     """Every field checked and in its one representation; rules between fields apply to the values
     already chosen (an ``auto`` is checked again once :meth:`ReductionOptions.resolve` chose it)."""
     mode = _one_of("mode", o.mode, MODES)
-    strategy = _one_of("strategy", o.strategy, STRATEGIES, auto=False)
+    strategy = _one_of("strategy", o.strategy, STRATEGIES + ORIGINALS, auto=False)
     llf, layers = _llf(o.llf), _layers(o.layers)
     fields = dict(
         mode=mode, strategy=strategy, llf=llf, layers=layers, ratio=_ratio(o.ratio, len(layers)),
         head=_head(o.head, strategy, layers), spn=_spn(o.spn), matching=_one_of("matching", o.matching, MATCHINGS),
         eps=_eps(o.eps), prop_attn=_prop_attn(o.prop_attn), weights=_one_of("weights", o.weights, WEIGHTS),
-        selection=_one_of("selection", o.selection, SELECTIONS), seed=_seed(o.seed),
+        selection=_one_of("selection", o.selection, SELECTIONS), seed=_seed(o.seed), r=_r(o.r),
+        schedule=_one_of("schedule", o.schedule, SCHEDULES, auto=False), block_range=_block_range(o.block_range),
+        keep_rate=_keep_rate(o.keep_rate), evit_layers=None if o.evit_layers is None else _layers(o.evit_layers, "evit_layers"),
     )
-    _check_combinations(**fields)
+    _check_method_fields(fields)
+    if strategy in ORIGINALS:
+        _note_new_meaning(strategy)
+    else:
+        _check_combinations(**fields)
     return fields
+
+
+def _check_method_fields(fields: dict) -> None:
+    """The fields of one original method need that method; the originals take no single-stage field."""
+    strategy = fields["strategy"]
+    changed = {f.name for f in dataclasses.fields(ReductionOptions) if fields[f.name] != f.default}
+    for method, names in METHOD_FIELDS.items():
+        for name in names:
+            if name in changed and strategy != method:
+                raise PullbackError(f"{name} is an option of strategy {method!r}; got strategy {strategy!r}")
+    if strategy not in ORIGINALS:
+        return
+    for name in SINGLE_STAGE_FIELDS:
+        if name in changed:
+            raise PullbackError(f"strategy {strategy!r} does not take {name} (an option of the single-stage strategies); "
+                                f"it takes {', '.join(METHOD_FIELDS[strategy])}{' and prop_attn' if strategy == 'tome' else ''}")
+    if fields["mode"] == "prune":
+        raise PullbackError(f"strategy {strategy!r} has no prune mode (full-length features always give reduced tokens "
+                            f"back at their source positions); leave mode at 'auto'")
+    if strategy == "evit" and fields["prop_attn"] is True:
+        raise PullbackError("prop_attn applies to ToMe and the single-stage merges; EViT runs its attention unchanged")
+    required, what = {"tome": ("r", "tokens merged per block"), "evit": ("keep_rate", "fraction of patch tokens kept")}[strategy]
+    if fields[required] is None:
+        raise PullbackError(f"strategy {strategy!r} needs {required}= ({what})")
+
+
+@functools.lru_cache(maxsize=None)
+def _note_new_meaning(strategy: str) -> None:
+    """Say once per process that ``tome`` / ``evit`` changed meaning in this release."""
+    warnings.warn(
+        f"strategy {strategy!r} now means {ORIGINAL_TITLES[strategy]} as its authors run it (new in this release); the "
+        f"single-stage score that {strategy!r} named before is strategy '{strategy}_score'",
+        FutureWarning, stacklevel=5,
+    )
+
+
+def _original_choices(o: ReductionOptions, depth: int) -> dict:
+    """The ``auto`` values of ToMe / EViT chosen, and their blocks checked, for a ``depth``-block model."""
+    if o.strategy == "tome":
+        start, stop = o.block_range if o.block_range is not None else (0, depth)
+        if stop > depth:
+            raise PullbackError(f"block_range must end at or before block {depth} of this {depth}-block model; got {o.block_range}")
+        return {"mode": "merge", "prop_attn": o.prop_attn if isinstance(o.prop_attn, bool) else True, "block_range": (start, stop)}
+    layers = o.evit_layers
+    if layers is None:
+        try:
+            layers = evit.default_layers(depth)
+        except PullbackError as exc:
+            raise PullbackError(f"evit_layers: EViT's blocks 3, 6, 9 of 12 do not scale to this {depth}-block model ({exc}); "
+                                f"give evit_layers=") from None
+    _check_layer_range(layers, depth, False, "evit_layers")
+    return {"mode": "merge", "prop_attn": False, "evit_layers": layers}
 
 
 def _check_combinations(mode, strategy, layers, spn, matching, weights, selection, **_) -> None:
@@ -202,7 +288,7 @@ def _llf(llf):
     raise PullbackError(f"llf must be True, False, 'masked' or 'full'; got {llf!r}")
 
 
-def _layers(layers) -> tuple[int, ...]:
+def _layers(layers, name: str = "layers") -> tuple[int, ...]:
     if isinstance(layers, int) and not isinstance(layers, bool):
         layers = (layers,)
     try:
@@ -210,20 +296,20 @@ def _layers(layers) -> tuple[int, ...]:
         if any(isinstance(layer, bool) or int(layer) != layer for layer in layers):
             raise TypeError
     except (TypeError, ValueError):
-        raise PullbackError(f"layers must be block indices (ints); got {layers!r}") from None
+        raise PullbackError(f"{name} must be block indices (ints); got {layers!r}") from None
     if not values:
-        raise PullbackError("layers must name at least one block index")
+        raise PullbackError(f"{name} must name at least one block index")
     if sorted(set(values)) != values:
-        raise PullbackError(f"layers must be strictly increasing; got {values}")
+        raise PullbackError(f"{name} must be strictly increasing; got {values}")
     return tuple(values)
 
 
-def _check_layer_range(layers: tuple, depth: int, llf_in_prune: bool) -> None:
+def _check_layer_range(layers: tuple, depth: int, llf_in_prune: bool, name: str = "layers") -> None:
     last = depth - 2 if llf_in_prune else depth - 1
     for layer in layers:
         if not 0 <= layer <= last:
             why = " (with LLF the last block always runs on the full sequence)" if llf_in_prune else ""
-            raise PullbackError(f"layers must lie in [0, {last}] for this {depth}-block model{why}; got {layer}")
+            raise PullbackError(f"{name} must lie in [0, {last}] for this {depth}-block model{why}; got {layer}")
 
 
 def _head(head, strategy: str, layers: tuple):
@@ -257,6 +343,28 @@ def _prop_attn(prop_attn):
     if not isinstance(prop_attn, bool) and prop_attn != "auto":
         raise PullbackError(f"prop_attn must be True, False or 'auto'; got {prop_attn!r}")
     return prop_attn
+
+
+def _r(r) -> Optional[int]:
+    if r is not None and (not isinstance(r, numbers.Integral) or isinstance(r, bool) or r < 0):
+        raise PullbackError(f"r must be None or an int >= 0 (tokens ToMe merges per block); got {r!r}")
+    return None if r is None else int(r)
+
+
+def _block_range(block_range) -> Optional[tuple[int, int]]:
+    if block_range is None:
+        return None
+    values = tuple(block_range) if isinstance(block_range, (list, tuple)) else ()
+    if (len(values) != 2 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values)
+            or not 0 <= values[0] < values[1]):
+        raise PullbackError(f"block_range must be None or (start, stop) block indices with 0 <= start < stop; got {block_range!r}")
+    return int(values[0]), int(values[1])
+
+
+def _keep_rate(keep_rate) -> Optional[float]:
+    if keep_rate is not None and (not _is_real(keep_rate) or not 0.0 < float(keep_rate) <= 1.0):
+        raise PullbackError(f"keep_rate must be None or a float in (0, 1]; got {keep_rate!r}")
+    return None if keep_rate is None else float(keep_rate)
 
 
 def _seed(seed) -> Optional[int]:

@@ -5,8 +5,14 @@ tokens (prefix tokens — CLS, registers — are never scored); a stage removes 
 the lowest scores, so every strategy removes exactly ``R`` tokens through the same pipeline.
 
 Names: ``importance`` (learned head or SPN), ``oracle`` (imp* from the diagnostic, any callable),
-``random``, ``tome`` (ToMe bipartite score), ``evit`` (CLS attention), ``norm`` (token l2 norm),
-``cls_sim`` (cosine similarity to CLS), ``asap`` (diffusion distance to the attention sink).
+``random``, ``tome_score`` (ToMe bipartite score), ``evit_score`` (CLS attention), ``norm`` (token l2
+norm), ``cls_sim`` (cosine similarity to CLS), ``asap`` (diffusion distance to the attention sink).
+
+:data:`ORIGINALS` are ToMe and EViT as their authors run them (``tome``: :mod:`pullback_ext.prune.tome`,
+``evit``: :mod:`pullback_ext.prune.evit`): they reduce inside the blocks, between attention and MLP,
+with their own block loop, so they have no keep score; :func:`make_strategy` gives them a
+:class:`BlockLoopMethod` that only names them. (Before this release ``tome`` and ``evit`` named the
+single-stage scores, now ``tome_score`` and ``evit_score``.)
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from pullback_ext import ops
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import working_precision
 
-StrategyName = Literal["importance", "random", "tome", "evit", "norm", "cls_sim", "asap", "oracle"]
-STRATEGIES = get_args(StrategyName)
+StrategyName = Literal["importance", "random", "tome_score", "evit_score", "norm", "cls_sim", "asap", "oracle"]
+STRATEGIES = get_args(StrategyName)  # the single-stage keep-score criteria
+OriginalName = Literal["tome", "evit"]
+ORIGINALS = get_args(OriginalName)
 NEEDS_SCORER = ("importance", "oracle")
 
 
@@ -101,12 +109,12 @@ class RandomStrategy(Strategy):
         return torch.rand(b, k - ctx.num_prefix, generator=ctx.generator, device=ctx.x.device, dtype=ctx.x.dtype)
 
 
-class ToMeStrategy(Strategy):
-    """ToMe bipartite score: tokens alternate between sets A (even) and B (odd); A tokens go in
+class ToMeScoreStrategy(Strategy):
+    """Single-stage ToMe score (the original is ``tome``): tokens alternate between sets A (even) and B (odd); A tokens go in
     order of their highest cosine similarity to any B token; B tokens are always kept (they come
     after every A token, ordered the same way against A, should R exceed |A|)."""
 
-    name = "tome"
+    name = "tome_score"
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
         t = torch.nn.functional.normalize(working_precision(ctx.x[:, ctx.num_prefix:]), dim=-1)
@@ -120,10 +128,11 @@ class ToMeStrategy(Strategy):
         return scores
 
 
-class EViTStrategy(Strategy):
-    """Attention from CLS to each token in the block before the stage, averaged over heads."""
+class EViTScoreStrategy(Strategy):
+    """Single-stage EViT score (the original is ``evit``): attention from CLS to each token in the
+    block before the stage, averaged over heads."""
 
-    name = "evit"
+    name = "evit_score"
     attention = "last"
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
@@ -179,21 +188,34 @@ class ASAPStrategy(Strategy):
         return d[:, ctx.num_prefix:].to(ctx.x.dtype)
 
 
+class BlockLoopMethod(Strategy):
+    """ToMe or EViT as their authors run them (``name`` in :data:`ORIGINALS`): they reduce inside the
+    blocks in their own loop (:mod:`pullback_ext.prune.tome`, :mod:`pullback_ext.prune.evit`), so
+    there is no keep score to ask for."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def keep_scores(self, ctx: StageContext) -> torch.Tensor:
+        raise PullbackError(f"strategy {self.name!r} reduces inside the blocks and has no single-stage keep score")
+
+
 _TRAINING_FREE_CLASSES = {
     "random": RandomStrategy,
-    "tome": ToMeStrategy,
-    "evit": EViTStrategy,
+    "tome_score": ToMeScoreStrategy,
+    "evit_score": EViTScoreStrategy,
     "norm": NormStrategy,
     "cls_sim": ClsSimilarityStrategy,
     "asap": ASAPStrategy,
 }
 TRAINING_FREE = tuple(_TRAINING_FREE_CLASSES)
-NEEDS_CLS = ("evit", "cls_sim")
+NEEDS_CLS = ("evit_score", "cls_sim", "evit")
 
 
 def attention_needed(name: str) -> str:
-    """Which attention the strategy ``name`` reads: ``none``, ``last`` or ``all`` (see :class:`Strategy`)."""
-    return "none" if name in NEEDS_SCORER else _TRAINING_FREE_CLASSES[name].attention
+    """Which attention of earlier blocks the strategy ``name`` reads: ``none``, ``last`` or ``all``
+    (see :class:`Strategy`; the originals read the attention of the block they reduce in)."""
+    return _TRAINING_FREE_CLASSES[name].attention if name in _TRAINING_FREE_CLASSES else "none"
 
 
 def check_scorer(name: str, scorer) -> None:
@@ -210,9 +232,11 @@ def check_scorer(name: str, scorer) -> None:
 
 def make_strategy(name: str, scorer=None) -> Strategy:
     """Build a strategy by name; ``importance`` and ``oracle`` need ``scorer`` (see :func:`check_scorer`)."""
-    if name not in STRATEGIES:
-        raise PullbackError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}")
+    if name not in STRATEGIES + ORIGINALS:
+        raise PullbackError(f"strategy must be one of {', '.join(STRATEGIES + ORIGINALS)}; got {name!r}")
     check_scorer(name, scorer)
+    if name in ORIGINALS:
+        return BlockLoopMethod(name)
     return ScorerStrategy(name, scorer) if name in NEEDS_SCORER else _TRAINING_FREE_CLASSES[name]()
 
 

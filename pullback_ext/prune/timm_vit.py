@@ -2,7 +2,9 @@
 
 They follow timm's own forward (patch embedding, position embedding, blocks, final norm) and only
 swap the plain block loop for :func:`pullback_ext.prune.pipeline.run_blocks`; with nothing to
-remove they perform exactly the same operations, so the output is bit-identical.
+remove they perform exactly the same operations, so the output is bit-identical. ToMe and EViT run
+a timm ``Block`` in its two halves (:data:`SPLIT`), with LayerScale (``ls1``, ``ls2``) and drop
+path applied as the block applies them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,23 @@ import torch
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.pipeline import run_blocks
-from pullback_ext.prune.reduction_options import Reduction
+from pullback_ext.prune.reduction_options import BackboneShape, Reduction
+from pullback_ext.prune.split_block import Attended, SplitBlock
+
+REQUIRED = ("patch_embed", "_pos_embed", "blocks", "norm", "num_prefix_tokens", "forward_features")
+
+
+def check_model(model) -> None:
+    """Raise unless ``model`` is a timm ``VisionTransformer`` (has what the patched forward uses)."""
+    missing = [a for a in REQUIRED if not hasattr(model, a)]
+    if missing:
+        raise PullbackError(f"model must be a timm VisionTransformer; {type(model).__name__} lacks {', '.join(missing)}")
+
+
+def backbone_shape(model) -> BackboneShape:
+    """Depth, prefix tokens and class token of a timm ``VisionTransformer``."""
+    return BackboneShape(depth=len(model.blocks), num_prefix=int(model.num_prefix_tokens),
+                         has_cls=getattr(model, "cls_token", None) is not None)
 
 
 def attention_probs(block, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -36,6 +54,43 @@ def call_block(block, state, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return block(state.x) if bias is None else block(state.x, attn_mask=bias)
 
 
+def _check_splittable(block) -> None:
+    from timm.models.vision_transformer import Block
+
+    attn = getattr(block, "attn", None)
+    if not (isinstance(block, Block) and type(block).forward is Block.forward
+            and all(hasattr(attn, a) for a in ("q_norm", "k_norm", "scale"))):
+        raise PullbackError(f"ToMe and EViT run timm's standard Block in two halves (attention, then MLP); "
+                            f"got {type(block).__name__} with {type(attn).__name__}")
+
+
+def attend(block, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Attended:
+    """The attention half of a timm ``Block``: ``x + drop_path1(ls1(attn(norm1(x))))`` with the
+    additive ``bias``, and the queries and keys ``[B, H, K, hd]`` the attention used, caught at its
+    ``q_norm`` / ``k_norm`` so that the block's own attention code runs unchanged."""
+    _check_splittable(block)
+    seen = {}
+
+    def keep(name):
+        return lambda module, args, out: seen.__setitem__(name, out)
+
+    hooks = [block.attn.q_norm.register_forward_hook(keep("q")), block.attn.k_norm.register_forward_hook(keep("k"))]
+    try:
+        out = block.attn(block.norm1(x), attn_mask=bias)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return Attended(x + block.drop_path1(block.ls1(out)), seen["q"], seen["k"], float(block.attn.scale))
+
+
+def feed_forward(block, x: torch.Tensor) -> torch.Tensor:
+    """The MLP half of a timm ``Block``: ``x + drop_path2(ls2(mlp(norm2(x))))``."""
+    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+
+
+SPLIT = SplitBlock(attend=attend, feed_forward=feed_forward)
+
+
 def _embed(model, x: torch.Tensor) -> torch.Tensor:
     x = model.patch_embed(x)
     x = model._pos_embed(x)
@@ -51,7 +106,7 @@ def _no_masks(attn_mask, is_causal) -> None:
 def forward_features(model, reduction: Reduction, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
     """timm ``forward_features`` with token reduction; returns ``[B, N, D]``."""
     _no_masks(attn_mask, is_causal)
-    out, _ = run_blocks(reduction, _embed(model, x), model.blocks, call_block, attention_probs)
+    out, _ = run_blocks(reduction, _embed(model, x), model.blocks, call_block, attention_probs, split=SPLIT)
     return model.norm(out)
 
 
@@ -78,7 +133,8 @@ def forward_intermediates(
     take_indices, max_index = feature_take_indices(len(model.blocks), indices)
     b, _, height, width = x.shape
     blocks = model.blocks[: max_index + 1] if stop_early else model.blocks
-    final, taken = run_blocks(reduction, _embed(model, x), blocks, call_block, attention_probs, take=set(take_indices))
+    final, taken = run_blocks(reduction, _embed(model, x), blocks, call_block, attention_probs, take=set(take_indices),
+                              split=SPLIT)
     intermediates = [model.norm(taken[i]) if norm else taken[i] for i in take_indices]
     p = model.num_prefix_tokens
     prefix_tokens = [y[:, :p] for y in intermediates] if p else None

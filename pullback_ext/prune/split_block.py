@@ -1,0 +1,30 @@
+"""How a backbone adapter runs one transformer block in two halves, for the methods that reduce
+tokens between a block's attention and its MLP (ToMe, EViT)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+
+class Attended(NamedTuple):
+    """The attention half of a block: ``x [B, K, D]`` = input + (layer-scaled) attention output;
+    ``q, k [B, H, K, hd]`` the queries and keys the attention used (after any q/k norm); ``scale``
+    the factor of the logits, so that ``softmax(scale · q kᵀ + bias)`` are its probabilities."""
+
+    x: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    scale: float
+
+
+@dataclass(frozen=True)
+class SplitBlock:
+    """``attend(block, x [B, K, D], bias) -> Attended`` (``bias``: additive attention mask or None)
+    and ``feed_forward(block, x [B, K, D]) -> [B, K, D]`` (input + layer-scaled MLP output); the two
+    in turn compute exactly what the block computes."""
+
+    attend: Callable
+    feed_forward: Callable

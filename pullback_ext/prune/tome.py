@@ -1,0 +1,131 @@
+"""ToMe as its authors run it (Bolya et al., "Token Merging: Your ViT But Faster", ICLR 2023).
+
+In every block of ``block_range`` (default: all blocks), between attention and MLP, ``r`` tokens
+merge by bipartite soft matching:
+
+1. the current tokens alternate between sets A and B by their position in the sequence (even
+   positions A, odd B, as ToMe splits the whole sequence); prefix tokens (CLS, registers) are in
+   neither set: never merged away, never merged into;
+2. the similarity of two tokens is the cosine of their keys averaged over heads (the keys the
+   block's attention used, after any ``k_norm``);
+3. each A token finds its most similar B token; the ``r`` A tokens with the highest similarity
+   merge into their B match (several may share one);
+4. merged features are size-weighted averages and sizes add up; the tokens continue as
+   ``[prefix, unmerged A (in order), B]``, ToMe's concatenation of the two sets, which decides the
+   next block's split (without a class token ToMe leaves unmerged A in similarity order; here they
+   always keep their order).
+
+From the first merge on every block adds ``log(size)`` to its attention logits (proportional
+attention, ``prop_attn``), inside the range and after it. ``r`` is clipped to the size of A, so at
+least the prefix tokens and the B tokens (at least one) remain. Merged tokens are given back to
+every source position wherever full-length features are read (:meth:`MergedTokens.full`), so
+dense readers see each original token with the features of the token it was merged into, and an
+average-pooling head weights a merged token by its size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pullback_ext import ops
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune.matching import working_precision
+from pullback_ext.prune.merged_tokens import MergedTokens, run_tracked
+
+SCHEDULES = ("constant", "decreasing")
+
+
+def merges_per_block(r: int, schedule: str, num_blocks: int) -> list[int]:
+    """ToMe's ``r`` for each of ``num_blocks`` consecutive blocks.
+
+    ``constant``: ``r`` in every block. ``decreasing``: ``r_i = floor(2r (L-1-i) / (L-1))`` for
+    block ``i = 0 .. L-1`` of the ``L`` blocks, linearly from ``2r`` in the first block to 0 in the
+    last (the paper's "decreasing schedule", the inflection −1 of ToMe's schedule parameter;
+    computed in integers, so no rounding error moves a step); one block gets ``r``.
+    >>> merges_per_block(8, "decreasing", 5)
+    [16, 12, 8, 4, 0]
+    """
+    if schedule not in SCHEDULES:
+        raise PullbackError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    if schedule == "constant" or num_blocks == 1:
+        return [r] * num_blocks
+    return [2 * r * (num_blocks - 1 - i) // (num_blocks - 1) for i in range(num_blocks)]
+
+
+def block_merges(options, depth: int) -> list[int]:
+    """Requested merges for each block ``0 .. depth-1`` of a ``depth``-block model: the schedule
+    over ``options.block_range`` (``(start, stop)``, None: all blocks), 0 outside it."""
+    start, stop = options.block_range if options.block_range is not None else (0, depth)
+    inside = merges_per_block(options.r, options.schedule, stop - start)
+    return [inside[i - start] if start <= i < stop else 0 for i in range(depth)]
+
+
+def _set_positions(num_prefix: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the A tokens (even) and B tokens (odd) among ``num_prefix .. k-1``."""
+    first_even = num_prefix + num_prefix % 2
+    first_odd = num_prefix + 1 - num_prefix % 2
+    return torch.arange(first_even, k, 2, device=device), torch.arange(first_odd, k, 2, device=device)
+
+
+def merge_count(r: int, num_prefix: int, num_patch: int) -> int:
+    """Tokens one block merges: ``r`` clipped to ``|A|``, 0 when B is empty (a lone patch token)."""
+    k = num_prefix + num_patch
+    size_a = (k + 1) // 2 - (num_prefix + 1) // 2  # even positions in [num_prefix, k)
+    return min(r, size_a) if num_patch - size_a > 0 else 0
+
+
+def _positions_after_merge(order: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``[B, K]``: where each current token is after the merge. ``order [B, K]``: the current index
+    at each position of the reordered sequence; ``src``, ``dst [B, R]``: positions in it."""
+    kept = torch.ones_like(order).scatter(1, src, 0)
+    rank = kept.cumsum(1) - 1
+    rank = rank.scatter(1, src, torch.gather(rank, 1, dst))  # a merged token goes where its match goes
+    return torch.empty_like(rank).scatter(1, order, rank)
+
+
+def bipartite_merge(state: MergedTokens, keys: torch.Tensor, r: int) -> MergedTokens:
+    """One ToMe merge of ``r`` tokens (clipped, see :func:`merge_count`) of ``state.x [B, K, D]``,
+    matched on ``keys [B, H, K, hd]``; returns the state with ``K - r`` tokens ``[prefix, A, B]``."""
+    p, (b, k, _) = state.num_prefix, state.x.shape
+    count = merge_count(r, p, k - p)
+    if count == 0:
+        return state
+    a_pos, b_pos = _set_positions(p, k, state.x.device)
+    metric = torch.nn.functional.normalize(working_precision(keys.mean(dim=1)), dim=-1)  # [B, K, hd]
+    best, match = (metric[:, a_pos] @ metric[:, b_pos].transpose(1, 2)).max(dim=-1)  # [B, |A|]
+    src = torch.argsort(best, dim=1, descending=True, stable=True)[:, :count]  # into A
+    dst = torch.gather(match, 1, src)  # into B
+    prefix = torch.arange(p, device=state.x.device)
+    order = torch.cat([prefix, a_pos, b_pos]).expand(b, k)
+    sizes = torch.ones(b, k, dtype=state.x.dtype, device=state.x.device) if state.sizes is None else state.sizes
+    src, dst = src + p, dst + p + a_pos.numel()
+    with ops.sync_checks(False):  # index sets built from arange/argsort: valid by construction
+        x, merged_sizes = ops.merge_tokens(ops.gather_tokens(state.x, order), torch.gather(sizes, 1, order), src, dst)
+    return state.regroup(x, _positions_after_merge(order, src, dst), sizes=merged_sizes)
+
+
+def run(reduction, x: torch.Tensor, blocks, call_block, split, take=()):
+    """Run ``blocks`` on ``x [B, N, D]`` merging tokens as ToMe does (``reduction``: resolved
+    options with ``strategy="tome"``; ``split``: a :class:`~pullback_ext.prune.split_block.SplitBlock`).
+    Returns ``(final [B, N, D], {i: features after block i [B, N, D] for i in take})``, unmerged."""
+    o = reduction.options
+    merges = block_merges(o, reduction.backbone.depth)
+
+    def step(i: int, block, state: MergedTokens) -> MergedTokens:
+        bias = state.size_bias() if o.prop_attn else None
+        if not merges[i]:
+            return state.with_x(call_block(block, state, bias))
+        attended = split.attend(block, state.x, bias)
+        state = bipartite_merge(state.with_x(attended.x), attended.k, merges[i])
+        return state.with_x(split.feed_forward(block, state.x))
+
+    return run_tracked(MergedTokens(x=x, num_prefix=reduction.backbone.num_prefix), blocks, step, take)
+
+
+def patch_tokens_per_block(options, num_prefix: int, num_patch: int, depth: int) -> list[int]:
+    """Patch tokens after each block when ToMe runs with ``options`` on ``num_patch`` patch tokens."""
+    counts = []
+    for r in block_merges(options, depth):
+        num_patch -= merge_count(r, num_prefix, num_patch)
+        counts.append(num_patch)
+    return counts

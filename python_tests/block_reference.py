@@ -1,0 +1,66 @@
+"""Plain, one-image references of a timm ViT block and of small ViTs with LayerScale / registers,
+for the ToMe and EViT tests: the block's halves are written out from its weights (explicit
+softmax, explicit LayerScale factors) instead of calling the block or the library."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def small_timm(name: str, img_size: int, depth: int = 3, seed: int = 0):
+    """A random-weight timm model in float64 whose LayerScale factors and embeddings are large
+    enough that skipping one, or any wrong merge, shows in the outputs."""
+    import timm
+
+    torch.manual_seed(seed)
+    model = timm.create_model(name, pretrained=False, img_size=img_size, depth=depth, num_classes=0)
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if name_.endswith(("ls1.gamma", "ls2.gamma")):
+                p.normal_(0.0, 0.5)
+            if name_ in ("pos_embed", "cls_token", "reg_token"):
+                p.normal_(0.0, 0.5)
+    return model.double().eval().requires_grad_(False)
+
+
+def embed(model, images: torch.Tensor) -> torch.Tensor:
+    """The input of the first block ``[B, N, D]``."""
+    return model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(images))))
+
+
+def _layer_scale(ls) -> torch.Tensor | float:
+    gamma = getattr(ls, "gamma", None)
+    return 1.0 if gamma is None else gamma
+
+
+def attention_half(block, x: torch.Tensor, log_sizes: torch.Tensor | None = None):
+    """``x [K, D]`` (one image) -> ``(x + γ1 · attention output [K, D], probabilities [H, K, K],
+    keys [H, K, hd])``; ``log_sizes [K]`` is added to every query's logits."""
+    attn = block.attn
+    k_tokens = x.shape[0]
+    qkv = attn.qkv(block.norm1(x)).reshape(k_tokens, 3, attn.num_heads, attn.head_dim)
+    q = attn.q_norm(qkv[:, 0].transpose(0, 1))
+    keys = attn.k_norm(qkv[:, 1].transpose(0, 1))
+    values = qkv[:, 2].transpose(0, 1)
+    logits = q @ keys.transpose(1, 2) / math.sqrt(attn.head_dim)
+    if log_sizes is not None:
+        logits = logits + log_sizes[None, None, :]
+    probs = torch.softmax(logits, dim=-1)
+    mixed = (probs @ values).transpose(0, 1).reshape(k_tokens, -1)
+    return x + _layer_scale(block.ls1) * attn.proj(attn.norm(mixed)), probs, keys
+
+
+def mlp_half(block, x: torch.Tensor) -> torch.Tensor:
+    """``x [K, D]`` -> ``x + γ2 · mlp(norm2(x))``."""
+    return x + _layer_scale(block.ls2) * block.mlp(block.norm2(x))
+
+
+def unmerge(x: torch.Tensor, sources: list, n: int) -> torch.Tensor:
+    """Full-length ``[n, D]``: original token ``t`` gets the row of ``x [K, D]`` whose source list holds it."""
+    out = torch.empty(n, x.shape[1], dtype=x.dtype)
+    for row, members in enumerate(sources):
+        for t in members:
+            out[t] = x[row]
+    return out
