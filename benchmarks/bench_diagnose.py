@@ -59,14 +59,15 @@ def build_probe(name: str, img: int, device: str, full_block: bool = False):
         probe = from_hf_dpt(model, 2, output_size=16)
     probe.requires_grad_(False)
     images = torch.randn(1, 3, img, img, device=device)
-    F = probe.features(images)
-    return probe.for_image(0), F
+    features = probe.features(images)
+    return probe.bind(features.image(0).context), features.F
 
 
 def ours(probe, F, rank: int, probes: int, chunk: int) -> dict:
-    from pullback_ext.diagnostics import diagnose_one
+    from pullback_ext.diagnostics import DiagnoseConfig, diagnose_one
 
-    d = diagnose_one(probe, F[0], rank=rank, oversample=10, power=2, probes=probes, slq_steps=0, trace="auto", chunk_size=chunk)
+    config = DiagnoseConfig(rank=rank, oversample=10, power=2, probes=probes, slq_steps=0, trace="auto", chunk_size=chunk)
+    d = diagnose_one(probe, F[0], config=config)
     return {"kappa_cap": d.kappa_cap, "passes": d.tangent_passes, "trace_method": d.trace_method}
 
 

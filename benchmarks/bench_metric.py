@@ -46,7 +46,7 @@ def bench_head(img_size: int, batch: int, diag_images: int, repeats: int) -> dic
     vit = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=img_size).eval().requires_grad_(False)
     probe = from_timm(vit, 10, "cls")
     images = torch.rand(batch, 3, img_size, img_size)
-    F = probe.features(images)
+    F = probe.features(images).F
     head = ImportanceHead(probe.dim).eval()
     with torch.no_grad():
         head_s = median_seconds(lambda: head(F), repeats)

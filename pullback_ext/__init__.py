@@ -20,6 +20,7 @@ _SUBMODULES = {"ops", "reference", "probes", "linalg", "metric", "patch", "prune
 _ATTRS = {
     "diagnose": ("pullback_ext.diagnostics", "diagnose"),
     "Diagnosis": ("pullback_ext.diagnostics", "Diagnosis"),
+    "DiagnoseConfig": ("pullback_ext.diagnostics", "DiagnoseConfig"),
     "build_info": ("pullback_ext._loader", "build_info"),
 }
 

@@ -28,7 +28,7 @@ def random_features(probe, n: int, seed: int, img_size: int = 32) -> torch.Tenso
     g = torch.Generator().manual_seed(seed)
     images = torch.rand(n, 3, img_size, img_size, generator=g, dtype=torch.float64)
     dtype = next(probe.parameters()).dtype
-    return probe.features(images.to(dtype))
+    return probe.features(images.to(dtype)).F
 
 
 def dense_jacobian(probe, F: torch.Tensor) -> torch.Tensor:

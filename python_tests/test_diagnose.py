@@ -2,12 +2,15 @@
 
 import json
 import math
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
 
-from pullback_ext import Diagnosis, diagnose
+from pullback_ext import DiagnoseConfig, Diagnosis, diagnose
 from pullback_ext.diagnostics import REGIMES, Thresholds, classify
+from pullback_ext.errors import PullbackError
 from pullback_ext.linalg import subspace_alignment
 from pullback_ext.probes import from_hf_dpt, from_timm, linear_probe
 
@@ -36,7 +39,7 @@ def assert_matches_oracle(d, J, rank, N, slq=True):
 @pytest.mark.parametrize("layer,output", [(0, "cls"), (1, "tokens")])
 def test_timm_probe_against_dense_oracle(vit, layer, output, svd):
     probe = from_timm(vit, layer, output)
-    F = probe.features(images(2))
+    F = probe.features(images(2)).F
     # q = 4 as the acceptance asks; random weights give a nearly flat spectrum (σ_6/σ_16 ≈ 1.3), so
     # the sketch is oversampled by 15 (with the default 10 the alignment is 0.9990 at q = 4)
     result = diagnose(probe, F, rank=6, oversample=15, power=4, probes=60, slq_steps=30, trace="exact", chunk_size=16, svd=svd)
@@ -54,7 +57,7 @@ def test_timm_probe_against_dense_oracle(vit, layer, output, svd):
 
 def test_hutchinson_kappa_within_three_standard_errors(vit):
     probe = from_timm(vit, 1, "tokens")
-    F = probe.features(images(1))
+    F = probe.features(images(1)).F
     ref = dense_diagnostics(dense_jacobian(probe, F[0]), 6, probe.num_tokens)
     for method in ("hutchinson", "hutch++"):
         d = diagnose(probe, F, rank=6, power=4, probes=100, slq_steps=0, trace=method)[0]
@@ -69,10 +72,10 @@ def test_hutchinson_kappa_within_three_standard_errors(vit):
 def test_dpt_depth_probe_against_dense_oracle(svd):
     model = tiny_dpt()
     probe = from_hf_dpt(model, 1, output_size=4)  # M = 16: SLQ runs exactly, SLQ itself is checked on the ViTs
-    F = probe.features(images(2))
-    result = diagnose(probe, F, rank=5, power=4, probes=60, slq_steps=30, trace="exact", chunk_size=16, svd=svd)
+    features = probe.features(images(2))
+    result = diagnose(probe, features, rank=5, power=4, probes=60, slq_steps=30, trace="exact", chunk_size=16, svd=svd)
     for b in range(2):
-        J = dense_jacobian(probe.for_image(b), F[b])
+        J = dense_jacobian(probe.bind(features.image(b).context), features.F[b])
         assert_matches_oracle(result[b], J, 5, probe.num_tokens)
 
 
@@ -99,7 +102,7 @@ def test_linear_probe_closed_form():
 
 def test_auto_svd_is_dense_only_when_the_trace_is_exact(vit):
     probe = from_timm(vit, 0, "cls")
-    F = probe.features(images(1))
+    F = probe.features(images(1)).F
     assert diagnose(probe, F, rank=4, power=1, probes=10, slq_steps=0)[0].svd_method == "dense"
     for trace in ("hutchinson", "hutch++"):
         assert diagnose(probe, F, rank=4, power=1, probes=10, slq_steps=0, trace=trace)[0].svd_method == "randomized"
@@ -128,7 +131,7 @@ def test_dense_spectrum_completes_null_directions_and_uses_the_smaller_side():
 
 def test_reproducible_and_independent_of_batching(vit):
     probe = from_timm(vit, 0, "tokens")
-    F = probe.features(images(3))
+    F = probe.features(images(3)).F
     kwargs = dict(rank=4, power=1, probes=20, slq_steps=10, trace="hutch++")
     a = diagnose(probe, F, seed=7, **kwargs)
     b = diagnose(probe, F, seed=7, **kwargs)
@@ -141,7 +144,7 @@ def test_reproducible_and_independent_of_batching(vit):
 
 def test_json_serialisable_with_aggregate(vit):
     probe = from_timm(vit, 0, "cls")
-    F = probe.features(images(3))
+    F = probe.features(images(3)).F
     result = diagnose(probe, F, rank=4, power=1, probes=10, slq_steps=5)
     data = json.loads(result.to_json(include_vectors=True))
     assert len(data["images"]) == 3 and len(data["images"][0]["V"]) == 4
@@ -155,11 +158,13 @@ def test_json_serialisable_with_aggregate(vit):
     assert light[0].V is None and "V" not in json.loads(light.to_json(include_vectors=True))["images"][0]
 
 
-def test_rank_bounded_probe_is_regime_iv(vit):
+def test_rank_bounded_probe_is_regime_iv_and_records_the_rank_used(vit):
     L = torch.randn(3, vit.embed_dim, dtype=torch.float64)
     probe = from_timm(vit, 0, "cls", output_transform=L)
-    d = diagnose(probe, probe.features(images(1)), rank=5, power=2, probes=10, slq_steps=5)
+    with pytest.warns(UserWarning, match="rank: r = 5 exceeds the output dimension M = 3"):
+        d = diagnose(probe, probe.features(images(1)), rank=5, power=2, probes=10, slq_steps=5)
     assert d.regime == "iv" and d[0].rank == 3 and d[0].kappa_cap == pytest.approx(1.0, abs=1e-8) and d[0].r90 is not None
+    assert (d.settings["rank"], d.settings["rank_requested"]) == (3, 5)
 
 
 def test_regime_taxonomy_and_thresholds():
@@ -173,7 +178,7 @@ def test_regime_taxonomy_and_thresholds():
 
 def test_bad_inputs(vit):
     probe = from_timm(vit, 0, "cls")
-    F = probe.features(images(1))
+    F = probe.features(images(1)).F
     with pytest.raises(ValueError, match="rank"):
         diagnose(probe, F, rank=probe.num_tokens * probe.dim)
     with pytest.raises(ValueError, match="rank"):
@@ -194,3 +199,105 @@ def test_bad_inputs(vit):
         diagnose(probe, torch.full_like(F, float("nan")))
     with pytest.raises(ValueError, match="indices"):
         diagnose(probe, F, indices=[0, 1])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rank", 0, "rank: expected an int >= 1, got 0"),
+    ("rank", 2.0, "rank: expected an int >= 1"),
+    ("oversample", -1, "oversample: expected an int >= 0"),
+    ("power", True, "power: expected an int >= 0, got True"),
+    ("probes", 1, "probes: expected an int >= 2"),
+    ("slq_steps", -2, "slq_steps: expected an int >= 0"),
+    ("seed", -1, "seed: expected an int >= 0"),
+    ("trace", "magic", "trace: expected one of"),
+    ("svd", "exact", "svd: expected one of"),
+    ("chunk_size", 0, "chunk_size: expected a positive int or None"),
+    ("adaptive_tol", 1.5, r"adaptive_tol: expected a number in \(0, 1\) or None"),
+    ("thresholds", {"kappa": 0.9}, "thresholds: expected a Thresholds"),
+])
+def test_config_is_validated_once_naming_the_field(field, value, message):
+    with pytest.raises(PullbackError, match=message):
+        DiagnoseConfig(**{field: value})
+
+
+def test_thresholds_and_the_config_argument_are_checked():
+    with pytest.raises(PullbackError, match="thresholds.kappa"):
+        Thresholds(kappa=1.5)
+    with pytest.raises(PullbackError, match="thresholds.cv"):
+        Thresholds(cv=-0.1)
+    with pytest.raises(PullbackError, match="config: expected a DiagnoseConfig"):
+        diagnose(lambda F: F.sum(-1), torch.zeros(1, 2, 3), 20)
+
+
+def test_config_and_keyword_overrides_give_the_same_diagnosis_with_its_settings(vit):
+    probe = from_timm(vit, 0, "cls")
+    F = probe.features(images(1))
+    config = DiagnoseConfig(rank=4, power=1, probes=10, slq_steps=0, thresholds=Thresholds(kappa=0.5))
+    a = diagnose(probe, F, config)
+    b = diagnose(probe, F, DiagnoseConfig(), rank=4, power=1, probes=10, slq_steps=0, thresholds=Thresholds(kappa=0.5))
+    assert a.to_json() == b.to_json()
+    assert a.settings == {**asdict(config), "rank_requested": 4}
+    assert a[0].trace_method == "exact" and a[0].svd_method == "dense"
+
+
+def test_a_probe_that_reads_context_refuses_a_bare_tensor():
+    probe = from_hf_dpt(tiny_dpt(), 2, output_size=4)
+    features = probe.features(images(1))
+    with pytest.raises(PullbackError, match="Features of probe.features"):
+        diagnose(probe, features.F, rank=2)
+
+
+# The numbers diagnose gave before its settings moved into DiagnoseConfig and diagnose_one was split
+# (same random draws in the same order), on a fixed tanh network J[12, 20], for every method path.
+EXPECTED = Path(__file__).parent / "data" / "diagnose_expected.json"
+EXPECTED_CASES = {
+    "auto": dict(rank=3, probes=6, slq_steps=5, seed=3),
+    "hutchpp": dict(rank=3, oversample=2, power=1, probes=6, slq_steps=5, trace="hutch++", svd="randomized", seed=3),
+    "hutchinson_adaptive": dict(rank=3, oversample=2, probes=6, slq_steps=0, trace="hutchinson", adaptive_tol=0.05, seed=5, chunk_size=4),
+    "exact_randomized": dict(rank=4, oversample=3, power=2, probes=6, slq_steps=6, trace="exact", svd="randomized", seed=1),
+    "capped": dict(rank=15, oversample=2, power=1, probes=6, slq_steps=5, svd="randomized", seed=2),
+}
+
+
+def tanh_network():
+    """ψ(F) = vec(tanh(F W1)) W2: F[B,5,4] -> y[B,12], and two feature maps, from a fixed seed."""
+    g = torch.Generator().manual_seed(11)
+    N, D, M = 5, 4, 12
+    W1 = torch.randn(D, D, generator=g, dtype=torch.float64)
+    W2 = torch.randn(N * D, M, generator=g, dtype=torch.float64) / (N * D) ** 0.5
+    F = torch.randn(2, N, D, generator=g, dtype=torch.float64)
+    return (lambda F: torch.tanh(F @ W1).reshape(F.shape[0], -1) @ W2), F
+
+
+def assert_same_numbers(got, want, where="diagnosis"):
+    """Equal structure, strings and ints; floats to 1e-10 relative (1e-12 absolute). Any change in
+    the random draws or a formula moves them by 1e-3 or more; the margin only admits the last-bit
+    rounding of BLAS and of the kernels' CPU paths (the weakest V entries and the subspace defects
+    move by about 1e-13 between them)."""
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), where
+        for key in want:
+            assert_same_numbers(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same_numbers(g, w, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-10, abs=1e-12), where
+    else:
+        assert got == want and type(got) is type(want), where
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_CASES))
+def test_diagnosis_numbers_match_the_stored_expectation(name):
+    fn, F = tanh_network()
+    config = DiagnoseConfig(**EXPECTED_CASES[name])
+    if config.rank > 12:
+        with pytest.warns(UserWarning, match="rank"):
+            got = diagnose(fn, F, config).to_dict(include_vectors=True)
+    else:
+        got = diagnose(fn, F, config).to_dict(include_vectors=True)
+    want = json.loads(EXPECTED.read_text())[name]
+    settings = got.pop("settings")
+    assert_same_numbers(got, want, name)
+    assert settings == {**asdict(config), "rank": min(config.rank, 12), "rank_requested": config.rank}

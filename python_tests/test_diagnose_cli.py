@@ -54,6 +54,8 @@ def test_timm_cli_writes_json_and_plots_matching_the_library(image_dir, timm_wei
     data = json.loads((out / "diagnosis.json").read_text())
     assert (out / "spectrum.png").stat().st_size > 0 and (out / "token_energy.png").stat().st_size > 0
     assert len(data["images"]) == 3 and data["settings"]["files"] == ["img0.png", "img1.png", "img2.png"]
+    settings = data["settings"]
+    assert (settings["rank"], settings["rank_requested"], settings["chunk_size"], settings["trace"]) == (3, 3, 32, "auto")
 
     import timm
     from safetensors.torch import load_file
@@ -87,6 +89,13 @@ def test_linear_decoder(image_dir, timm_weights, tmp_path):
     # J = I_5 ⊗ W has rank 10 <= r + oversample: the sketch captures its range exactly
     assert first["M"] == 5 * 2 and first["sigma"] == pytest.approx([float(s[0])] * 3, rel=1e-8)
     assert first["trace"] == pytest.approx(5 * float((s**2).sum()), rel=1e-10)
+    capped = tmp_path / "capped"
+    with pytest.warns(UserWarning, match="rank"):
+        assert main(timm_args(image_dir, timm_weights, capped, "--decoder", linear, "--rank", "12")) == 0
+    data = json.loads((capped / "diagnosis.json").read_text())
+    # --rank 12 on M = 10 outputs: the diagnosis used r = 10 and says so
+    assert (data["settings"]["rank"], data["settings"]["rank_requested"]) == (10, 12)
+    assert data["images"][0]["rank"] == 10 and data["regime"] == "iv"
 
 
 def test_hf_dpt_cli(image_dir, tmp_path):
@@ -142,10 +151,14 @@ def bad_cases(image_dir, weights, tmp):
         "missing_weights": (swap("--weights", str(tmp / "none.pt")), "--weights"),
         "decoder": (swap("--decoder", "segmentation") if "--decoder" in base else base + ["--decoder", "segmentation"], "--decoder"),
         "model": (swap("--model", "resnet:50"), "--model"),
+        "probes": (swap("--probes", "1"), "probes: expected an int >= 2"),
+        "chunk_size": (base + ["--chunk-size", "0"], "chunk_size: expected a positive int"),
+        "kappa": (base + ["--kappa-threshold", "2"], "thresholds.kappa"),
     }
 
 
-@pytest.mark.parametrize("case", ["layer", "rank", "empty", "missing", "unreadable", "garbage_weights", "wrong_weights", "missing_weights", "decoder", "model"])
+@pytest.mark.parametrize("case", ["layer", "rank", "empty", "missing", "unreadable", "garbage_weights", "wrong_weights", "missing_weights", "decoder", "model",
+                                  "probes", "chunk_size", "kappa"])
 def test_bad_input_one_line_error(image_dir, timm_weights, tmp_path, capsys, case):
     args, needle = bad_cases(image_dir, timm_weights, tmp_path)[case]
     assert main(args) == 2

@@ -9,6 +9,7 @@ import torch
 from pullback_ext.linalg import (
     DenseOperator,
     JacobianOperator,
+    LinearOperatorBase,
     exact_trace,
     hutchinson,
     hutchpp,
@@ -70,7 +71,7 @@ def test_rsvd_agrees_with_scipy_svds_on_a_jacobian_operator():
 
     model = tiny_timm_vit()
     probe = from_timm(model, 1, "tokens")
-    F = probe.features(torch.randn(1, 3, 32, 32, dtype=torch.float64))[0]
+    F = probe.features(torch.randn(1, 3, 32, 32, dtype=torch.float64)).F[0]
     op = JacobianOperator(probe, F, chunk_size=8)
     wrapped = LinearOperator(
         shape=op.shape,
@@ -90,7 +91,7 @@ def test_jacobian_operator_matches_dense_jacobian_for_any_chunk_size():
 
     model = tiny_timm_vit()
     probe = from_timm(model, 0, "cls")
-    F = probe.features(torch.randn(1, 3, 32, 32, dtype=torch.float64))[0]
+    F = probe.features(torch.randn(1, 3, 32, 32, dtype=torch.float64)).F[0]
     J = dense_jacobian(probe, F)
     g = torch.Generator().manual_seed(0)
     V = torch.randn(J.shape[1], 7, generator=g, dtype=torch.float64)
@@ -117,6 +118,62 @@ def test_trace_estimators(shape):
     assert hp.value >= res.energy - 1e-12
     assert abs(hp.value - T) < 4 * hp.stderr + 1e-12
     assert hp.stderr < h.stderr
+
+
+def test_trace_method_rule_and_total_sensitivity_record_the_estimator():
+    from pullback_ext.linalg import EXACT_TRACE_MAX, total_sensitivity, trace_method
+
+    # auto: exact while the smaller side has at most 512 dimensions (SPEC §2), else Hutch++
+    assert trace_method((EXACT_TRACE_MAX, 10_000)) == "exact" == trace_method((10_000, EXACT_TRACE_MAX))
+    assert trace_method((EXACT_TRACE_MAX + 1, 10_000)) == "hutch++"
+    assert [trace_method((EXACT_TRACE_MAX + 1, 10_000), m) for m in ("exact", "hutchinson")] == ["exact", "hutchinson"]
+    with pytest.raises(ValueError, match="trace"):
+        trace_method((3, 4), "magic")
+    J, s, _ = known_spectrum(30, 200, decay=8.0)
+    op = DenseOperator(J)
+    exact = total_sensitivity(op)
+    assert exact.method == "exact" and exact.value == pytest.approx(float((s**2).sum()), rel=1e-12)
+    res = randomized_svd(op, 10, power=3, generator=torch.Generator().manual_seed(0))
+    for method, direct in (("hutchinson", lambda g: hutchinson(op, 50, g)), ("hutch++", lambda g: hutchpp(op, res.V, 50, g))):
+        got = total_sensitivity(op, method, 50, torch.Generator().manual_seed(4), basis=res.V)
+        want = direct(torch.Generator().manual_seed(4))
+        assert got.method == method and (got.value, got.stderr) == (want.value, want.stderr)
+    with pytest.raises(ValueError, match="basis"):
+        total_sensitivity(op, "hutch++", 50)
+
+
+class ShapeOnly(LinearOperatorBase):
+    """An operator known by its shape alone (for the method rules, which never multiply)."""
+
+    def __init__(self, M: int, P: int) -> None:
+        super().__init__()
+        self.shape, self.dtype, self.device = (M, P), torch.float64, torch.device("cpu")
+
+
+def test_svd_method_rule_and_top_spectrum():
+    from pullback_ext.linalg import dense_spectrum, svd_method, top_spectrum
+
+    J, s, W = known_spectrum(30, 200, decay=4.0)
+    op = DenseOperator(J)
+    # auto: dense exactly when the trace is exact (its basis products form J) and J fits
+    assert svd_method(op) == "dense" and svd_method(op, trace="hutch++") == "randomized"
+    assert svd_method(op, "randomized") == "randomized"
+    assert svd_method(ShapeOnly(600, 600)) == "randomized"  # stochastic trace
+    assert svd_method(ShapeOnly(400, 1 << 20)) == "randomized"  # exact trace, but J takes 3.2 GB
+    with pytest.raises(ValueError, match="svd"):
+        svd_method(op, "magic")
+    with pytest.raises(ValueError, match="svd: 'dense' needs J"):
+        svd_method(ShapeOnly(400, 1 << 20), "dense")
+    dense = top_spectrum(op, 5)
+    ref = dense_spectrum(DenseOperator(J), 5)
+    assert dense.method == "dense" and dense.power == 0 and dense.trace == pytest.approx(float((s**2).sum()), rel=1e-12)
+    torch.testing.assert_close(dense.sigma, ref.sigma[:5], rtol=0, atol=0)
+    assert dense.entropy.exact
+    sketched = top_spectrum(op, 5, "randomized", oversample=5, power=3, generator=torch.Generator().manual_seed(0))
+    direct = randomized_svd(op, 5, 5, 3, torch.Generator().manual_seed(0))
+    assert sketched.method == "randomized" and sketched.trace is None and sketched.power == 3
+    torch.testing.assert_close(sketched.sigma, direct.sigma.double(), rtol=0, atol=0)
+    assert subspace_alignment(sketched.V, W[:, :5]) > 0.999
 
 
 def test_hutchinson_is_unbiased_over_seeds():

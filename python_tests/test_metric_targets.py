@@ -115,6 +115,24 @@ def test_demo_render_shards_are_reused_by_a_larger_run(tmp_path, vit_probe, monk
     assert torch.equal(built["importance"], real(probe, F, cfg)["importance"])
 
 
+def test_a_probe_with_per_image_context_is_bound_to_each_image():
+    """Targets of ``Features`` use image b's context for image b, whatever was extracted since."""
+    from diagnose_helpers import images, tiny_dpt
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.probes import from_hf_dpt
+
+    probe = from_hf_dpt(tiny_dpt(), 2, output_size=4)
+    features = probe.features(images(2))
+    probe.features(images(1, seed=5))  # a later batch must not matter
+    cfg = TargetConfig(mode="exact", rank=3, block_norms=True)
+    t = compute_targets(probe, features, cfg)
+    for b in range(2):
+        J = dense_jacobian(probe.bind(features.image(b).context), features.F[b])
+        assert torch.allclose(t["importance"][b], dense_importance(J, 3, probe.num_tokens), rtol=1e-8)
+    with pytest.raises(PullbackError, match="context"):
+        compute_targets(probe, features.F, cfg)
+
+
 def test_bad_configs():
     with pytest.raises(ValueError, match="mode"):
         TargetConfig(mode="svd")

@@ -39,7 +39,9 @@ def test_timm_probe_reproduces_forward_features_and_head(variants, name):
         pooled = model.forward_head(tokens, pre_logits=True)
     for layer in (0, depth - 1):
         probe = from_timm(model, layer, "tokens")
-        F = probe.features(x)
+        features = probe.features(x)
+        assert features.context == {}
+        F = features.F
         assert F.shape == (2, probe.num_tokens, probe.dim)
         assert probe.num_prefix_tokens == model.num_prefix_tokens
         with torch.no_grad():
@@ -67,7 +69,7 @@ def test_cls_row_last_block_matches_the_full_block(variants, name):
     x = images(2, model.patch_embed.img_size[0], seed=3)
     for layer in (0, 1):
         fast, full = from_timm(model, layer, "cls"), from_timm(model, layer, "cls", cls_row=False)
-        F = fast.features(x)
+        F = fast.features(x).F
         torch.testing.assert_close(fast(F), full(F), rtol=1e-12, atol=1e-12)
         a, b = JacobianOperator(fast, F[1], chunk_size=4), JacobianOperator(full, F[1], chunk_size=4)
         g = torch.Generator().manual_seed(layer)
@@ -92,7 +94,7 @@ def test_cls_row_is_skipped_for_blocks_of_unknown_structure():
     model.blocks[-1] = Wrapped(model.blocks[-1])
     assert not supports_cls_row(model.blocks[-1])
     probe = from_timm(model, 0, "cls")
-    F = probe.features(images(1))
+    F = probe.features(images(1)).F
     with torch.no_grad():
         torch.testing.assert_close(probe(F), model.norm(model.blocks[2](model.blocks[1](F)))[:, 0])
 
@@ -101,7 +103,7 @@ def test_fused_attention_model_gets_jvps_and_is_left_as_found():
     model = tiny_timm_vit()
     assert all(b.attn.fused_attn for b in model.blocks)
     probe = from_timm(model, 0, "cls")
-    F = probe.features(images(1))[0]
+    F = probe.features(images(1)).F[0]
     with pytest.raises(NotImplementedError):  # the model itself has no forward-mode AD
         torch.func.jvp(lambda f: model.norm(model.blocks[1](f[None]))[0, 0], (F,), (torch.ones_like(F),))
     op = JacobianOperator(probe, F, chunk_size=4)
@@ -122,8 +124,8 @@ def test_probe_runs_in_eval_mode_and_restores_training_flags(dpt):
     model = tiny_timm_vit(drop_rate=0.5, proj_drop_rate=0.5, attn_drop_rate=0.5).train()
     probe = from_timm(model, 0, "tokens")
     x = images(1)
-    F = probe.features(x)
-    torch.testing.assert_close(F, probe.features(x))
+    F = probe.features(x).F
+    torch.testing.assert_close(F, probe.features(x).F)
     with torch.no_grad():
         torch.testing.assert_close(probe(F), probe(F))
     assert all(m.training for m in model.modules())
@@ -131,8 +133,9 @@ def test_probe_runs_in_eval_mode_and_restores_training_flags(dpt):
     try:
         depth_probe = from_hf_dpt(dpt, 1)
         G = depth_probe.features(x)
+        bound = depth_probe.bind(G.context)
         with torch.no_grad():
-            torch.testing.assert_close(depth_probe(G), depth_probe(G))
+            torch.testing.assert_close(bound(G.F), bound(G.F))
         assert all(m.training for m in dpt.modules())
     finally:
         dpt.eval()
@@ -142,7 +145,7 @@ def test_output_transform_is_applied_inside_forward():
     model = tiny_timm_vit()
     L = torch.randn(5, model.embed_dim, dtype=torch.float64)
     plain, transformed = from_timm(model, 1, "cls"), from_timm(model, 1, "cls", output_transform=L)
-    F = plain.features(images(2))
+    F = plain.features(images(2)).F
     with torch.no_grad():
         torch.testing.assert_close(transformed(F), plain(F) @ L.T)
     assert transformed.output_dim == 5 and plain.output_dim == model.embed_dim
@@ -166,7 +169,7 @@ def test_from_callable_with_example_or_extractor():
     assert (probe.num_tokens, probe.dim, probe.output_dim) == (3, 4, 2)
     torch.testing.assert_close(dense_jacobian(probe, F[0]), net[1].weight.detach())
     extractor = from_callable(net, lambda x: x.reshape(x.shape[0], 3, 4), num_tokens=3, dim=4)
-    torch.testing.assert_close(extractor.features(torch.ones(1, 12, dtype=torch.float64)), torch.ones(1, 3, 4, dtype=torch.float64))
+    torch.testing.assert_close(extractor.features(torch.ones(1, 12, dtype=torch.float64)).F, torch.ones(1, 3, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="num_tokens"):
         from_callable(net, lambda x: x)
     with pytest.raises(TypeError, match="fn"):
@@ -191,16 +194,16 @@ def test_hf_depth_probe_reproduces_predicted_depth(request, which, layer):
     with torch.no_grad():
         depth = model(pixel_values=x).predicted_depth
     probe = from_hf_dpt(model, layer)
-    F = probe.features(x)
-    assert F.shape == (2, 17, 32)
+    features = probe.features(x)
+    F = features.F
+    assert F.shape == (2, 17, 32) and set(features.context) == set(probe.context_keys) == ({"images"} if layer else set())
     with torch.no_grad():
-        torch.testing.assert_close(probe(F), depth.flatten(1))
+        torch.testing.assert_close(probe.bind(features.context)(F), depth.flatten(1))
         for i in range(2):
-            torch.testing.assert_close(probe.for_image(i)(F[i : i + 1]), depth[i : i + 1].flatten(1))
+            torch.testing.assert_close(probe.bind(features.image(i).context)(F[i : i + 1]), depth[i : i + 1].flatten(1))
     resized = from_hf_dpt(model, layer, output_size=8)
-    resized.features(x)
     with torch.no_grad():
-        y = resized(F)
+        y = resized.bind(resized.features(x).context)(F)
     expected = torch.nn.functional.interpolate(depth[:, None], size=(8, 8), mode="bilinear", align_corners=False).flatten(1)
     torch.testing.assert_close(y, expected)
     assert resized.output_dim == 64
@@ -211,7 +214,8 @@ def test_hf_multi_layer_probe_reads_only_the_decoder_inputs(request, which):
     model = request.getfixturevalue(which)
     x = images(1)
     probe = from_hf_dpt(model, multi_layer=True, output_size=4)
-    F = probe.features(x)
+    F = probe.features(x).F
+    assert probe.context_keys == ()
     hooks = len(probe.hooks)
     assert F.shape == (1, 17, 32 * hooks) and probe.dim == 32 * hooks
     with torch.no_grad():
@@ -229,16 +233,38 @@ def test_hf_multi_layer_probe_reads_only_the_decoder_inputs(request, which):
 def test_hf_single_layer_jvp_matches_dense_and_depends_on_the_image_context(dpt):
     x = images(2)
     probe = from_hf_dpt(dpt, 2, output_size=4)
-    F = probe.features(x)
-    fn = probe.for_image(1)
+    features = probe.features(x)
+    F = features.F
+    fn = probe.bind(features.image(1).context)
     J = dense_jacobian(fn, F[1])
     op = JacobianOperator(fn, F[1], chunk_size=4)
     V = torch.randn(J.shape[1], 2, dtype=torch.float64)
     torch.testing.assert_close(op.jvp(V), J @ V, rtol=1e-8, atol=1e-10)
-    assert not torch.allclose(fn(F[1:2]), probe.for_image(0)(F[1:2]))
-    fresh = from_hf_dpt(dpt, 2)
+    assert not torch.allclose(fn(F[1:2]), probe.bind(features.image(0).context)(F[1:2]))
     with pytest.raises(ValueError, match="features"):
-        fresh(F)
+        probe(F)
+    with pytest.raises(ValueError, match="context"):
+        probe.bind({})
+    with pytest.raises(ValueError, match="one per image"):
+        probe.bind(features.context)(F[:1])
+
+
+def test_interleaved_features_calls_leave_earlier_batches_unchanged(dpt):
+    """A probe keeps no per-call state: the context of batch a travels with its Features, so
+    extracting batch b in between changes neither ψ of batch a nor its diagnosis."""
+    from pullback_ext import diagnose
+
+    probe = from_hf_dpt(dpt, 2, output_size=4)
+    a = probe.features(images(2, seed=1))
+    with torch.no_grad():
+        before = probe.bind(a.context)(a.F)
+    settings = dict(rank=3, power=1, probes=4, slq_steps=0, svd="randomized")
+    first = diagnose(probe, a, **settings).to_dict()
+    b = probe.features(images(3, seed=2))
+    with torch.no_grad():
+        torch.testing.assert_close(probe.bind(a.context)(a.F), before, rtol=0, atol=0)
+        assert not torch.allclose(probe.bind(b.image(0).context)(a.F[:1]), before[:1])
+    assert diagnose(probe, a, **settings).to_dict() == first
 
 
 def test_bad_inputs(dpt):

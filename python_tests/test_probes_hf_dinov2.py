@@ -35,7 +35,9 @@ def test_probe_reproduces_the_model_outputs(registers):
     for layer in (0, 2):
         cls = from_hf_dinov2(model, layer, "cls")
         assert (cls.num_tokens, cls.dim, cls.num_prefix_tokens, cls.grid_size) == (17 + registers, 32, 1 + registers, (4, 4))
-        F = cls.features(x)
+        features = cls.features(x)
+        assert features.context == {} and cls.context_keys == ()
+        F = features.F
         torch.testing.assert_close(cls(F), out.pooler_output, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(from_hf_dinov2(model, layer, "tokens")(F), out.last_hidden_state.flatten(1))
         torch.testing.assert_close(from_hf_dinov2(model, layer, "pooled")(F),
@@ -45,7 +47,7 @@ def test_probe_reproduces_the_model_outputs(registers):
 def test_jvps_through_sdpa_attention_match_the_dense_jacobian():
     model = tiny_dinov2(attn="sdpa")
     probe = from_hf_dinov2(model, 0, "cls")
-    F = probe.features(images(1, 32).double())[0]
+    F = probe.features(images(1, 32).double()).F[0]
     op = JacobianOperator(probe, F, chunk_size=4)
     J = dense_jacobian(probe, F)
     V = torch.randn(J.shape[1], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))

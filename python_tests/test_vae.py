@@ -61,11 +61,31 @@ def test_latent_probe_jacobian_is_the_chain_rule(probe_and_features):
     latent = LatentProbe(probe, vae)
     assert (latent.num_tokens, latent.dim, latent.layer) == (probe.num_tokens, 3, probe.layer)
     images = torch.rand(1, 3, 32, 32, dtype=torch.float64)
-    z = latent.features(images)
-    assert torch.allclose(z, vae.encode(probe.features(images))[0])
+    z = latent.features(images).F
+    assert torch.allclose(z, vae.encode(probe.features(images).F)[0])
     J_latent = dense_jacobian(latent, z[0])
     J_probe = dense_jacobian(probe, vae.decode(z[0]))
     J_dec = torch.func.jacrev(vae.decode)(z[0]).reshape(probe.num_tokens * probe.dim, -1)
     assert torch.allclose(J_latent, J_probe @ J_dec, atol=1e-10)
     with pytest.raises(ValueError, match="vae: expected a VAE on D=16"):
         LatentProbe(probe, FeatureVAE(8, 2))
+
+
+def test_latent_probe_passes_the_base_probes_context_on():
+    from diagnose_helpers import images, tiny_dpt
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.probes import from_hf_dpt
+
+    base = from_hf_dpt(tiny_dpt(), 2, output_size=4)  # reads hooks 0, 1 of the image
+    torch.manual_seed(2)
+    vae = FeatureVAE(base.dim, 3, hidden=8).double().requires_grad_(False)
+    latent = LatentProbe(base, vae)
+    x = images(2)
+    z = latent.features(x)
+    assert latent.context_keys == base.context_keys == ("images",)
+    torch.testing.assert_close(z.context["images"], x)
+    with torch.no_grad():
+        want = base.bind(base.features(x).context)(vae.decode(z.F))
+        torch.testing.assert_close(latent.bind(z.context)(z.F), want)
+        with pytest.raises(PullbackError, match="bind"):
+            latent(z.F)

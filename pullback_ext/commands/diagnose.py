@@ -27,17 +27,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-size", type=_positive, default=None, help="resize dense outputs to S×S (M = S²)")
     parser.add_argument("--images", required=True, help="folder of images")
     parser.add_argument("--num-images", type=_positive, default=50, help="first N images of the folder (sorted by name)")
-    parser.add_argument("--rank", type=_positive, default=20, help="r: captured subspace for κ_cap(r), CV, importance")
+    parser.add_argument("--rank", type=int, default=20, help="r: captured subspace for κ_cap(r), CV, importance")
     parser.add_argument("--oversample", type=int, default=10, help="randomized-SVD oversampling p (sketch r + p)")
     parser.add_argument("--power", type=int, default=2, help="q power rounds")
     parser.add_argument("--adaptive-tol", type=float, default=None, help="stop power rounds when the subspace defect is below this")
-    parser.add_argument("--probes", type=_positive, default=100, help="m Rademacher probes (Hutchinson / Hutch++ / SLQ)")
+    parser.add_argument("--probes", type=int, default=100, help="m Rademacher probes (Hutchinson / Hutch++ / SLQ)")
     parser.add_argument("--slq-steps", type=int, default=30, help="Lanczos steps for r_eff^SLQ (0 skips it)")
     parser.add_argument("--trace", default="auto", choices=["auto", "exact", "hutchinson", "hutch++"], help="auto: exact when min(M, P) <= 512, else hutch++")
     parser.add_argument("--svd", default="auto", choices=["auto", "randomized", "dense"],
                         help="auto: dense (exact, from the exact trace's products) whenever the trace is exact and J fits in 1 GiB")
     parser.add_argument("--seed", type=int, default=0, help="image i draws from a stream seeded by (seed, i)")
-    parser.add_argument("--chunk-size", type=_positive, default=32, help="tangents per vmap call (bounds memory)")
+    parser.add_argument("--chunk-size", type=int, default=32, help="tangents per vmap call (bounds memory)")
     parser.add_argument("--batch-size", type=_positive, default=8, help="images per feature-extraction batch")
     parser.add_argument("--kappa-threshold", type=float, default=0.9, help="regimes: κ_cap(r) at or above is low rank")
     parser.add_argument("--cv-threshold", type=float, default=1.0, help="regimes: CV at or above is localised")
@@ -67,6 +67,17 @@ def summary_table(result, description: dict) -> str:
     return "\n".join([header, row, f"recommended: {result.method}  [{len(result)} images, trace: {first.trace_method}]"])
 
 
+def diagnose_config(args: argparse.Namespace):
+    """The ``DiagnoseConfig`` of the command line (its validation reports a bad setting)."""
+    from pullback_ext.diagnostics import DiagnoseConfig, Thresholds
+
+    return DiagnoseConfig(
+        rank=args.rank, oversample=args.oversample, power=args.power, probes=args.probes, slq_steps=args.slq_steps,
+        trace=args.trace, svd=args.svd, seed=args.seed, chunk_size=args.chunk_size, adaptive_tol=args.adaptive_tol,
+        thresholds=Thresholds(kappa=args.kappa_threshold, cv=args.cv_threshold),
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import json
     import sys
@@ -76,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from pullback_ext import distributed
-    from pullback_ext.diagnostics import Diagnosis, Thresholds, aggregate, diagnose
+    from pullback_ext.diagnostics import Diagnosis, diagnose
     from pullback_ext.errors import PullbackError
     from pullback_ext.images import check_readable, list_images, load_images
     from pullback_ext.model_loading import build
@@ -85,11 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.layer is None and args.decoder != "depth-multi":
         raise PullbackError("--layer: required (the probe layer ℓ) unless --decoder depth-multi")
-    for name in ("oversample", "power", "slq_steps", "seed"):
-        if getattr(args, name) < 0:
-            raise PullbackError(f"--{name.replace('_', '-')}: expected an int >= 0, got {getattr(args, name)}")
-    if args.probes < 2:
-        raise PullbackError(f"--probes: expected an int >= 2, got {args.probes}")
+    config = diagnose_config(args)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise PullbackError(f"--out: {str(out)!r} exists and is not a folder")
@@ -100,10 +107,7 @@ def run(args: argparse.Namespace) -> int:
     probe = setup.probe
     if setup.description["weights"] is None and args.model != "demo":
         print("pullback diagnose: note: no --weights given, the model keeps its random initialisation", file=sys.stderr)
-    P = probe.num_tokens * probe.dim
-    if args.rank >= P:
-        raise PullbackError(f"--rank: expected r < P = N·D = {P}, got {args.rank}")
-    thresholds = Thresholds(kappa=args.kappa_threshold, cv=args.cv_threshold)
+    config.check_rank(probe.ambient_dim)
 
     info = distributed.init_from_env()
     try:
@@ -115,11 +119,7 @@ def run(args: argparse.Namespace) -> int:
                 indices = mine[start : start + args.batch_size]
                 images = load_images([paths[i] for i in indices], setup.preprocess, dtype)
                 F = probe.features(images)
-                result = diagnose(
-                    probe, F, rank=args.rank, oversample=args.oversample, power=args.power, probes=args.probes,
-                    slq_steps=args.slq_steps, trace=args.trace, seed=args.seed, chunk_size=args.chunk_size, svd=args.svd,
-                    adaptive_tol=args.adaptive_tol, thresholds=thresholds, indices=indices, keep_vectors=args.save_vectors,
-                )
+                result = diagnose(probe, F, config, indices=indices, keep_vectors=args.save_vectors)
                 per_image.extend(result.images)
                 bar.update(len(indices))
         gathered = [d for part in distributed.gather_objects(per_image, info) for d in part]
@@ -129,17 +129,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     gathered.sort(key=lambda d: d.index)
-    agg, regime, method = aggregate(gathered, thresholds)
-    settings = dict(
-        setup.description, images=str(args.images), num_images=len(paths), rank=args.rank, oversample=args.oversample,
-        power=args.power, adaptive_tol=args.adaptive_tol, probes=args.probes, slq_steps=args.slq_steps, trace=args.trace,
-        svd=args.svd, seed=args.seed, dtype=args.dtype, world_size=info.world_size, thresholds={"kappa": thresholds.kappa, "cv": thresholds.cv},
-        files=[p.name for p in paths],
+    full = Diagnosis.from_images(gathered, config)
+    full.settings = dict(
+        setup.description, images=str(args.images), num_images=len(paths), **full.settings, dtype=args.dtype,
+        world_size=info.world_size, files=[p.name for p in paths],
     )
-    full = Diagnosis(gathered, agg, regime, method, settings)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "diagnosis.json", json.dumps(full.to_dict(include_vectors=args.save_vectors), indent=1))
-    plot_spectrum([d.sigma for d in gathered], [d.trace for d in gathered], out / "spectrum.png", kappa_threshold=thresholds.kappa)
+    plot_spectrum([d.sigma for d in gathered], [d.trace for d in gathered], out / "spectrum.png", kappa_threshold=config.thresholds.kappa)
     plot_token_energy(
         [d.token_energy for d in gathered], probe.num_prefix_tokens, out / "token_energy.png",
         grid_size=getattr(probe, "grid_size", None), titles=[p.name for p in paths],

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             F = features(probe, held, i, i + 1)
             t = compute_targets(probe, F, reference, stream=[("heldout", i)])
             with torch.no_grad():
-                rho = spearman_per_image(head(F), t["block_norm" if args.target == "block-norm" else "importance"])
+                rho = spearman_per_image(head(F.F), t["block_norm" if args.target == "block-norm" else "importance"])
             rows.append((i, float(rho[0])))
         gathered = sorted(r for part in distributed.gather_objects(rows, info) for r in part)
     finally:

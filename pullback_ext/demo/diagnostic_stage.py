@@ -116,10 +116,12 @@ def run_demo_stage(model: torch.nn.Module, scenes: dict, out_dir: Path, quick: b
     """
     from tqdm.auto import tqdm
 
-    from pullback_ext import diagnose
+    from pullback_ext.diagnostics import DiagnoseConfig, diagnose
     from pullback_ext.embedded.probes import demo_probe
 
     settings = DiagnosticSettings.for_run(quick)
+    config = DiagnoseConfig(rank=settings.rank, oversample=settings.oversample, power=settings.power,
+                            probes=settings.probes, slq_steps=settings.slq_steps, seed=0)
     images = scenes["images"][: settings.num_images]
     grid = int(round((model.backbone.patch_embed.num_patches) ** 0.5))
     results: dict[str, dict[int, object]] = {}
@@ -130,8 +132,7 @@ def run_demo_stage(model: torch.nn.Module, scenes: dict, out_dir: Path, quick: b
         probe = demo_probe(model, layer, decoder, output_size=settings.depth_output_size if decoder == "depth" else None)
         with torch.no_grad():
             F = probe.features(images)
-        diag = diagnose(probe, F, rank=settings.rank, oversample=settings.oversample, power=settings.power,
-                        probes=settings.probes, slq_steps=settings.slq_steps, seed=0)
+        diag = diagnose(probe, F, config)
         results.setdefault(decoder, {})[layer] = diag
         agg = diag.aggregate
         rows.append({

@@ -84,8 +84,8 @@ def run_demo_stage(
         extra_config={"probe": probe_def, "targets": asdict(targets), "stage": asdict(settings)}, resume=True, progress=progress)
 
     F_held = probe.features(scenes["images"])
-    imp_held = compute_targets(probe, F_held, targets, stream=[("heldout", i) for i in range(F_held.shape[0])])["importance"]
-    result = evaluate_head(head, F_held, imp_held)
+    imp_held = compute_targets(probe, F_held, targets, stream=[("heldout", i) for i in range(len(F_held))])["importance"]
+    result = evaluate_head(head, F_held.F, imp_held)
     print(f"[importance_head] held-out Spearman rho = {result['mean']:.3f} ± {result['std']:.3f} over {result['count']} images", flush=True)
     return {
         "probe": probe_def,

@@ -2,10 +2,10 @@
 
 The depth decoder reads four hooked blocks. Hooks at or after ℓ are recomputed from F inside
 ``forward`` (so the Jacobian sees them); hooks *before* ℓ do not depend on F: they are frozen
-constants of the image, recorded by ``features(images)``. ``forward(F)`` uses row b of the
-recording for row b of F (the batch must be the one passed to ``features``); ``for_image(i)``
-gives the map of image i alone, F[k,N,D] -> y[k,M] for any k (what the diagnostic uses).
-Calling ``forward`` before ``features`` when frozen hooks are needed raises an error.
+constants of the image, returned by ``features(images)`` as context (``"block{h}"``: [B,N,D]).
+``bind(context)`` gives the map of those images: row b of the context for row b of F, or one
+image's context for any batch F[k,N,D] -> y[k,M] (what the diagnostic uses). The unbound probe
+needs no context unless frozen hooks are read, and then refuses to run.
 
 The probe works on its own deep copy of the model with math attention (timm's
 ``fused_attn = False``), because forward-mode AD is not implemented for fused SDPA.
@@ -22,6 +22,7 @@ from torch import Tensor
 
 from pullback_ext.probes.base import Probe
 from pullback_ext.probes.cls_row import run_blocks_for_cls_row
+from pullback_ext.probes.features import Features, context_rows
 from pullback_ext.errors import PullbackError
 
 DECODERS = ("cls", "embedding", "depth")
@@ -61,8 +62,6 @@ class DemoProbe(Probe):
         for block in self.model.backbone.blocks:
             block.attn.fused_attn = False
         self.frozen_layers = tuple(h for h in self.model.hook_layers if h < layer) if decoder == "depth" else ()
-        self._recorded_features: Optional[Tensor] = None
-        self._recorded_hooks: dict[int, Tensor] = {}
 
     @property
     def output_dim(self) -> int:
@@ -76,47 +75,31 @@ class DemoProbe(Probe):
         h, w = self.output_size or (self.model.image_size, self.model.image_size)
         return h * w
 
+    @property
+    def context_keys(self) -> tuple[str, ...]:
+        """``"block{h}"`` for every hooked block h before the probe layer (depth decoder only)."""
+        return tuple(f"block{h}" for h in self.frozen_layers)
+
     @torch.no_grad()
-    def features(self, images: Tensor) -> Tensor:
-        """images[B,3,112,112] in [0,1] -> F[B,N,D] after block ``layer``; records the frozen hooks."""
+    def features(self, images: Tensor) -> Features:
+        """images[B,3,112,112] in [0,1] -> F[B,N,D] after block ``layer``, with the frozen hooks as context."""
         hooked: dict[int, Tensor] = {}
         F = self.model.run_blocks(self.model.embed(images), 0, self.layer + 1, hooked)
-        self._recorded_features = F.detach()
-        self._recorded_hooks = {h: hooked[h].detach() for h in self.frozen_layers}
-        return F
+        return Features(F, {f"block{h}": hooked[h].detach() for h in self.frozen_layers})
 
-    def _frozen_hooks(self, F: Tensor) -> dict[int, Tensor]:
-        if not self.frozen_layers:
-            return {}
-        recorded = self._recorded_features
-        if recorded is None:
-            raise RuntimeError(
-                f"DemoProbe(layer={self.layer}, decoder='depth'): the depth decoder reads blocks "
-                f"{list(self.frozen_layers)} before the probe layer; call features(images) first to record them"
-            )
-        if F.shape[0] == recorded.shape[0]:
-            return self._recorded_hooks
-        if recorded.shape[0] == 1:
-            return {h: t.expand(F.shape[0], -1, -1) for h, t in self._recorded_hooks.items()}
-        raise PullbackError(
-            f"F: expected a batch of {recorded.shape[0]} feature maps (the last features() batch) for the "
-            f"frozen decoder hooks, got {F.shape[0]}; use for_image(i) for one image"
-        )
-
-    def for_image(self, index: int) -> Probe:
-        """ψ of image ``index`` of the last ``features`` batch: F[1,N,D] -> y[1,M]."""
-        if not self.frozen_layers:
-            return self
-        if self._recorded_features is None or not 0 <= index < self._recorded_features.shape[0]:
-            raise IndexError(f"index: expected an image of the last features() batch, got {index}")
-        return _BoundDemoProbe(self, {h: t[index:index + 1] for h, t in self._recorded_hooks.items()})
+    def _bind(self, context: dict[str, Tensor]) -> Probe:
+        return _BoundDemoProbe(self, {h: context[f"block{h}"] for h in self.frozen_layers})
 
     def outputs(self, F: Tensor) -> Tensor:
         """F[B,N,D] -> y[B,M]."""
         self.check_features(F)
-        if F.dim() == 2:
-            return self.decode(F[None], self._frozen_hooks(F[None]))[0]
-        return self.decode(F, self._frozen_hooks(F))
+        if self.frozen_layers:
+            raise PullbackError(
+                f"F: the depth decoder reads blocks {list(self.frozen_layers)} before the probe layer "
+                f"{self.layer} from the images; bind the probe to them first: probe.bind(features.context) "
+                "with the Features of probe.features(images)"
+            )
+        return self.decode(F[None], {})[0] if F.dim() == 2 else self.decode(F, {})
 
     def decode(self, F: Tensor, frozen: dict[int, Tensor]) -> Tensor:
         """Blocks ``layer+1..``, final norm and decoder on F[B,N,D], with the frozen hooks given."""
@@ -139,7 +122,8 @@ class DemoProbe(Probe):
 
 
 class _BoundDemoProbe(Probe):
-    """A depth ``DemoProbe`` with the frozen hooks of one image fixed (any batch of its F)."""
+    """A depth ``DemoProbe`` with the frozen hooks fixed: frozen[h] is [B,N,D] for a batch F[B,N,D],
+    or [1,N,D] (one image) for any batch."""
 
     def __init__(self, parent: DemoProbe, frozen: dict[int, Tensor]) -> None:
         super().__init__(parent.layer, parent.num_tokens, parent.dim, parent.num_prefix_tokens, parent.output_transform)
@@ -153,7 +137,7 @@ class _BoundDemoProbe(Probe):
     def outputs(self, F: Tensor) -> Tensor:
         self.check_features(F)
         batch = F[None] if F.dim() == 2 else F
-        y = self.parent.decode(batch, {h: t.expand(batch.shape[0], -1, -1) for h, t in self.frozen.items()})
+        y = self.parent.decode(batch, context_rows(self.frozen, batch.shape[0]))
         return y[0] if F.dim() == 2 else y
 
 

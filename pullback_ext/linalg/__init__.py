@@ -1,4 +1,5 @@
-"""Matrix-free linear algebra on Jacobians: operators, randomized SVD, trace and SLQ estimators."""
+"""Matrix-free linear algebra on Jacobians: operators, randomized SVD, trace and SLQ estimators, and
+the rules that choose between exact and stochastic methods (``trace_method``, ``svd_method``)."""
 
 from pullback_ext.linalg.dense import DENSE_MAX_BYTES, DenseSpectrum, dense_fits, dense_spectrum, jacobian_transposed
 from pullback_ext.linalg.energy import token_energy
@@ -6,7 +7,18 @@ from pullback_ext.linalg.operator import DenseOperator, JacobianOperator, Linear
 from pullback_ext.linalg.orthonormalize import orthonormalize
 from pullback_ext.linalg.rsvd import RSVDResult, randomized_svd, subspace_alignment
 from pullback_ext.linalg.slq import Quadrature, SpectralEntropy, lanczos_quadrature, slq_effective_rank
-from pullback_ext.linalg.trace import EXACT_TRACE_MAX, TraceEstimate, basis_products, exact_trace, hutchinson, hutchpp
+from pullback_ext.linalg.spectrum import SVD_METHODS, Spectrum, svd_method, top_spectrum
+from pullback_ext.linalg.trace import (
+    EXACT_TRACE_MAX,
+    TRACE_METHODS,
+    TraceEstimate,
+    basis_products,
+    exact_trace,
+    hutchinson,
+    hutchpp,
+    total_sensitivity,
+    trace_method,
+)
 
 __all__ = [
     "DENSE_MAX_BYTES",
@@ -17,7 +29,10 @@ __all__ = [
     "LinearOperatorBase",
     "Quadrature",
     "RSVDResult",
+    "SVD_METHODS",
+    "Spectrum",
     "SpectralEntropy",
+    "TRACE_METHODS",
     "TraceEstimate",
     "basis_products",
     "dense_fits",
@@ -32,5 +47,9 @@ __all__ = [
     "randomized_svd",
     "slq_effective_rank",
     "subspace_alignment",
+    "svd_method",
     "token_energy",
+    "top_spectrum",
+    "total_sensitivity",
+    "trace_method",
 ]

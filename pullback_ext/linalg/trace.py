@@ -1,4 +1,5 @@
-"""Estimators of the total sensitivity T = ‖J‖_F² = Tr(JᵀJ) from products with J."""
+"""Estimators of the total sensitivity T = ‖J‖_F² = Tr(JᵀJ) from products with J, and the rule
+that picks one (``trace_method``, run by ``total_sensitivity``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pullback_ext.linalg.operator import LinearOperatorBase
 from pullback_ext.errors import PullbackError
 
 EXACT_TRACE_MAX = 512
+TRACE_METHODS = ("auto", "exact", "hutchinson", "hutch++")
 
 
 @dataclass
@@ -88,3 +90,42 @@ def hutchpp(
     Z = Z - V @ (V.T @ Z)
     rest, stderr = _mean_stderr((op.jvp(Z).double() ** 2).sum(0))
     return TraceEstimate(energy + rest, stderr, "hutch++")
+
+
+def trace_method(shape: tuple[int, int], method: str = "auto") -> str:
+    """The estimator ``total_sensitivity`` runs for J of ``shape`` (M, P) when asked for ``method``.
+
+    "auto" is "exact" when min(M, P) ≤ ``EXACT_TRACE_MAX`` (512; SPEC §2 requires the exact T
+    there, and its min(M, P) products cost no more than the probes), else "hutch++": Hutchinson on
+    the remainder deflated by the captured subspace, whose estimate never falls below ‖J V‖_F², so
+    κ_cap ≤ 1. Any other method in ``TRACE_METHODS`` is returned as given.
+    """
+    if method not in TRACE_METHODS:
+        raise PullbackError(f"trace: expected one of {TRACE_METHODS}, got {method!r}")
+    if method != "auto":
+        return method
+    return "exact" if min(shape) <= EXACT_TRACE_MAX else "hutch++"
+
+
+def total_sensitivity(
+    op: LinearOperatorBase,
+    method: str = "auto",
+    probes: int = 100,
+    generator: Optional[torch.Generator] = None,
+    basis: Optional[Tensor] = None,
+    energy: Optional[float] = None,
+) -> TraceEstimate:
+    """T = ‖J‖_F² by the estimator ``trace_method(op.shape, method)`` chooses; the estimate records it.
+
+    "hutch++" deflates by ``basis`` V[P,r] (orthonormal, e.g. the randomized-SVD right singular
+    vectors; required for it) with ``energy`` = ‖J V‖_F² when already known; "exact" and
+    "hutchinson" ignore both. ``probes`` and ``generator`` feed the stochastic estimators.
+    """
+    chosen = trace_method(op.shape, method)
+    if chosen == "exact":
+        return exact_trace(op)
+    if chosen == "hutchinson":
+        return hutchinson(op, probes, generator)
+    if basis is None:
+        raise PullbackError("basis: 'hutch++' deflates by the captured subspace; pass its orthonormal basis V[P, r]")
+    return hutchpp(op, basis, probes, generator, energy=energy)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.probes.features import Features
 
 DEMO_TRAIN_SEED = 1_000
 DEMO_BLOCK = 32
@@ -103,9 +104,9 @@ class ImageSource:
         return rendered[start - first : stop - first]
 
 
-def features(probe, source: ImageSource, start: int, stop: int) -> Tensor:
-    """F[stop-start,N,D] of images start..stop-1, in the probe's dtype, from one ``features`` call
-    (a probe with per-image state then describes exactly this batch)."""
+def features(probe, source: ImageSource, start: int, stop: int) -> Features:
+    """The ``Features`` of images start..stop-1 (F[stop-start,N,D] and their per-image context), in
+    the probe's dtype."""
     dtype = next(iter(probe.parameters())).dtype
     return probe.features(source.images(start, stop).to(dtype)).detach()
 

@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -23,6 +23,7 @@ from torch import Tensor
 from pullback_ext.errors import CheckpointError, PullbackError
 from pullback_ext.fileio import atomic_write_json
 from pullback_ext.metric.checkpoint import atomic_save_tensors
+from pullback_ext.probes.features import Features, as_features, image_map
 
 EXACT_MAX_SIDE = 4096
 
@@ -108,7 +109,7 @@ def image_generator(seed: int, *stream: Any) -> torch.Generator:
 
 def compute_targets(
     probe: Callable[[Tensor], Tensor],
-    F: Tensor,
+    F: Union[Tensor, Features],
     config: TargetConfig,
     stream: Iterable[Any] | None = None,
     chunk_size: Optional[int] = 32,
@@ -117,21 +118,22 @@ def compute_targets(
     sigma[B,m'] (m' = m or m+1); with ``block_norms`` block_norm[B,N].
 
     Image b uses the sketch generator ``image_generator(config.seed, stream[b])`` (default: b).
-    A probe with per-image state (``for_image(b)``, e.g. a depth decoder reading frozen earlier
-    layers) is bound to image b of its last ``features`` batch, which must be F.
+    ``F`` is ``probe.features(images)`` (``Features``: a probe that reads per-image context, e.g.
+    a depth decoder reading frozen earlier layers, is bound to image b's) or a bare tensor for a
+    probe whose ψ depends on F alone.
     """
     from pullback_ext.linalg import JacobianOperator
 
-    if not isinstance(F, Tensor) or F.dim() != 3:
-        raise PullbackError(f"F: expected a tensor [B,N,D], got {tuple(F.shape) if isinstance(F, Tensor) else type(F).__name__}")
-    keys = list(range(F.shape[0])) if stream is None else list(stream)
-    if len(keys) != F.shape[0]:
-        raise PullbackError(f"stream: expected {F.shape[0]} ids (one per image), got {len(keys)}")
+    if not isinstance(F, Features) and (not isinstance(F, Tensor) or F.dim() != 3):
+        raise PullbackError(f"F: expected Features or a tensor [B,N,D], got {tuple(F.shape) if isinstance(F, Tensor) else type(F).__name__}")
+    features = as_features(F)
+    keys = list(range(len(features))) if stream is None else list(stream)
+    if len(keys) != len(features):
+        raise PullbackError(f"stream: expected {len(features)} ids (one per image), got {len(keys)}")
     out: dict[str, list[Tensor]] = {}
-    N = F.shape[1]
+    N = features.F.shape[1]
     for b, key in enumerate(keys):
-        bound = probe.for_image(b) if hasattr(probe, "for_image") else probe
-        op = JacobianOperator(bound, F[b], chunk_size=chunk_size)
+        op = JacobianOperator(image_map(probe, features, b), features.F[b], chunk_size=chunk_size)
         gen = image_generator(config.seed, key)
         JT = _dense_jacobian_transposed(op) if config.mode == "exact" and config.block_norms else None
         V, sigma = _modes(op, config, gen, JT)
@@ -176,7 +178,8 @@ class TargetCache:
     ) -> Optional[dict[str, Tensor]]:
         """Compute (or reuse) targets for images 0..num_images-1 and return them all (see ``load``).
 
-        ``features(start, stop)`` returns F[stop-start,N,D] for those images. With
+        ``features(start, stop)`` returns the ``Features`` (or a bare F[stop-start,N,D]) of those
+        images; their F is cached next to the targets. With
         ``world_size`` > 1 each rank computes the shards i with i % world_size == rank and
         returns None; once every rank is done, rank 0 calls ``write_manifest`` and all ``load``.
         """
@@ -191,7 +194,7 @@ class TargetCache:
             if not path.exists():
                 F = features(shard["start"], shard["stop"])
                 tensors = compute_targets(probe, F, config, stream=range(shard["start"], shard["stop"]))
-                tensors["features"] = F.detach()
+                tensors["features"] = as_features(F).F.detach()
                 atomic_save_tensors(tensors, path, {"key": key})
             else:
                 with safe_open(str(path), "pt") as fh:

@@ -97,7 +97,7 @@ class TrainingRun:
         torch.manual_seed(a.seed)  # the model's initialisation must not depend on how the probe was built
         extra: dict[str, Any] = {"probe": self.spec.to_dict(), "images": dict(train_src.describe(), count=len(train_src))}
         if a.kind == "vae":
-            data = {"features": features(probe, train_src, 0, len(train_src))}
+            data = {"features": features(probe, train_src, 0, len(train_src)).F}
             model = FeatureVAE(probe.dim, a.latent_dim, a.hidden).to(self.dtype)
             model.fit_normalization(data["features"])
             task: Any = VAETask(beta=a.beta, seed=a.seed)
@@ -107,9 +107,9 @@ class TrainingRun:
                                   keep_basis=a.kind == "spn", block_norms=a.target == "block-norm")
             extra["targets"] = asdict(config)
             if a.kind == "spn" and a.on_the_fly:
-                if getattr(probe, "frozen_layers", ()):
-                    raise PullbackError("--on-the-fly: this probe keeps per-image decoder state; use cached targets")
-                data = {"features": features(probe, train_src, 0, len(train_src))}
+                if probe.context_keys:
+                    raise PullbackError("--on-the-fly: this probe reads per-image decoder context besides F; use cached targets")
+                data = {"features": features(probe, train_src, 0, len(train_src)).F}
                 task = SPNTask(config, probe=probe, w_order=a.w_order)
                 extra["targets"]["on_the_fly"] = True
             else:
@@ -151,19 +151,20 @@ class TrainingRun:
 
     def _diagnose_latent(self, probe, vae, source) -> dict:
         """The diagnostic (κ_cap, CV, effective ranks, regime) at the features and at the VAE latent."""
-        from pullback_ext.diagnostics import diagnose
+        from pullback_ext.diagnostics import DiagnoseConfig, diagnose
         from pullback_ext.metric.vae import LatentProbe
 
         n = min(self.args.diagnose_images, len(source))
         F = features(probe, source, 0, n)
         latent = LatentProbe(probe, vae.requires_grad_(False))
         with torch.no_grad():
-            z = vae.encode(F)[0]
+            z = latent.latent(F)
         out = {}
         for name, fn, X in (("features", probe, F), ("latent", latent, z)):
-            rank = min(self.args.rank, X.shape[1] * X.shape[2] - 1)
-            d = diagnose(fn, X, rank=rank, power=2, probes=30, slq_steps=20, seed=self.args.seed, keep_vectors=False)
-            out[name] = {"rank": rank, "regime": d.regime, "method": d.method, "aggregate": d.aggregate}
+            config = DiagnoseConfig(rank=min(self.args.rank, fn.ambient_dim - 1), power=2, probes=30, slq_steps=20, seed=self.args.seed)
+            d = diagnose(fn, X, config, keep_vectors=False)
+            out[name] = {"rank": d.settings["rank"], "rank_requested": config.rank, "regime": d.regime, "method": d.method,
+                         "aggregate": d.aggregate}
         return out
 
     @torch.no_grad()
@@ -179,8 +180,8 @@ class TrainingRun:
         if not hasattr(self, "_held"):
             F = features(probe, source, 0, len(source))
             reference = reference_targets(probe, self.args.rank, self.args.power, self.args.seed)
-            targets = compute_targets(probe, F, reference, stream=[("heldout", i) for i in range(F.shape[0])])
-            self._held = (F, targets, reference)
+            targets = compute_targets(probe, F, reference, stream=[("heldout", i) for i in range(len(F))])
+            self._held = (F.F, targets, reference)
         return self._held
 
     @torch.no_grad()
@@ -189,7 +190,7 @@ class TrainingRun:
 
         model.eval()
         if kind == "vae":
-            F = features(probe, source, 0, len(source))
+            F = features(probe, source, 0, len(source)).F
             recon, _, _ = model(F, torch.zeros(*F.shape[:-1], model.latent_dim, dtype=F.dtype))
             err = ((recon - F).pow(2).sum(-1) / F.pow(2).sum(-1).clamp_min(1e-30)).mean()
             return {"relative_reconstruction_error": float(err), "count": F.shape[0]}

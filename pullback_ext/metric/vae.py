@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from pullback_ext.probes.base import Probe
+from pullback_ext.probes.features import Features
 from pullback_ext.errors import PullbackError
 
 
@@ -91,7 +92,8 @@ class FeatureVAE(nn.Module):
 class LatentProbe(Probe):
     """ψ ∘ Dec: the probe map at the VAE latent, z[B,N,d] -> y[B,M].
 
-    ``features(images)`` returns the posterior mean of the base probe's features.
+    ``features(images)`` returns the posterior mean of the base probe's features, with the base
+    probe's per-image context (which ``bind`` passes on to it).
     """
 
     def __init__(self, base: Probe, vae: FeatureVAE) -> None:
@@ -101,8 +103,19 @@ class LatentProbe(Probe):
         self.base = base
         self.vae = vae
 
-    def features(self, images: Tensor) -> Tensor:
-        return self.vae.encode(self.base.features(images))[0]
+    def features(self, images: Tensor) -> Features:
+        return self.latent(self.base.features(images))
+
+    def latent(self, features: Features) -> Features:
+        """The base probe's ``Features`` -> z[B,N,d] (posterior mean), with the same context."""
+        return Features(self.vae.encode(features.F)[0], features.context)
+
+    @property
+    def context_keys(self) -> tuple[str, ...]:
+        return self.base.context_keys
+
+    def _bind(self, context: dict[str, Tensor]) -> Probe:
+        return LatentProbe(self.base.bind(context), self.vae)
 
     def forward(self, z: Tensor) -> Tensor:
         self.check_features(z, "z")

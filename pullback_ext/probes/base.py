@@ -1,8 +1,10 @@
 """The probe-map protocol: ψ_ℓ maps the features F[B,N,D] of one ViT layer to task outputs y[B,M].
 
-A probe knows how to produce its own input (``features``: images -> F at layer ``layer``) and how
-to run everything downstream of that layer (``forward``: remaining blocks, decoder, optional
-output transform L). The diagnostic differentiates ``forward`` only.
+A probe knows how to produce its own input (``features``: images -> ``Features``, F at layer
+``layer`` with any per-image context) and how to run everything downstream of that layer
+(``forward``: remaining blocks, decoder, optional output transform L). The diagnostic
+differentiates ``forward`` only, of the probe bound to one image's context (``bind``). A probe
+keeps no state between calls: what one image needs besides F travels in its ``Features``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
 from pullback_ext.errors import PullbackError
+from pullback_ext.probes.features import Features
 
 
 class Probe(torch.nn.Module):
@@ -28,7 +32,8 @@ class Probe(torch.nn.Module):
             H = L Lᵀ for the transposed factor).
 
     Subclasses implement ``features`` and ``outputs`` (or override ``forward`` and call
-    ``apply_output_transform`` themselves).
+    ``apply_output_transform`` themselves); those whose ψ also reads constants of the image name
+    them in ``context_keys``, return them in ``Features.context`` and implement ``_bind``.
     """
 
     layer: int
@@ -69,8 +74,8 @@ class Probe(torch.nn.Module):
         """P = N·D."""
         return self.num_tokens * self.dim
 
-    def features(self, images: Tensor) -> Tensor:
-        """images[B,3,H,W] -> F[B,N,D] at layer ``layer``."""
+    def features(self, images: Tensor) -> Features:
+        """images[B,3,H,W] -> ``Features``: F[B,N,D] at layer ``layer`` and the context ``bind`` takes."""
         raise NotImplementedError(f"{type(self).__name__} does not implement features()")
 
     def outputs(self, F: Tensor) -> Tensor:
@@ -93,16 +98,29 @@ class Probe(torch.nn.Module):
         """F[B,N,D] -> y[B,M] (output transform applied)."""
         return self.apply_output_transform(self.outputs(F))
 
-    def for_image(self, index: int) -> "Probe":
-        """The map F[1,N,D] -> y[1,M] of image ``index`` of the batch last passed to ``features``.
+    @property
+    def context_keys(self) -> tuple[str, ...]:
+        """Names of the per-image constants ψ reads besides F (``Features.context``); none by default."""
+        return ()
 
-        Probes whose downstream computation also reads constants of the image (e.g. decoder hooks
-        before layer ℓ) override this; for all others ψ depends on F alone and this is ``self``.
-        """
-        return self
+    def bind(self, context: dict[str, Tensor]) -> "Probe":
+        """ψ with the per-image context given (``features(images).context``, or one image's rows of
+        it): F[k,N,D] -> y[k,M]. A probe whose ψ depends on F alone takes an empty context and
+        returns itself."""
+        keys = self.context_keys
+        if set(context) != set(keys):
+            raise PullbackError(
+                f"context: this probe reads {list(keys) or 'nothing'} of each image besides F, got "
+                f"{sorted(context) or 'no context'}; pass the Features of probe.features(images), not only its tensor"
+            )
+        return self._bind(context) if keys else self
+
+    def _bind(self, context: dict[str, Tensor]) -> "Probe":
+        """The bound map of a probe with ``context_keys`` (subclasses that read context override it)."""
+        raise NotImplementedError(f"{type(self).__name__} declares context {self.context_keys} but cannot bind it")
 
     def check_features(self, F: Tensor, name: str = "F") -> None:
-        """Raise ValueError unless F is a floating tensor of shape [B,N,D] or [N,D] for this probe."""
+        """Raise unless F is a floating tensor (else TypeError) of shape [B,N,D] or [N,D] for this probe."""
         if not isinstance(F, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(F).__name__}")
         if not F.is_floating_point():

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from pullback_ext.probes.modes import jvp_friendly
 from pullback_ext.probes.base import Probe
+from pullback_ext.probes.features import Features, as_features
 from pullback_ext.errors import PullbackError
 
 
@@ -31,10 +32,11 @@ class CallableProbe(Probe):
         self.fn = fn
         self._extract = features
 
-    def features(self, images: Tensor) -> Tensor:
+    def features(self, images: Tensor) -> Features:
+        """images -> F[B,N,D] from the feature extractor given at construction (no context)."""
         if self._extract is None:
             raise NotImplementedError("this probe was built from example features and has no feature extractor")
-        return self._extract(images)
+        return as_features(self._extract(images))
 
     def outputs(self, F: Tensor) -> Tensor:
         module = self.fn if isinstance(self.fn, torch.nn.Module) else torch.nn.Module()

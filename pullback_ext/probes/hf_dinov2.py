@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from pullback_ext.probes.base import Probe
+from pullback_ext.probes.features import Features
 from pullback_ext.probes.modes import evaluation, jvp_friendly
 from pullback_ext.errors import PullbackError
 
@@ -60,8 +61,8 @@ class HFDinov2Probe(Probe):
         self.grid_size = grid
 
     @torch.no_grad()
-    def features(self, images: Tensor) -> Tensor:
-        """images[B,3,H,W] -> F[B,N,D] after encoder layer ℓ."""
+    def features(self, images: Tensor) -> Features:
+        """images[B,3,H,W] -> F[B,N,D] after encoder layer ℓ (no context)."""
         if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[1] != 3:
             raise PullbackError("images: expected a tensor [B,3,H,W], got "
                              + (str(tuple(images.shape)) if isinstance(images, Tensor) else type(images).__name__))
@@ -69,7 +70,7 @@ class HFDinov2Probe(Probe):
             raise PullbackError(f"images: expected spatial size {self.image_size} (the probe's image_size), "
                              f"got {tuple(images.shape[-2:])}")
         with evaluation(self.model):
-            return self.model(pixel_values=images, output_hidden_states=True).hidden_states[self.layer + 1]
+            return Features(self.model(pixel_values=images, output_hidden_states=True).hidden_states[self.layer + 1])
 
     def outputs(self, F: Tensor) -> Tensor:
         with jvp_friendly(self.model):

@@ -5,8 +5,8 @@ The probe replaces the output of encoder layer(s) by F through a forward hook an
 own forward, so the neck and head are exactly the library's. Two kinds:
 
 - single-layer: F = tokens after encoder layer ℓ; ψ runs layers ℓ+1.., neck and head. Hooked
-  layers before ℓ that the neck reads are constants of the image: ``features(images)`` remembers
-  the images, and ``for_image(i)`` gives the map of image i.
+  layers before ℓ that the neck reads are constants of the image: ``features(images)`` returns the
+  images as context (``"images"``), and ``bind(context)`` gives the map of those images.
 - multi-layer (decoder input): F = the hooked layer outputs the neck reads, concatenated along
   channels, [B, N, K·D]; ψ is neck + head only and depends on F alone.
 
@@ -24,6 +24,7 @@ from torch import Tensor
 
 from pullback_ext.probes.modes import evaluation, jvp_friendly
 from pullback_ext.probes.base import Probe
+from pullback_ext.probes.features import Features, context_rows
 from pullback_ext.errors import PullbackError
 
 
@@ -109,7 +110,6 @@ class HFDepthProbe(Probe):
         self.image_size = (int(image_size[0]), int(image_size[1]))
         self.grid_size = grid
         self.hidden = hidden
-        self._context: Optional[Tensor] = None
 
     def _check_images(self, images: Tensor) -> None:
         if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[1] != 3:
@@ -121,8 +121,9 @@ class HFDepthProbe(Probe):
             raise PullbackError(f"images: expected spatial size {self.image_size} (the probe's image_size), got {tuple(images.shape[-2:])}")
 
     @torch.no_grad()
-    def features(self, images: Tensor) -> Tensor:
-        """images[B,3,H,W] -> F: [B,N,D] after layer ℓ, or [B,N,K·D] (hooked layers) when multi-layer."""
+    def features(self, images: Tensor) -> Features:
+        """images[B,3,H,W] -> F: [B,N,D] after layer ℓ, or [B,N,K·D] (hooked layers) when multi-layer;
+        context ``"images"`` (the images themselves) when hooks before ℓ are read."""
         self._check_images(images)
         wanted = self.hooks if self.multi_layer else [self.layer]
         captured: dict[int, Tensor] = {}
@@ -135,8 +136,8 @@ class HFDepthProbe(Probe):
         finally:
             for h in handles:
                 h.remove()
-        self._context = images.detach()
-        return torch.cat([captured[i] for i in wanted], dim=-1)
+        context = {"images": images.detach()} if self.context_keys else {}
+        return Features(torch.cat([captured[i] for i in wanted], dim=-1), context)
 
     def _depth(self, images: Tensor, F: Tensor) -> Tensor:
         if self.multi_layer:
@@ -163,41 +164,37 @@ class HFDepthProbe(Probe):
                     self._output_dim = int(self.apply_output_transform(self._depth(image, F)).shape[-1])
         return self._output_dim
 
-    def _needs_context(self) -> bool:
-        return not self.multi_layer and any(h < self.layer for h in self.hooks)
+    @property
+    def context_keys(self) -> tuple[str, ...]:
+        """("images",) when ψ reads hooked layers before ℓ (constants of the image), else ()."""
+        return ("images",) if not self.multi_layer and any(h < self.layer for h in self.hooks) else ()
 
     def outputs(self, F: Tensor) -> Tensor:
-        if self._needs_context():
-            if self._context is None or self._context.shape[0] != F.shape[0]:
-                raise PullbackError(
-                    "F: this probe reads decoder hooks before layer ℓ from the image; call features(images) "
-                    "with the same batch first, or use for_image(i)"
-                )
-            images = self._context
-        else:
-            # ψ does not depend on the image; any input of the right size drives the earlier layers
-            images = torch.zeros(F.shape[0], 3, *self.image_size, dtype=F.dtype, device=F.device)
-        return self._depth(images.to(F.dtype), F)
+        if self.context_keys:
+            raise PullbackError(
+                "F: this probe also reads decoder hooks before layer ℓ from the images; bind it to them first: "
+                "probe.bind(features.context) with the Features of probe.features(images)"
+            )
+        # ψ does not depend on the image; any input of the right size drives the earlier layers
+        images = torch.zeros(F.shape[0], 3, *self.image_size, dtype=F.dtype, device=F.device)
+        return self._depth(images, F)
 
-    def for_image(self, index: int) -> Probe:
-        if not self._needs_context():
-            return self
-        if self._context is None or not 0 <= index < self._context.shape[0]:
-            raise IndexError(f"index: expected an image of the last features() batch, got {index}")
-        return _BoundDepthProbe(self, self._context[index : index + 1])
+    def _bind(self, context: dict[str, Tensor]) -> Probe:
+        return _BoundDepthProbe(self, context["images"])
 
 
 class _BoundDepthProbe(Probe):
-    """An ``HFDepthProbe`` with the image constants of one image fixed."""
+    """An ``HFDepthProbe`` with the images whose constants it reads fixed, [1 or B,3,H,W]."""
 
-    def __init__(self, parent: HFDepthProbe, image: Tensor) -> None:
+    def __init__(self, parent: HFDepthProbe, images: Tensor) -> None:
         super().__init__(parent.layer, parent.num_tokens, parent.dim, parent.num_prefix_tokens, parent.output_transform)
         self.parent = parent
         self.grid_size = parent.grid_size
-        self.register_buffer("image", image, persistent=False)
+        self.register_buffer("images", images, persistent=False)
 
     def outputs(self, F: Tensor) -> Tensor:
-        return self.parent._depth(self.image.expand(F.shape[0], -1, -1, -1).to(F.dtype), F)
+        images = context_rows({"images": self.images}, F.shape[0])["images"]
+        return self.parent._depth(images.to(F.dtype), F)
 
 
 def from_hf_dpt(

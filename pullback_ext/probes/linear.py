@@ -7,6 +7,7 @@ from typing import Callable, Optional
 from torch import Tensor
 
 from pullback_ext.probes.base import Probe
+from pullback_ext.probes.features import Features, as_features
 from pullback_ext.errors import PullbackError
 
 
@@ -40,10 +41,11 @@ class LinearTokenProbe(Probe):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self._extract = features
 
-    def features(self, images: Tensor) -> Tensor:
+    def features(self, images: Tensor) -> Features:
+        """images -> F[B,N,D] from the feature extractor given at construction (no context)."""
         if self._extract is None:
             raise NotImplementedError("this linear probe has no feature extractor; pass `features=` when building it")
-        return self._extract(images)
+        return as_features(self._extract(images))
 
     def outputs(self, F: Tensor) -> Tensor:
         y = F @ self.W.to(F.dtype).T

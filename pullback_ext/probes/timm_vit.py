@@ -9,6 +9,7 @@ from torch import Tensor
 
 from pullback_ext.probes.base import Probe
 from pullback_ext.probes.cls_row import run_blocks_for_cls_row
+from pullback_ext.probes.features import Features
 from pullback_ext.probes.modes import evaluation, jvp_friendly
 from pullback_ext.errors import PullbackError
 
@@ -67,8 +68,8 @@ class TimmViTProbe(Probe):
         self.cls_row = bool(cls_row)
 
     @torch.no_grad()
-    def features(self, images: Tensor) -> Tensor:
-        """images[B,3,H,W] (preprocessed) -> F[B,N,D], the tokens after block ``layer``."""
+    def features(self, images: Tensor) -> Features:
+        """images[B,3,H,W] (preprocessed) -> F[B,N,D], the tokens after block ``layer`` (no context)."""
         if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[1] != 3:
             raise PullbackError(
                 "images: expected a tensor [B,3,H,W], got "
@@ -82,7 +83,7 @@ class TimmViTProbe(Probe):
             x = m.norm_pre(x) if hasattr(m, "norm_pre") else x
             for block in m.blocks[: self.layer + 1]:
                 x = block(x)
-        return x
+        return Features(x)
 
     def outputs(self, F: Tensor) -> Tensor:
         m = self.model
