@@ -1,15 +1,49 @@
 """Token merging / pruning for frozen ViTs, switched on and off in place.
 
     import pullback_ext.patch as patch
+    patch.auto(model, head=head, ratio=0.3)             # any family below, recognised
     patch.timm(model, head=head, ratio=0.3, layers=(4,), mode="merge", strategy="importance")
     patch.hf_dinov2(dinov2, head=head, ratio=0.3)       # Hugging Face DINOv2 (CLS: merge)
     patch.hf_dpt(depth_model, head=head, ratio=0.5)     # Hugging Face DPT / Depth Anything (prune)
+    patch.hf_clip(clip_vision, strategy="tome_score")   # also hf_vit, hf_siglip, hf_dinov3
     options = patch.ReductionOptions(strategy="tome_score", ratio=0.5, layers=(4, 8))
     patch.timm(model, options, mode="prune")            # options object, keywords override fields
     patch.timm(model, strategy="tome", r=16, schedule="decreasing")   # ToMe as its authors run it
     patch.timm(model, strategy="evit", keep_rate=0.7)                  # EViT as its authors run it
     patch.config(model)             # the options in use, every "auto" chosen
     patch.unpatch(model)            # the original forward again
+
+Families and the strategies each takes. The single-stage strategies are ``importance``, ``oracle``,
+``random``, ``tome_score``, ``norm`` (nothing needed of the model), ``evit_score``, ``cls_sim`` (a CLS
+token), ``asap`` (with ``evit_score``: the blocks' attention probabilities, which every family
+below gives); the originals ``tome`` / ``evit`` split the blocks between attention and MLP and
+reorder the tokens:
+
+====================================================  =============  ===================================  ==========
+family                                                prefix tokens  single-stage strategies              originals
+====================================================  =============  ===================================  ==========
+timm ``VisionTransformer``, also with LayerScale      CLS, regs      all (without CLS: not                tome, evit
+(DINOv2, DeiT-III): ``timm``                                         ``evit_score``, ``cls_sim``)
+timm ``Eva`` (EVA-02, RoPE ViTs, DINOv3): ``timm``    CLS, regs      all (as above)                       none
+HF DPT: ``hf_dpt``                                    CLS            all                                  none
+HF DINOv2 (+registers), Depth Anything:               CLS, regs      all                                  none
+``hf_dinov2``
+HF ``ViTModel``, ``ViTForImageClassification``:       CLS            all                                  none
+``hf_vit``
+HF CLIP vision (``CLIPVisionModel``,                  CLS            all                                  none
+``...WithProjection``): ``hf_clip``
+HF ``SiglipVisionModel``: ``hf_siglip``               none           all but ``evit_score``, ``cls_sim``  none
+HF DINOv3 ViT (``DINOv3ViTModel``, ``...Backbone``):  CLS, regs      all                                  none
+``hf_dinov3``
+====================================================  =============  ===================================  ==========
+
+Proportional attention and masked LLF reach each family's attention as an additive mask: timm's
+``attn_mask``; the ``attention_mask`` of the Hugging Face layers (eager or SDPA attention), except
+DPT, whose layer is re-run with the bias added to its logits. RoPE families (Eva, DINOv3) give every
+current token the rotary position of its own original place: a merged token keeps its
+destination's, a pruned token re-inserted by LLF its own. A strategy a model cannot take is
+refused when patching with a :class:`~pullback_ext.errors.PullbackError` (without a CLS token:
+"needs a class token").
 
 ``mode="merge"`` (CLS decoders): the ``ratio`` fraction of patch tokens with the lowest keep scores
 merge into their nearest remaining token (pullback distance with ``spn=``, cosine otherwise).
@@ -24,7 +58,7 @@ schedule (``ratio`` is then the total fraction, split evenly, or one fraction pe
 :func:`pullback_ext.prune.schedules.scale_layers` to map ViT-B schedules to other depths. CLS and register tokens are never merged or pruned.
 The gather, merge and re-insert steps run through the ``pullback_ext.ops`` kernels.
 
-``strategy="tome"`` and ``"evit"`` are the original methods (timm only for now): they reduce inside
+``strategy="tome"`` and ``"evit"`` are the original methods (timm ViTs only): they reduce inside
 the blocks, between attention and MLP — ToMe ``r`` tokens in every block of ``block_range``
 (:mod:`pullback_ext.prune.tome`), EViT at three blocks keeping ``keep_rate`` of the patch tokens
 (:mod:`pullback_ext.prune.evit`) — and take their own options instead of ``ratio`` / ``layers`` /
@@ -68,17 +102,20 @@ def _option_keywords(fn):
 
 @_option_keywords
 def timm(model, options: Optional[ReductionOptions] = None, /, **overrides):
-    """Patch a timm ``VisionTransformer`` in place (re-patching replaces the previous plan).
+    """Patch a timm ``VisionTransformer`` or ``Eva`` in place (re-patching replaces the previous plan).
 
     ``options`` and the keywords (which replace its fields) are those of :class:`ReductionOptions`;
-    ``mode="auto"`` merges. Returns the model.
+    ``mode="auto"`` merges. An ``Eva`` (EVA-02, RoPE ViTs) gives each current token the rotary
+    position of its original place, and takes the single-stage strategies only. Returns the model.
     """
     from pullback_ext.prune import timm_vit
 
     timm_vit.check_model(model)
     if _is_patched(model):
         unpatch(model)
-    reduction = with_overrides(options, **overrides).resolve(timm_vit.backbone_shape(model))
+    options = with_overrides(options, **overrides)
+    timm_vit.check_strategy(model, options.strategy)
+    reduction = options.resolve(timm_vit.backbone_shape(model))
     model.forward_features = types.MethodType(_with_reduction(timm_vit.forward_features, reduction), model)
     model.forward_intermediates = types.MethodType(_with_reduction(timm_vit.forward_intermediates, reduction), model)
     setattr(model, _ATTR, ("timm", reduction))
@@ -93,9 +130,7 @@ def hf_dpt(model, options: Optional[ReductionOptions] = None, /, **overrides):
     Same options as :func:`timm`; ``mode="auto"`` prunes. The encoder's hidden states (what the
     neck reads) are full-length. Returns the model.
     """
-    from pullback_ext.prune.hf_encoders import find_encoder
-
-    return _patch_hf(model, find_encoder(model), options, overrides, dense_neck=True)
+    return _patch_hf(model, _find_encoder(model, "dpt", "dinov2"), options, overrides, dense_neck=True)
 
 
 @_option_keywords
@@ -109,18 +144,107 @@ def hf_dinov2(model, options: Optional[ReductionOptions] = None, /, **overrides)
     attention and masked LLF pass their bias as the layers' additive attention mask, which needs
     ``attn_implementation`` "sdpa" (transformers' default) or "eager". Returns the model.
     """
+    return _patch_hf(model, _find_encoder(model, "dinov2"), options, overrides)
+
+
+@_option_keywords
+def hf_vit(model, options: Optional[ReductionOptions] = None, /, **overrides):
+    """Patch a Hugging Face ``ViTModel`` (or a model built on one: ``ViTForImageClassification``) in place.
+
+    Transformers 5 runs the layers in ``ViTModel.forward`` itself; the patched forward mirrors it
+    (:mod:`pullback_ext.prune.hf_vit`) for the transformers versions it was checked against, and
+    refuses others. Same options as :func:`timm`; ``mode="auto"`` merges; hidden states are
+    full-length; the bias of proportional attention and masked LLF is the layers' additive attention
+    mask ("sdpa" or "eager" attention). Returns the model.
+    """
+    return _patch_hf(model, _find_encoder(model, "vit"), options, overrides)
+
+
+@_option_keywords
+def hf_clip(model, options: Optional[ReductionOptions] = None, /, **overrides):
+    """Patch the vision encoder of a Hugging Face ``CLIPVisionModel`` / ``CLIPVisionModelWithProjection``
+    (or ``CLIPModel``) in place.
+
+    The pre-LayerNorm before the encoder and the pooled output (the post-LayerNorm CLS token, which
+    is never merged or pruned) are unchanged. Same options and attention bias as :func:`hf_vit`;
+    ``mode="auto"`` merges. Returns the model.
+    """
+    return _patch_hf(model, _find_encoder(model, "clip"), options, overrides)
+
+
+@_option_keywords
+def hf_siglip(model, options: Optional[ReductionOptions] = None, /, **overrides):
+    """Patch the encoder of a Hugging Face ``SiglipVisionModel`` (or ``SiglipModel``) in place.
+
+    SigLIP has no CLS token: every token is a patch token, merge mode needs no CLS (its
+    attention-pooling head reads the full-length last hidden state, a merged token at every position
+    it absorbed), and the strategies that read the CLS token (``evit_score``, ``cls_sim``) are
+    refused when patching ("needs a class token"). Same options and attention bias as
+    :func:`hf_vit`; ``mode="auto"`` merges. Returns the model.
+    """
+    return _patch_hf(model, _find_encoder(model, "siglip"), options, overrides)
+
+
+@_option_keywords
+def hf_dinov3(model, options: Optional[ReductionOptions] = None, /, **overrides):
+    """Patch a Hugging Face ``DINOv3ViTModel`` / ``DINOv3ViTBackbone`` in place (register tokens are
+    never merged or pruned).
+
+    Every layer gets the rotary position embeddings of its current tokens: a merged token keeps its
+    destination's position, a pruned token re-inserted by LLF its own. Same options and attention
+    bias as :func:`hf_vit`; ``mode="auto"`` prunes for ``DINOv3ViTBackbone`` and merges otherwise.
+    Returns the model.
+    """
+    return _patch_hf(model, _find_encoder(model, "dinov3"), options, overrides)
+
+
+_HF_PATCHES = {"dpt": hf_dpt, "dinov2": hf_dinov2, "vit": hf_vit, "clip": hf_clip, "siglip": hf_siglip, "dinov3": hf_dinov3}
+
+
+@_option_keywords
+def auto(model, options: Optional[ReductionOptions] = None, /, **overrides):
+    """Patch ``model`` in place with the patch of its family: :func:`timm` for a timm
+    ``VisionTransformer`` or ``Eva``, else the Hugging Face family found in it (:func:`hf_dpt`,
+    :func:`hf_dinov2`, :func:`hf_vit`, :func:`hf_clip`, :func:`hf_siglip`, :func:`hf_dinov3`; a
+    Depth Anything model goes to :func:`hf_dinov2`). Same options as :func:`timm`. Returns the model.
+    """
     from pullback_ext.prune.hf_encoders import find_encoder
+    from pullback_ext.prune.timm_vit import is_timm_vit
 
-    encoder = find_encoder(model, families=("dinov2",))
-    return _patch_hf(model, encoder, options, overrides, dense_neck=encoder.feeds_dense_neck)
+    if is_timm_vit(model):
+        return timm(model, options, **overrides)
+    try:
+        encoder = find_encoder(model, tuple(_HF_PATCHES))
+    except PullbackError:
+        raise PullbackError(f"patch.auto: {type(model).__name__} is none of the supported families: {_supported_families()}") from None
+    return _HF_PATCHES[encoder.family](model, options, **overrides)
 
 
-def _patch_hf(model, encoder, options: Optional[ReductionOptions], overrides: dict, dense_neck: bool):
+def _supported_families() -> str:
+    """The model families :func:`auto` recognises, in words."""
+    from pullback_ext.prune.hf_families import FAMILIES
+
+    return "; ".join(["a timm VisionTransformer or Eva"] + [family.title for family in FAMILIES.values()])
+
+
+def _find_encoder(model, *families: str):
+    """The layer loop of ``model`` in one of ``families``; a transformers version the families' code
+    was not checked against is refused first (its models may be laid out otherwise)."""
+    from pullback_ext.prune.hf_encoders import find_encoder
+    from pullback_ext.prune.hf_families import FAMILIES, check_transformers
+
+    for name in families:
+        check_transformers(FAMILIES[name])
+    return find_encoder(model, families)
+
+
+def _patch_hf(model, encoder, options: Optional[ReductionOptions], overrides: dict, dense_neck: Optional[bool] = None):
     from pullback_ext.prune.hf_encoders import install
 
     if _is_patched(encoder.module):
         unpatch(model)
-    shape = BackboneShape(depth=len(encoder.module.layer), num_prefix=encoder.num_prefix, has_cls=True, dense_neck=dense_neck)
+    dense = encoder.feeds_dense_neck if dense_neck is None else dense_neck
+    shape = BackboneShape(depth=len(encoder.layers), num_prefix=encoder.num_prefix, has_cls=encoder.has_cls, dense_neck=dense)
     reduction = with_overrides(options, **overrides).resolve(shape)
     if reduction.options.strategy in ORIGINALS:
         raise PullbackError(f"strategy {reduction.options.strategy!r} (the original method) is available for timm ViTs "
@@ -143,7 +267,8 @@ def _with_reduction(fn, reduction):
 
 
 def unpatch(model):
-    """Undo :func:`timm` / :func:`hf_dpt` / :func:`hf_dinov2`; a no-op on an unpatched model. Returns the model."""
+    """Undo any patch of this module (:func:`auto`, :func:`timm`, the ``hf_*`` patches); a no-op on an
+    unpatched model. Returns the model."""
     if _is_patched(model) and getattr(model, _ATTR)[0] == "timm":
         del model.forward_features
         del model.forward_intermediates

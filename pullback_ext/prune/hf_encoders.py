@@ -1,50 +1,61 @@
-"""Reduction-aware encoders for Hugging Face ViT-family models: DPT (ViT backbone) and DINOv2
-(with or without registers; also as the backbone of Depth Anything).
+"""Reduction-aware layer loops for the Hugging Face ViT families of
+:mod:`pullback_ext.prune.hf_families`: DPT, DINOv2 (with or without registers; also Depth
+Anything's backbone), ViT, CLIP and SigLIP vision models, DINOv3 ViT (registers, RoPE).
 
 Transformers records ``hidden_states`` (what a DPT or Depth Anything neck reads) with forward hooks
-on every encoder layer, so each layer must *return* full-length features: a patched layer runs on
-the current (reduced) tokens and hands back the full sequence (pruned tokens frozen, merged tokens
-unmerged); the encoder gathers the current tokens again before the next layer. Where the encoder
-itself installs those hooks (DINOv2's forward is wrapped by transformers' ``capture_outputs``), the
-patched forward is wrapped the same way; DPT installs them one level up, in ``DPTModel``.
+on every layer, so each layer must *return* full-length features: a patched layer runs on the
+current (reduced) tokens and hands back the full sequence (pruned tokens frozen, merged tokens
+unmerged); the loop gathers the current tokens again before the next layer. Where the loop owner
+itself installs those hooks (its forward is wrapped by transformers' ``capture_outputs``: DINOv2,
+DINOv3, ViT), the patched forward is wrapped the same way; DPT, CLIP and SigLIP install them one
+level up (``DPTModel``, ``CLIPVisionModel``, ``SiglipVisionModel``).
 
-Attention bias (proportional attention after merges, masked LLF): DINOv2 layers take an additive
-``attention_mask`` (transformers' eager and SDPA attention add it to the logits), so the bias is
-passed as that; DPT's attention takes no mask, so the patched layer computes the same operations
-itself with the bias added to the logits (:func:`biased_layer_forward`).
+Attention bias (proportional attention after merges, masked LLF): the DINOv2, ViT, CLIP, SigLIP and
+DINOv3 layers take an additive ``attention_mask`` (transformers' eager and SDPA attention add it to
+the logits), so the bias is passed as that; DPT's attention takes no mask, so the patched layer
+computes the same operations itself with the bias added to the logits (:func:`biased_layer_forward`).
+DINOv3 layers get the rotary rows of their current tokens (:mod:`pullback_ext.prune.rope`).
 """
 
 from __future__ import annotations
 
-import operator
+import inspect
 import types
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
+from pullback_ext.prune.hf_families import FAMILIES, Family, attention_module, check_transformers
+from pullback_ext.prune.hf_vit import refuse_attention_mask
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import Reduction
+from pullback_ext.prune.rope import DeferredAttention, RotaryRows
 from pullback_ext.prune.tokens import TokenState, internal_indices
 
 _LAYER_ATTR = "_pullback_layer_state"
-_DPT_ENCODERS = ("DPTViTEncoder",)
-_DINOV2_ENCODERS = ("Dinov2Encoder", "Dinov2WithRegistersEncoder")
 # Attention implementations that add a float attention_mask to the logits.
 _MASKABLE_ATTENTION = ("eager", "sdpa")
 
 
 @dataclass(frozen=True)
 class Encoder:
-    """An encoder the pipeline can run: ``module.layer`` is its block list; ``family`` is ``"dpt"``
-    or ``"dinov2"``; ``num_prefix`` counts CLS and register tokens."""
+    """A layer loop the pipeline can run: ``module`` owns the loop (its forward is replaced) and
+    holds the layers (:attr:`layers`); ``family`` names its entry in
+    :data:`~pullback_ext.prune.hf_families.FAMILIES`; ``num_prefix`` counts CLS and register tokens."""
 
     module: torch.nn.Module
     family: str
     num_prefix: int
-    feeds_dense_neck: bool  # its hidden states feed a dense decoder (a transformers backbone)
+    feeds_dense_neck: bool  # its hidden states feed a dense decoder (a transformers backbone, a DPT neck)
+    has_cls: bool = True
+
+    @property
+    def layers(self) -> torch.nn.ModuleList:
+        return getattr(self.module, FAMILIES[self.family].layers)
 
 
 def _first(model, names: tuple):
@@ -52,55 +63,48 @@ def _first(model, names: tuple):
     return next((m for m in modules if type(m).__name__ in names), None)
 
 
+def _loop_owner(model, family: Family):
+    if not family.parents:
+        return _first(model, family.loops)
+    parent = _first(model, family.parents)
+    encoder = getattr(parent, "encoder", None)
+    return encoder if type(encoder).__name__ in family.loops else None
+
+
 def find_encoder(model, families: tuple = ("dpt", "dinov2")) -> Encoder:
-    """The encoder of a DPT (``DPTForDepthEstimation``, ``DPTModel``) or DINOv2 model
-    (``Dinov2Model``, ``Dinov2ForImageClassification``, ``Dinov2Backbone``, their ``WithRegisters``
-    versions, ``DepthAnythingForDepthEstimation``)."""
-    dpt = _first(model, _DPT_ENCODERS) if "dpt" in families else None
-    if dpt is not None:
-        return Encoder(dpt, "dpt", 1, feeds_dense_neck=True)
-    dinov2 = _first(model, _DINOV2_ENCODERS) if "dinov2" in families else None
-    if dinov2 is not None:
-        registers = int(getattr(dinov2.config, "num_register_tokens", 0) or 0)
-        dense = _first(model, ("Dinov2Backbone", "Dinov2WithRegistersBackbone")) is not None
-        return Encoder(dinov2, "dinov2", 1 + registers, feeds_dense_neck=dense)
-    wanted = {"dpt": "a Hugging Face DPT with a ViT encoder (DPTViTEncoder)",
-              "dinov2": "a Hugging Face DINOv2 model (Dinov2Encoder / Dinov2WithRegistersEncoder)"}
-    raise PullbackError(f"model must be {' or '.join(wanted[f] for f in families)}; got {type(model).__name__}")
-
-
-@dataclass(frozen=True)
-class _AttentionLayout:
-    """Where a layer family keeps its pre-attention norm, self-attention and projections."""
-
-    norm: str
-    attention: str  # dotted path from the layer
-    projections: tuple  # query, key, value
-    head_size: str
-
-
-_LAYOUTS = {
-    "dpt": _AttentionLayout("layernorm_before", "attention.attention", ("query", "key", "value"), "attention_head_size"),
-    "dinov2": _AttentionLayout("norm1", "attention", ("q_proj", "k_proj", "v_proj"), "head_dim"),
-}
+    """The layer loop of ``model`` in the first of ``families`` it belongs to (see
+    :data:`~pullback_ext.prune.hf_families.FAMILIES`: a DPT, DINOv2, ViT, CLIP or SigLIP vision,
+    DINOv3 model, or a model built on one)."""
+    for name in families:
+        family = FAMILIES[name]
+        owner = _loop_owner(model, family)
+        if owner is not None:
+            registers = int(getattr(owner.config, "num_register_tokens", 0) or 0)
+            return Encoder(owner, name, int(family.has_cls) + registers, has_cls=family.has_cls,
+                           feeds_dense_neck=_first(model, family.dense) is not None)
+    raise PullbackError(f"model must be {' or '.join(FAMILIES[f].title for f in families)}; got {type(model).__name__}")
 
 
 def _heads(layer, x: torch.Tensor, family: str, count: int):
     """``(attention module, normed input h [B, K, D], [q, k, v][:count] as [B, H, K, d])``."""
-    layout = _LAYOUTS[family]
-    attn = operator.attrgetter(layout.attention)(layer)
+    layout = FAMILIES[family].attention
+    attn = attention_module(layer, FAMILIES[family])
     h = getattr(layer, layout.norm)(x)
     b, k, _ = h.shape
-    shape = (b, k, attn.num_attention_heads, getattr(attn, layout.head_size))
+    shape = (b, k, -1, getattr(attn, layout.head_size))
     return attn, h, [getattr(attn, name)(h).view(shape).transpose(1, 2) for name in layout.projections[:count]]
 
 
-def attention_probs(layer, x: torch.Tensor, bias=None, family: str = "dpt") -> torch.Tensor:
-    """Head-averaged attention probabilities ``[B, K, K]`` of a ``DPTViTLayer`` (``family="dpt"``)
-    or a ``Dinov2Layer`` (``"dinov2"``, also its ``WithRegisters`` twin) on input ``x``
-    (``bias``: additive logit mask or None)."""
+def attention_probs(layer, x: torch.Tensor, bias=None, family: str = "dpt", position_embeddings=None) -> torch.Tensor:
+    """Head-averaged attention probabilities ``[B, K, K]`` of a layer of ``family`` (see
+    :data:`~pullback_ext.prune.hf_families.FAMILIES`) on input ``x [B, K, D]`` (``bias``: additive
+    logit mask or None; ``position_embeddings``: the rotary ``(cos, sin)`` rows of the current patch
+    tokens, RoPE families only)."""
     attn, _, (q, key) = _heads(layer, x, family, 2)
-    logits = (q @ key.transpose(-2, -1)) * attn.scaling
+    rotary = FAMILIES[family].rotary
+    if rotary is not None:
+        q, key = rotary(q, key, position_embeddings)
+    logits = (q @ key.transpose(-2, -1)) * getattr(attn, FAMILIES[family].attention.scaling)
     if bias is not None:
         logits = logits + bias
     return logits.softmax(dim=-1).mean(dim=1)
@@ -121,36 +125,80 @@ def biased_layer_forward(layer, x: torch.Tensor, bias: torch.Tensor) -> torch.Te
     return layer.output(layer.intermediate(layer.layernorm_after(x)), x)
 
 
+def masked_layer_forward(layer, x: torch.Tensor, bias: Optional[torch.Tensor], family: str = "dinov2", **extra):
+    """The layer's own forward on ``x [B, K, D]`` with ``bias`` (``[B, 1, 1|K, K]`` or None) as its
+    additive ``attention_mask`` (the families whose layers take one); ``extra``: further layer
+    arguments (DINOv3's ``position_embeddings``)."""
+    if bias is not None:
+        implementation = attention_module(layer, FAMILIES[family]).config._attn_implementation
+        if implementation not in _MASKABLE_ATTENTION:
+            raise PullbackError(f"attention implementation {implementation!r} takes no additive attention mask, which "
+                                f"proportional attention and masked LLF need; load the model with "
+                                f"attn_implementation='sdpa' or 'eager', or pass prop_attn=False and llf='full' or False")
+        bias = bias.to(x.dtype)
+    return type(layer).forward(layer, x, attention_mask=bias, **extra)
+
+
 def dinov2_biased_forward(layer, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``Dinov2Layer.forward`` on ``x [B, K, D]`` with ``bias`` (``[B, 1, 1|K, K]``) as its additive
     attention mask."""
-    implementation = layer.attention.config._attn_implementation
-    if implementation not in _MASKABLE_ATTENTION:
-        raise PullbackError(f"attention implementation {implementation!r} takes no additive attention mask, which "
-                            f"proportional attention and masked LLF need; load the model with "
-                            f"attn_implementation='sdpa' or 'eager', or pass prop_attn=False and llf='full' or False")
-    return type(layer).forward(layer, x, bias.to(x.dtype))
+    return masked_layer_forward(layer, x, bias, "dinov2")
 
 
-def _layer_forward(holder: dict, family: str):
-    biased = dinov2_biased_forward if family == "dinov2" else biased_layer_forward
+def _layer_forward(holder: dict, family: Family):
+    """A layer forward that runs on the loop's current tokens (with its bias and rotary rows) and
+    returns full-length features; outside a patched loop it is the layer's own forward."""
 
     def forward(layer, x: torch.Tensor, *args, **kwargs):
         state, bias = holder.get("state"), holder.get("bias")
-        out = type(layer).forward(layer, x, *args, **kwargs) if bias is None else biased(layer, x, bias)
-        return state.full(out) if state is not None and state.reduced else out
+        if state is None:
+            return type(layer).forward(layer, x, *args, **kwargs)
+        x = state.x  # the first layer is handed the unreduced input (see :func:`_unreduced_input`)
+        extra = {}
+        if family.rotary is not None:
+            extra["position_embeddings"] = holder["rows"].select(state, holder["rotary"])
+            holder["deferred"].fill(layer, x, bias, extra["position_embeddings"])
+        if family.takes_mask:
+            out = masked_layer_forward(layer, x, bias, family.name, **extra)
+        else:
+            out = type(layer).forward(layer, x) if bias is None else biased_layer_forward(layer, x, bias)
+        return state.full(out) if state.reduced else out
 
     return forward
 
 
+def _unreduced_input(holder: dict):
+    """A forward pre-hook for the first layer: transformers records its input as ``hidden_states[0]``,
+    which stays the full-length embedding when a stage reduces the input of layer 0."""
+
+    def hook(layer, args):
+        state = holder.get("state")
+        return (holder["input"],) + tuple(args[1:]) if state is not None and state.reduced else None
+
+    return hook
+
+
+def _attention_reader(encoder: Encoder, holder: dict, position_embeddings):
+    """The ``attention_probs(layer, x, bias)`` the block loop calls; for RoPE families the rotary
+    tables go into ``holder`` and the attention is computed when the layer runs."""
+    family = FAMILIES[encoder.family]
+    if family.rotary is None:
+        return lambda layer, x, bias: attention_probs(layer, x, bias, encoder.family)
+    if position_embeddings is None:
+        raise PullbackError(f"position_embeddings: {family.title} layers need the rotary (cos, sin) tables; got None")
+    holder["rows"], holder["rotary"] = RotaryRows(encoder.num_prefix), tuple(position_embeddings)
+    holder["deferred"] = DeferredAttention(lambda layer, x, bias, rows: attention_probs(layer, x, bias, encoder.family, rows))
+    return holder["deferred"].request
+
+
 def encoder_forward(encoder: Encoder, reduction: Reduction, holder: dict, hidden_states: torch.Tensor,
-                    attention_mask=None, **kwargs):
-    """The encoder's forward with token reduction; every layer output is full-length."""
+                    attention_mask=None, position_embeddings=None):
+    """The layer loop with token reduction on ``hidden_states [B, N, D]`` (``position_embeddings``:
+    the rotary tables of the full sequence, RoPE families); every layer output is full-length.
+    Returns ``BaseModelOutput`` with ``last_hidden_state [B, N, D]``."""
     from transformers.modeling_outputs import BaseModelOutput
 
-    if attention_mask is not None:
-        raise PullbackError(f"attention_mask: a token-reducing encoder takes none (its token set changes between "
-                            f"layers); got a tensor of shape {list(attention_mask.shape)}")
+    refuse_attention_mask(attention_mask)
 
     def call_layer(layer, state: TokenState, bias) -> torch.Tensor:
         holder["state"], holder["bias"] = state, bias
@@ -160,35 +208,59 @@ def encoder_forward(encoder: Encoder, reduction: Reduction, holder: dict, hidden
         with internal_indices():
             return ops.gather_tokens(out, state.positions)
 
-    probs = dinov2_attention_probs if encoder.family == "dinov2" else attention_probs
     try:
-        final, _ = run_blocks(reduction, hidden_states, encoder.module.layer, call_layer, probs)
+        holder["input"] = hidden_states
+        probs = _attention_reader(encoder, holder, position_embeddings)
+        final, _ = run_blocks(reduction, hidden_states, encoder.layers, call_layer, probs)
     finally:
-        holder["state"] = holder["bias"] = None
+        holder.clear()
     return BaseModelOutput(last_hidden_state=final)
 
 
+def _owner_forward(encoder: Encoder, reduction: Reduction, holder: dict):
+    """The patched forward of the loop owner, taking the arguments of its own forward."""
+    family = FAMILIES[encoder.family]
+    if family.mirror is not None:
+        def run_layers(hidden_states: torch.Tensor) -> torch.Tensor:
+            return encoder_forward(encoder, reduction, holder, hidden_states).last_hidden_state
+
+        return lambda module, *args, **kwargs: family.mirror(module, run_layers, *args, **kwargs)
+    signature = inspect.signature(type(encoder.module).forward)
+    first = list(signature.parameters)[1]  # after self: the hidden states (or inputs_embeds)
+
+    def forward(module, *args, **kwargs):
+        arguments = signature.bind(module, *args, **kwargs).arguments
+        return encoder_forward(encoder, reduction, holder, arguments[first], arguments.get("attention_mask"),
+                               arguments.get("position_embeddings"))
+
+    return forward
+
+
 def install(encoder: Encoder, reduction: Reduction) -> None:
-    """Patch the encoder and its layers in place."""
+    """Patch the loop owner and its layers in place."""
+    family = FAMILIES[encoder.family]
+    check_transformers(family)
     holder: dict = {}
-    for layer in encoder.module.layer:
-        layer.forward = types.MethodType(_layer_forward(holder, encoder.family), layer)
-        setattr(layer, _LAYER_ATTR, True)
-
-    def forward(module, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
-        return encoder_forward(encoder, reduction, holder, hidden_states, attention_mask, **kwargs)
-
-    if encoder.family == "dinov2":
+    for layer in encoder.layers:
+        layer.forward = types.MethodType(_layer_forward(holder, family), layer)
+        setattr(layer, _LAYER_ATTR, None)
+    setattr(encoder.layers[0], _LAYER_ATTR, encoder.layers[0].register_forward_pre_hook(_unreduced_input(holder)))
+    forward = _owner_forward(encoder, reduction, holder)
+    if family.captures:
+        from transformers.utils.generic import merge_with_config_defaults
         from transformers.utils.output_capturing import capture_outputs
 
-        forward = capture_outputs(tie_last_hidden_states=False)(forward)
+        forward = merge_with_config_defaults(capture_outputs(tie_last_hidden_states=False)(forward))
     encoder.module.forward = types.MethodType(forward, encoder.module)
 
 
 def restore(module) -> None:
-    """Undo :func:`install` on an encoder module."""
-    for layer in module.layer:
-        if getattr(layer, _LAYER_ATTR, False):
+    """Undo :func:`install` on a loop owner."""
+    for layer in module.modules():
+        if hasattr(layer, _LAYER_ATTR):
+            hook = getattr(layer, _LAYER_ATTR)  # the first layer's pre-hook, None for the others
+            if hook is not None:
+                hook.remove()
             del layer.forward
             delattr(layer, _LAYER_ATTR)
     del module.forward

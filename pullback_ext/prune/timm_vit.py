@@ -4,12 +4,13 @@ They follow timm's own forward (patch embedding, position embedding, blocks, fin
 swap the plain block loop for :func:`pullback_ext.prune.pipeline.run_blocks`; with nothing to
 remove they perform exactly the same operations, so the output is bit-identical. ToMe and EViT run
 a timm ``Block`` in its two halves (:data:`SPLIT`), with LayerScale (``ls1``, ``ls2``) and drop
-path applied as the block applies them.
+path applied as the block applies them. A timm ``Eva`` (EVA-02, RoPE ViTs) embeds and runs its
+blocks with rotary positions: :mod:`pullback_ext.prune.timm_eva` gives its :class:`BlockRunner`.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import Callable, List, NamedTuple, Optional, Union
 
 import torch
 
@@ -21,11 +22,41 @@ from pullback_ext.prune.split_block import Attended, SplitBlock
 REQUIRED = ("patch_embed", "_pos_embed", "blocks", "norm", "num_prefix_tokens", "forward_features")
 
 
+class BlockRunner(NamedTuple):
+    """How the block loop runs a model's blocks: ``call_block(block, state, bias)``,
+    ``attention_probs(block, x, bias)`` (see :func:`~pullback_ext.prune.pipeline.run_blocks`) and the
+    :class:`SplitBlock` of the originals (None: the blocks cannot be split)."""
+
+    call_block: Callable
+    attention_probs: Callable
+    split: Optional[SplitBlock]
+
+
 def check_model(model) -> None:
-    """Raise unless ``model`` is a timm ``VisionTransformer`` (has what the patched forward uses)."""
+    """Raise unless ``model`` is a timm ``VisionTransformer`` or ``Eva`` (has what the patched forward uses)."""
     missing = [a for a in REQUIRED if not hasattr(model, a)]
     if missing:
         raise PullbackError(f"model must be a timm VisionTransformer; {type(model).__name__} lacks {', '.join(missing)}")
+
+
+def is_timm_vit(model) -> bool:
+    """Whether ``model`` is a timm ``VisionTransformer`` or ``Eva`` (or a subclass)."""
+    try:
+        from timm.models.eva import Eva
+        from timm.models.vision_transformer import VisionTransformer
+    except ImportError:
+        return False
+    return isinstance(model, (VisionTransformer, Eva))
+
+
+def check_strategy(model, strategy: str) -> None:
+    """The originals split the blocks and reorder tokens, which a RoPE ``Eva`` cannot follow."""
+    from pullback_ext.prune.strategies import ORIGINALS
+    from pullback_ext.prune.timm_eva import is_eva
+
+    if strategy in ORIGINALS and is_eva(model):
+        raise PullbackError(f"strategy {strategy!r} (the original method) runs timm VisionTransformer blocks only; an Eva "
+                            f"({type(model).__name__}) takes the single-stage strategies, e.g. '{strategy}_score'")
 
 
 def backbone_shape(model) -> BackboneShape:
@@ -69,18 +100,25 @@ def attend(block, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Attended:
     additive ``bias``, and the queries and keys ``[B, H, K, hd]`` the attention used, caught at its
     ``q_norm`` / ``k_norm`` so that the block's own attention code runs unchanged."""
     _check_splittable(block)
+    out, q, k = attention_with_qk(block.attn, block.norm1(x), attn_mask=bias)
+    return Attended(x + block.drop_path1(block.ls1(out)), q, k, float(block.attn.scale))
+
+
+def attention_with_qk(attn, *args, **kwargs):
+    """``attn(*args, **kwargs)`` and the queries and keys ``[B, H, K, hd]`` it computed, caught at
+    its ``q_norm`` / ``k_norm`` (before any rotary embedding)."""
     seen = {}
 
     def keep(name):
-        return lambda module, args, out: seen.__setitem__(name, out)
+        return lambda module, inputs, out: seen.__setitem__(name, out)
 
-    hooks = [block.attn.q_norm.register_forward_hook(keep("q")), block.attn.k_norm.register_forward_hook(keep("k"))]
+    hooks = [attn.q_norm.register_forward_hook(keep("q")), attn.k_norm.register_forward_hook(keep("k"))]
     try:
-        out = block.attn(block.norm1(x), attn_mask=bias)
+        out = attn(*args, **kwargs)
     finally:
         for hook in hooks:
             hook.remove()
-    return Attended(x + block.drop_path1(block.ls1(out)), seen["q"], seen["k"], float(block.attn.scale))
+    return out, seen["q"], seen["k"]
 
 
 def feed_forward(block, x: torch.Tensor) -> torch.Tensor:
@@ -91,11 +129,16 @@ def feed_forward(block, x: torch.Tensor) -> torch.Tensor:
 SPLIT = SplitBlock(attend=attend, feed_forward=feed_forward)
 
 
-def _embed(model, x: torch.Tensor) -> torch.Tensor:
+def _embed(model, x: torch.Tensor) -> tuple[torch.Tensor, BlockRunner]:
+    """The input of the first block ``[B, N, D]`` and the runner of the blocks."""
+    from pullback_ext.prune import timm_eva
+
+    if timm_eva.is_eva(model):
+        return timm_eva.embed(model, x)
     x = model.patch_embed(x)
     x = model._pos_embed(x)
     x = model.patch_drop(x)
-    return model.norm_pre(x)
+    return model.norm_pre(x), BlockRunner(call_block, attention_probs, SPLIT)
 
 
 def _no_masks(attn_mask, is_causal) -> None:
@@ -104,9 +147,10 @@ def _no_masks(attn_mask, is_causal) -> None:
 
 
 def forward_features(model, reduction: Reduction, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
-    """timm ``forward_features`` with token reduction; returns ``[B, N, D]``."""
+    """timm ``forward_features`` (``VisionTransformer`` or ``Eva``) with token reduction; returns ``[B, N, D]``."""
     _no_masks(attn_mask, is_causal)
-    out, _ = run_blocks(reduction, _embed(model, x), model.blocks, call_block, attention_probs, split=SPLIT)
+    tokens, runner = _embed(model, x)
+    out, _ = run_blocks(reduction, tokens, model.blocks, runner.call_block, runner.attention_probs, split=runner.split)
     return model.norm(out)
 
 
@@ -133,8 +177,9 @@ def forward_intermediates(
     take_indices, max_index = feature_take_indices(len(model.blocks), indices)
     b, _, height, width = x.shape
     blocks = model.blocks[: max_index + 1] if stop_early else model.blocks
-    final, taken = run_blocks(reduction, _embed(model, x), blocks, call_block, attention_probs, take=set(take_indices),
-                              split=SPLIT)
+    tokens, runner = _embed(model, x)
+    final, taken = run_blocks(reduction, tokens, blocks, runner.call_block, runner.attention_probs, take=set(take_indices),
+                              split=runner.split)
     intermediates = [model.norm(taken[i]) if norm else taken[i] for i in take_indices]
     p = model.num_prefix_tokens
     prefix_tokens = [y[:, :p] for y in intermediates] if p else None

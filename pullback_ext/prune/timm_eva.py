@@ -1,0 +1,77 @@
+"""The block loop of a timm ``Eva`` (EVA-02, the RoPE ViTs, timm's DINOv3 ports) with token reduction.
+
+An ``Eva`` differs from a ``VisionTransformer`` in two places the patched forward follows: its
+``_pos_embed`` also returns the rotary table (``[n, d]``, or one ``[H, n, d]`` per block for the
+"mixed" RoPE), and every block takes it (``block(x, rope=..., attn_mask=...)``), rotating all
+tokens but the prefix. Each current token is given the row of its own original position
+(:mod:`pullback_ext.prune.rope`). LayerScale (``gamma_1``, ``gamma_2``) runs inside the block.
+The originals ToMe and EViT reorder tokens without tracking their positions, so Eva takes the
+single-stage strategies only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune.rope import DeferredAttention, RotaryRows
+from pullback_ext.prune.timm_vit import BlockRunner, attention_with_qk
+
+
+def is_eva(model) -> bool:
+    """Whether ``model`` is a timm ``Eva``."""
+    try:
+        from timm.models.eva import Eva
+    except ImportError:
+        return False
+    return isinstance(model, Eva)
+
+
+def _rotate(t: torch.Tensor, rope: torch.Tensor, attn) -> torch.Tensor:
+    """What the attention does to queries or keys ``t [B, H, K, d]``: rotate all but its prefix tokens."""
+    from timm.layers import apply_rot_embed_cat
+
+    p = attn.num_prefix_tokens
+    return torch.cat([t[:, :, :p], apply_rot_embed_cat(t[:, :, p:], rope, half=getattr(attn, "rotate_half", False))], dim=2)
+
+
+def attention_probs(block, x: torch.Tensor, bias: Optional[torch.Tensor], rope: Optional[torch.Tensor]) -> torch.Tensor:
+    """Head-averaged attention probabilities ``[B, K, K]`` of an Eva block on input ``x [B, K, D]``
+    with rotary rows ``rope`` (``bias``: additive logit mask or None)."""
+    attn = block.attn
+    if not all(hasattr(attn, a) for a in ("q_norm", "k_norm", "scale", "num_prefix_tokens")):
+        raise PullbackError(f"attention-based strategies need Eva attention with q_norm / k_norm; got {type(attn).__name__}")
+    _, q, k = attention_with_qk(attn, block.norm1(x), rope=rope, attn_mask=bias)
+    if rope is not None:
+        q, k = _rotate(q, rope, attn), _rotate(k, rope, attn)
+    k = k.repeat_interleave(getattr(attn, "num_kv_groups", 1), dim=1)  # grouped-query attention
+    logits = (q * attn.scale) @ k.transpose(-2, -1)
+    if bias is not None:
+        logits = logits + bias
+    return logits.softmax(dim=-1).mean(dim=1)
+
+
+def embed(model, x: torch.Tensor) -> tuple[torch.Tensor, BlockRunner]:
+    """The input of the first block ``[B, N, D]`` of ``model`` on images ``x``, and how to run its
+    blocks on reduced tokens (with the rotary rows of the current tokens)."""
+    tokens, rope = model._pos_embed(model.patch_embed(x))
+    tokens = model.norm_pre(tokens)
+    rows = RotaryRows(int(model.num_prefix_tokens))
+    per_block = rope is not None and getattr(model, "rope_mixed", False)  # rope [depth, H, n, d]
+    index = {id(block): i for i, block in enumerate(model.blocks)}
+    deferred = DeferredAttention(attention_probs)
+
+    def block_rope(block, state) -> Optional[torch.Tensor]:
+        if rope is None:
+            return None
+        key = index[id(block)] if per_block else 0
+        return rows.select(state, (rope[key] if per_block else rope,), key)[0]
+
+    def call_block(block, state, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        block_rows = block_rope(block, state)
+        deferred.fill(block, state.x, bias, block_rows)
+        return block(state.x, rope=block_rows, attn_mask=bias)
+
+    return tokens, BlockRunner(call_block, deferred.request, None)
