@@ -248,7 +248,8 @@ def test_a_probe_that_reads_context_refuses_a_bare_tensor():
 
 
 # The numbers diagnose gave before its settings moved into DiagnoseConfig and diagnose_one was split
-# (same random draws in the same order), on a fixed tanh network J[12, 20], for every method path.
+# (same random draws in the same order), on a fixed tanh network J[12, 20], for every method path;
+# the standard errors of κ_cap (per image and of the aggregate) were added to them later.
 EXPECTED = Path(__file__).parent / "data" / "diagnose_expected.json"
 EXPECTED_CASES = {
     "auto": dict(rank=3, probes=6, slq_steps=5, seed=3),
@@ -256,6 +257,8 @@ EXPECTED_CASES = {
     "hutchinson_adaptive": dict(rank=3, oversample=2, probes=6, slq_steps=0, trace="hutchinson", adaptive_tol=0.05, seed=5, chunk_size=4),
     "exact_randomized": dict(rank=4, oversample=3, power=2, probes=6, slq_steps=6, trace="exact", svd="randomized", seed=1),
     "capped": dict(rank=15, oversample=2, power=1, probes=6, slq_steps=5, svd="randomized", seed=2),
+    # added with XNysTrace (its numbers are its own, not from before the split)
+    "xnystrace": dict(rank=3, oversample=2, power=1, probes=6, slq_steps=5, trace="xnystrace", svd="randomized", seed=3),
 }
 
 

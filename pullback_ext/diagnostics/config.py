@@ -43,9 +43,12 @@ class DiagnoseConfig:
     rank: r, the captured subspace (κ_cap(r), CV, imp*); must be < P = N·D; capped at M (the
         diagnosis records the rank used and the one requested).
     oversample, power: randomized-SVD sketch of r + ``oversample`` columns and ``power`` rounds.
-    probes: Rademacher probes for Hutchinson / Hutch++ and SLQ (≥ 2, for a standard error).
+    probes: test vectors of the stochastic trace and SLQ (≥ 2, for a standard error): Rademacher
+        probes for Hutchinson / Hutch++ (one JVP each), Gaussian ones for XNysTrace (one JVP and
+        one VJP each; at most min(M, P)).
     slq_steps: Lanczos steps for r_eff^SLQ (0 skips it; with the dense SVD r_eff is exact and free).
-    trace: "auto", "exact", "hutchinson" or "hutch++" (rule: ``pullback_ext.linalg.trace_method``).
+    trace: "auto", "exact", "hutchinson", "hutch++" or "xnystrace" (rule:
+        ``pullback_ext.linalg.trace_method``: exact when min(M, P) ≤ 512, else XNysTrace).
     svd: "auto", "randomized" or "dense" (rule: ``pullback_ext.linalg.svd_method``).
     seed: every random draw of image i comes from a generator seeded by (seed, i).
     chunk_size: tangents per vmap call (bounds memory); None runs them all at once.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -65,10 +66,13 @@ def spectrum(op: LinearOperatorBase, rank: int, config: DiagnoseConfig, methods:
 
 
 def statistics(measured: _Measured, num_tokens: int) -> dict[str, Any]:
-    """The ``ImageDiagnosis`` fields derived from the measurements: κ_cap(r) and its curve, r90,
-    e_t[N], imp*[N], CV, r_eff^trunc, r_eff^SLQ and the tail richness r_eff^SLQ / r_eff^trunc."""
+    """The ``ImageDiagnosis`` fields derived from the measurements: κ_cap(r), its standard error and
+    its curve, r90, e_t[N], imp*[N], CV, r_eff^trunc, r_eff^SLQ and the tail richness
+    r_eff^SLQ / r_eff^trunc. κ_cap's standard error is κ_cap · stderr(T̂) / T̂ (delta method; the
+    captured energy Σσ² is exact given the spectrum, so T̂ carries all the noise)."""
     sigma, V, T = measured.top.sigma, measured.top.V, measured.trace.value
     kappa_curve = torch.cumsum(sigma**2, 0) / T if T > 0 else torch.zeros_like(sigma)
+    kappa = float(kappa_curve[-1]) if T > 0 else 0.0
     above = (kappa_curve >= 0.9).nonzero()
     e = token_energy(V, sigma.to(V.dtype), num_tokens)
     mean_e = float(e.mean())
@@ -78,7 +82,8 @@ def statistics(measured: _Measured, num_tokens: int) -> dict[str, Any]:
     r_eff_trunc = float(torch.exp(-(p * p.log()).sum())) if p.numel() else 0.0
     r_eff_slq = measured.r_eff_slq
     return dict(
-        kappa_cap=float(kappa_curve[-1]) if T > 0 else 0.0,
+        kappa_cap=kappa,
+        kappa_stderr=kappa * measured.trace.stderr / T if T > 0 else 0.0,
         kappa_curve=kappa_curve,
         r90=int(above[0]) + 1 if above.numel() else None,
         token_energy=e,
@@ -94,6 +99,19 @@ def _check_finite(measured: _Measured, index: int) -> None:
     sigma, est = measured.top.sigma, measured.trace
     if not (torch.isfinite(sigma).all() and math.isfinite(est.value) and math.isfinite(est.stderr)):
         raise PullbackError(f"probe: Jacobian products at image {index} are not finite (sigma={sigma.tolist()}, trace={est.value})")
+
+
+def _warn_if_kappa_uncertain(index: int, kappa: float, stderr: float) -> None:
+    """Warn when the stochastic κ_cap ± 2·stderr leaves [0, 1] (e.g. plain Hutchinson with few probes
+    on a J whose top-r subspace holds nearly all the energy: T̂ can then fall below Σσ²). An exact
+    κ_cap (stderr 0) never warns: it lies in [0, 1] up to rounding."""
+    low, high = kappa - 2 * stderr, kappa + 2 * stderr
+    if stderr > 0 and (low < 0 or high > 1):
+        warnings.warn(
+            f"kappa_cap: image {index} has κ_cap = {kappa:.4f} ± {stderr:.2g}, whose interval κ_cap ± 2·stderr = "
+            f"[{low:.4f}, {high:.4f}] leaves [0, 1]; the stochastic trace is too noisy there (more probes, or trace='exact')",
+            stacklevel=3,
+        )
 
 
 def diagnose_one(
@@ -113,6 +131,7 @@ def diagnose_one(
     measured = spectrum(op, r, config, choose_methods(op, config), _generator(config.seed, index))
     _check_finite(measured, index)
     stats = statistics(measured, N)
+    _warn_if_kappa_uncertain(index, stats["kappa_cap"], stats["kappa_stderr"])
     regime = classify(M, config.rank, stats["kappa_cap"], stats["cv"], config.thresholds)
     top, est = measured.top, measured.trace
     return ImageDiagnosis(

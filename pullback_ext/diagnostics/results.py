@@ -21,6 +21,8 @@ class ImageDiagnosis:
 
     sigma[r], V[r,N,D] (right singular vectors as token maps, in the features' dtype; None when not
     kept), token_energy[N], importance[N] = imp*, kappa_curve[r] = κ_cap(k) for k = 1..r.
+    ``trace_stderr`` and ``kappa_stderr`` are the standard errors of the stochastic T̂ and κ_cap
+    (0 when ``trace_method`` is exact).
     ``svd_method``: ``randomized`` (sketch and power rounds) or ``dense`` (J formed from the exact
     trace's products: σ, V, trace and r_eff_slq are then exact and ``power`` is 0).
     """
@@ -37,6 +39,7 @@ class ImageDiagnosis:
     trace_stderr: float
     trace_method: str
     kappa_cap: float
+    kappa_stderr: float
     kappa_curve: Tensor
     token_energy: Tensor
     importance: Tensor
@@ -64,13 +67,17 @@ class ImageDiagnosis:
 
 
 AGGREGATED = ("trace", "kappa_cap", "cv", "r_eff_trunc", "r_eff_slq", "tail_richness", "r90")
+# the stochastic figures and the per-image fields holding their standard errors
+STDERRS = {"trace": "trace_stderr", "kappa_cap": "kappa_stderr"}
 
 
 @dataclass
 class Diagnosis:
     """Per-image diagnostics plus their aggregate.
 
-    aggregate[name] = {"mean", "std", "n"} for every scalar in ``AGGREGATED`` that was computable;
+    aggregate[name] = {"mean", "std", "n"} for every scalar in ``AGGREGATED`` that was computable,
+    with "stderr" for T and κ_cap: the standard error of their mean from the estimators' own noise,
+    sqrt(Σ_i stderr_i²) / n (0 when exact; "std" is the spread over images);
     ``regime`` / ``method`` come from the mean κ_cap and mean CV; ``settings`` is what
     ``recorded_settings`` makes of the config.
     """
@@ -117,6 +124,9 @@ def aggregate(images: Sequence[ImageDiagnosis], thresholds: Thresholds = Thresho
         if values.numel():
             std = float(values.std(unbiased=True)) if values.numel() > 1 else 0.0
             agg[name] = {"mean": float(values.mean()), "std": std, "n": int(values.numel())}
+    for name, field_name in STDERRS.items():
+        stderrs = torch.tensor([float(getattr(d, field_name)) for d in images], dtype=torch.float64)
+        agg[name]["stderr"] = float(stderrs.square().sum().sqrt()) / len(images)
     regime = classify(images[0].M, images[0].rank, agg["kappa_cap"]["mean"], agg["cv"]["mean"], thresholds)
     return agg, regime, REGIMES[regime][1]
 

@@ -1,5 +1,6 @@
-"""Matrix-free linear algebra on Jacobians: operators, randomized SVD, trace and SLQ estimators, and
-the rules that choose between exact and stochastic methods (``trace_method``, ``svd_method``)."""
+"""Matrix-free linear algebra on Jacobians: operators, randomized SVD, trace (exact, Hutchinson,
+Hutch++, XNysTrace) and SLQ estimators, and the rules that choose between exact and stochastic
+methods (``trace_method``, ``svd_method``)."""
 
 from pullback_ext.linalg.dense import DENSE_MAX_BYTES, DenseSpectrum, dense_fits, dense_spectrum, jacobian_transposed
 from pullback_ext.linalg.energy import token_energy
@@ -13,12 +14,14 @@ from pullback_ext.linalg.trace import (
     TRACE_METHODS,
     TraceEstimate,
     basis_products,
+    deflated_xnystrace,
     exact_trace,
     hutchinson,
     hutchpp,
     total_sensitivity,
     trace_method,
 )
+from pullback_ext.linalg.xnystrace import xnystrace
 
 __all__ = [
     "DENSE_MAX_BYTES",
@@ -35,6 +38,7 @@ __all__ = [
     "TRACE_METHODS",
     "TraceEstimate",
     "basis_products",
+    "deflated_xnystrace",
     "dense_fits",
     "dense_spectrum",
     "exact_trace",
@@ -52,4 +56,5 @@ __all__ = [
     "top_spectrum",
     "total_sensitivity",
     "trace_method",
+    "xnystrace",
 ]
