@@ -59,12 +59,12 @@ def test_hutchinson_kappa_within_three_standard_errors(vit):
     probe = from_timm(vit, 1, "tokens")
     F = probe.features(images(1)).F
     ref = dense_diagnostics(dense_jacobian(probe, F[0]), 6, probe.num_tokens)
-    for method in ("hutchinson", "hutch++"):
+    for method in ("hutchinson", "hutch++", "xnystrace"):
         d = diagnose(probe, F, rank=6, power=4, probes=100, slq_steps=0, trace=method)[0]
         assert d.trace_method == method and d.trace_stderr > 0
         assert abs(d.trace - ref["trace"]) <= 3 * d.trace_stderr
-        kappa_se = d.kappa_cap * d.trace_stderr / d.trace
-        assert abs(d.kappa_cap - ref["kappa"]) <= 3 * kappa_se + 1e-3
+        assert d.kappa_stderr == pytest.approx(d.kappa_cap * d.trace_stderr / d.trace, rel=1e-12)
+        assert abs(d.kappa_cap - ref["kappa"]) <= 3 * d.kappa_stderr + 1e-3
         assert d.r_eff_slq is None
 
 
@@ -104,7 +104,7 @@ def test_auto_svd_is_dense_only_when_the_trace_is_exact(vit):
     probe = from_timm(vit, 0, "cls")
     F = probe.features(images(1)).F
     assert diagnose(probe, F, rank=4, power=1, probes=10, slq_steps=0)[0].svd_method == "dense"
-    for trace in ("hutchinson", "hutch++"):
+    for trace in ("hutchinson", "hutch++", "xnystrace"):
         assert diagnose(probe, F, rank=4, power=1, probes=10, slq_steps=0, trace=trace)[0].svd_method == "randomized"
 
 
@@ -156,6 +156,32 @@ def test_json_serialisable_with_aggregate(vit):
     assert data["regime"] in REGIMES and "V" not in json.loads(result.to_json())["images"][0]
     light = diagnose(probe, F[:1], rank=4, power=1, probes=10, slq_steps=0, keep_vectors=False)
     assert light[0].V is None and "V" not in json.loads(light.to_json(include_vectors=True))["images"][0]
+
+
+def nearly_rank_r_map(r=4, M=12, N=5, D=4, tail=1e-3):
+    """ψ(F) = vec(F) W with W[N·D, M] of singular values 1 (r of them) and ``tail`` (the rest): the
+    top-r subspace holds all but ~1e-6 of the energy."""
+    g = torch.Generator().manual_seed(5)
+    U, _ = torch.linalg.qr(torch.randn(N * D, M, generator=g, dtype=torch.float64))
+    Vt, _ = torch.linalg.qr(torch.randn(M, M, generator=g, dtype=torch.float64))
+    s = torch.cat([torch.ones(r), torch.full((M - r,), tail)]).double()
+    W = (U * s) @ Vt.T
+    return (lambda F: F.reshape(F.shape[0], -1) @ W), torch.randn(2, N, D, generator=g, dtype=torch.float64)
+
+
+def test_kappa_outside_zero_one_within_two_standard_errors_warns_naming_the_image(recwarn):
+    fn, F = nearly_rank_r_map()
+    with pytest.warns(UserWarning, match=r"kappa_cap: image 1 has κ_cap = .* interval κ_cap ± 2·stderr = \[.*\] leaves \[0, 1\]"):
+        d = diagnose(fn, F, rank=4, power=2, probes=3, slq_steps=0, trace="hutchinson")
+    assert all(im.kappa_stderr > 0 for im in d.images)
+    se = torch.tensor([im.kappa_stderr for im in d.images], dtype=torch.float64)
+    agg = d.to_dict()["aggregate"]["kappa_cap"]
+    assert agg["stderr"] == pytest.approx(float(se.square().sum().sqrt()) / 2, rel=1e-12)
+    recwarn.clear()
+    exact = diagnose(fn, F, rank=4, power=2, probes=3, slq_steps=0, trace="exact")
+    assert not [w for w in recwarn if "kappa_cap" in str(w.message)]
+    assert all(im.kappa_stderr == 0 and im.kappa_cap <= 1 + 1e-12 for im in exact.images)
+    assert exact.aggregate["kappa_cap"]["stderr"] == 0 == exact.aggregate["trace"]["stderr"]
 
 
 def test_rank_bounded_probe_is_regime_iv_and_records_the_rank_used(vit):

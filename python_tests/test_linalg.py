@@ -1,6 +1,7 @@
 """Matrix-free operators and estimators against closed forms, dense SVD and scipy."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from pullback_ext.linalg import (
     DenseOperator,
     JacobianOperator,
     LinearOperatorBase,
+    deflated_xnystrace,
     exact_trace,
     hutchinson,
     hutchpp,
@@ -123,10 +125,11 @@ def test_trace_estimators(shape):
 def test_trace_method_rule_and_total_sensitivity_record_the_estimator():
     from pullback_ext.linalg import EXACT_TRACE_MAX, total_sensitivity, trace_method
 
-    # auto: exact while the smaller side has at most 512 dimensions (SPEC §2), else Hutch++
+    # auto: exact while the smaller side has at most 512 dimensions (SPEC §2), else XNysTrace
     assert trace_method((EXACT_TRACE_MAX, 10_000)) == "exact" == trace_method((10_000, EXACT_TRACE_MAX))
-    assert trace_method((EXACT_TRACE_MAX + 1, 10_000)) == "hutch++"
-    assert [trace_method((EXACT_TRACE_MAX + 1, 10_000), m) for m in ("exact", "hutchinson")] == ["exact", "hutchinson"]
+    assert trace_method((EXACT_TRACE_MAX + 1, 10_000)) == "xnystrace" == trace_method((10_000, EXACT_TRACE_MAX + 1))
+    explicit = ("exact", "hutchinson", "hutch++", "xnystrace")
+    assert [trace_method((EXACT_TRACE_MAX + 1, 10_000), m) for m in explicit] == list(explicit)
     with pytest.raises(ValueError, match="trace"):
         trace_method((3, 4), "magic")
     J, s, _ = known_spectrum(30, 200, decay=8.0)
@@ -134,12 +137,18 @@ def test_trace_method_rule_and_total_sensitivity_record_the_estimator():
     exact = total_sensitivity(op)
     assert exact.method == "exact" and exact.value == pytest.approx(float((s**2).sum()), rel=1e-12)
     res = randomized_svd(op, 10, power=3, generator=torch.Generator().manual_seed(0))
-    for method, direct in (("hutchinson", lambda g: hutchinson(op, 50, g)), ("hutch++", lambda g: hutchpp(op, res.V, 50, g))):
-        got = total_sensitivity(op, method, 50, torch.Generator().manual_seed(4), basis=res.V)
+    for method, direct in (
+        ("hutchinson", lambda g: hutchinson(op, 50, g)),
+        ("hutch++", lambda g: hutchpp(op, res.V, 50, g)),
+        ("xnystrace", lambda g: deflated_xnystrace(op, res.V, 20, g)),
+    ):
+        probes = 20 if method == "xnystrace" else 50
+        got = total_sensitivity(op, method, probes, torch.Generator().manual_seed(4), basis=res.V)
         want = direct(torch.Generator().manual_seed(4))
         assert got.method == method and (got.value, got.stderr) == (want.value, want.stderr)
-    with pytest.raises(ValueError, match="basis"):
-        total_sensitivity(op, "hutch++", 50)
+    for method in ("hutch++", "xnystrace"):
+        with pytest.raises(ValueError, match=f"basis: '{re.escape(method)}' deflates"):
+            total_sensitivity(op, method, 20)
 
 
 class ShapeOnly(LinearOperatorBase):

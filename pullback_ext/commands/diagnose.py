@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive-tol", type=float, default=None, help="stop power rounds when the subspace defect is below this")
     parser.add_argument("--probes", type=int, default=100, help="m Rademacher probes (Hutchinson / Hutch++ / SLQ)")
     parser.add_argument("--slq-steps", type=int, default=30, help="Lanczos steps for r_eff^SLQ (0 skips it)")
-    parser.add_argument("--trace", default="auto", choices=["auto", "exact", "hutchinson", "hutch++"], help="auto: exact when min(M, P) <= 512, else hutch++")
+    parser.add_argument("--trace", default="auto", choices=["auto", "exact", "hutchinson", "hutch++", "xnystrace"], help="auto: exact when min(M, P) <= 512, else xnystrace")
     parser.add_argument("--svd", default="auto", choices=["auto", "randomized", "dense"],
                         help="auto: dense (exact, from the exact trace's products) whenever the trace is exact and J fits in 1 GiB")
     parser.add_argument("--seed", type=int, default=0, help="image i draws from a stream seeded by (seed, i)")

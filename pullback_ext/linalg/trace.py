@@ -123,7 +123,8 @@ def deflated_xnystrace(
         n, matvec = M, lambda U: op.jvp(deflate(op.vjp(U)))
     else:
         n, matvec = P, lambda X: deflate(op.vjp(op.jvp(deflate(X))))
-    rest, stderr = xnystrace(matvec, n, probes, op.dtype, op.device, generator)
+    # rounding in the deflated products is relative to the undeflated ones, of size ~ ‖J V‖_F²
+    rest, stderr = xnystrace(matvec, n, probes, op.dtype, op.device, generator, scale=energy * math.sqrt(n * probes))
     return TraceEstimate(energy + max(rest, 0.0), stderr, "xnystrace")
 
 
@@ -136,8 +137,10 @@ def trace_method(shape: tuple[int, int], method: str = "auto") -> str:
       its min(M, P) basis products cost about as much as the probes;
     - otherwise "xnystrace": ‖J V‖_F² of the captured subspace plus XNysTrace on the deflated
       remainder, which is PSD by construction (a Gram matrix of J (I − VVᵀ)). Its Nyström part
-      absorbs the remainder's own leading directions, so for decaying spectra its error is well below
-      Hutch++'s at the same number of tangent passes; like Hutch++ it keeps κ_cap ≤ 1.
+      absorbs the remainder's own leading directions: with the same number of test vectors its
+      error is below Hutch++'s on decaying spectra (it costs 2 tangent passes per vector, Hutch++
+      one; at equal passes it wins only where the remainder decays fast). Like Hutch++ it keeps
+      κ_cap ≤ 1.
 
     Any other method in ``TRACE_METHODS`` is returned as given ("hutch++": Hutchinson on the
     deflated remainder; "hutchinson": plain, κ_cap may then exceed 1).
