@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.pipeline import ReductionConfig, run_blocks
-from pullback_ext.prune.tokens import TokenState, internal_indices
+from pullback_ext.prune.tokens import TokenState
 
 _LAYER_ATTR = "_pullback_layer_state"
 _DPT_ENCODERS = ("DPTViTEncoder",)
@@ -147,8 +147,7 @@ def encoder_forward(encoder: Encoder, cfg: ReductionConfig, holder: dict, hidden
         out = layer(state.x)
         if not state.reduced:
             return out
-        with internal_indices():
-            return ops.gather_tokens(out, state.positions)
+        return ops.gather_tokens(out, state.positions, check_values=False)
 
     probs = dinov2_attention_probs if encoder.family == "dinov2" else attention_probs
     try:
