@@ -4,8 +4,8 @@ Each op has one function here. Its front end in :mod:`pullback_ext.ops` calls it
 either the compiled kernel or the pure-torch reference, and its fake kernel calls it (metadata
 only), so an eager call, a FakeTensor and ``torch.compile`` report a bad argument alike:
 
-- metadata (ranks, shapes, dtypes, devices), always: through ``torch._check_with``, so that under
-  ``torch.compile`` a symbolic shape becomes a guard or a runtime assert, not a graph break;
+- metadata (ranks, shapes, dtypes, devices), always, through ``_require``: a symbolic shape
+  under ``torch.compile`` or a FakeTensor becomes a guard or a runtime assert, not a graph break;
 - ``values=True``: the checks that read tensor data (lam >= 0, w >= 0, indices in range, not
   repeated, a permutation), one device-to-host synchronisation per check stage on CUDA;
 - ``finite=True``: no NaN or infinite value in the floating inputs.
@@ -104,8 +104,6 @@ def _tall(U: Tensor, name: str) -> None:
 
 def _raise_first(failures: list[_Failure]) -> None:
     """Raise the exception of the first failure whose mask has a set entry (one transfer for all)."""
-    if not failures:
-        return
     flags = torch.stack([mask.any() for mask, _ in failures]).tolist()
     for flag, (_, error) in zip(flags, failures):
         if flag:
