@@ -2,7 +2,7 @@
 
     python benchmarks/bench_ops.py [--quick] [--device cpu|cuda] [--out out/bench_ops.json]
 
-Same as ``pullback bench``; see pullback_ext/op_benchmark.py for what is measured.
+Same as ``pullback bench``; see pullback_ext/bench/ops.py for what is measured.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ fi
 "$PYTHON" -c "import pullback_ext; print('build_info', pullback_ext.build_info())"
 mkdir -p out
 
-# The error path first, in a child process per device: when raising from the compiled front end
+# The error path first, in a child process per device: when raising an argument error
 # crashes, print a native backtrace of the crash (cuda-gdb or gdb, when either is installed).
 "$PYTHON" -c "import sys; sys.path.insert(0, 'python_tests'); import test_cuda_build as t
 open('out/raising_cases.py', 'w').write(t._RAISING_CASES)" || status=1

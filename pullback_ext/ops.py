@@ -1,35 +1,33 @@
 """Fused kernels of pullback_ext (SPEC §5), with autograd and torch.compile support.
 
-Each function runs the compiled op ``torch.ops.pullback_ext.<name>`` (from ``pullback_ext._C``)
-for CPU float32/float64 and, in CUDA builds, CUDA float32/float16/bfloat16/float64, and the
-pure-torch :mod:`pullback_ext.reference` for everything else (e.g. CPU float16, or a source
-checkout that was never compiled). Both paths validate their arguments: wrong shapes, dtypes or
-devices raise ``ValueError``/``TypeError``, out-of-range indices ``IndexError``.
+This module is the ops' one Python surface. Each function validates its arguments
+(:mod:`pullback_ext._op_checks`), then runs the compiled op ``torch.ops.pullback_ext.<name>`` (from
+``pullback_ext._C``) for CPU float32/float64 and, in CUDA builds, CUDA float32/float16/bfloat16/
+float64, and the pure-torch :mod:`pullback_ext.reference` for everything else (e.g. CPU float16,
+or a source checkout that was never compiled). Wrong shapes or values raise
+:class:`~pullback_ext.errors.PullbackError` (a ``ValueError``), wrong dtypes ``TypeError``,
+out-of-range indices ``IndexError``, on both paths alike.
 
 ``check_finite=True`` additionally rejects NaN/inf inputs (one extra reduction per input).
 
-The value checks that read tensor data (lam >= 0, w >= 0, indices in range, not repeated, a
-permutation for reinsertion) cost one device-to-host synchronisation per call on CUDA tensors,
-which stalls the host's launch queue. ``with sync_checks(False):`` skips them for CUDA inputs of
-the compiled kernels in the calling thread, for hot loops whose indices are valid by construction
-(the pruning pipeline does this). Shapes, dtypes and devices are still checked, CPU inputs and the
-pure-torch fallback always are, and the CUDA kernels stay memory-safe on invalid values: their
-results are then unspecified (a gathered row with an out-of-range index is NaN), never an
-out-of-bounds access.
+``check_values=False`` skips the checks that read tensor data (lam >= 0, w >= 0, indices in range,
+not repeated, a permutation for reinsertion). On CUDA tensors they cost a device-to-host
+synchronisation per call, which stalls the host's launch queue, and under ``torch.compile`` they
+break the graph; skip them in hot loops whose values are valid by construction (the pruning
+pipeline does). Shapes, dtypes and devices are still checked, and the compiled kernels stay
+memory-safe on invalid values: the results are then unspecified (a gathered row with an
+out-of-range index is NaN), never an out-of-bounds access. ``torch.compile(fullgraph=True)`` needs
+``check_values=False`` (and ``check_finite=False``).
 
 Shapes: B batch, N tokens, D channels, P = N·D ambient dimension, r rank, k vectors.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Iterator
-
 import torch
 from torch import Tensor
 
-from pullback_ext import _fallback_checks, reference
+from pullback_ext import _op_checks, reference
 from pullback_ext._loader import load_compiled
 
 __all__ = [
@@ -41,9 +39,6 @@ __all__ = [
     "merge_tokens",
     "reinsert_tokens",
     "uses_compiled",
-    "sync_checks",
-    "set_sync_checks",
-    "sync_checks_enabled",
 ]
 
 _C = load_compiled()
@@ -63,65 +58,41 @@ def uses_compiled(t: Tensor) -> bool:
     return t.device.type == "meta" and t.dtype in _CUDA_DTYPES
 
 
-_sync_state = threading.local()
+def _run(name: str, main: Tensor, *args):
+    """The compiled op ``name`` on ``args`` when it takes ``main``'s dtype and device, else its reference."""
+    if uses_compiled(main):
+        return getattr(torch.ops.pullback_ext, name)(*args)
+    return getattr(reference, name)(*args)
 
 
-def set_sync_checks(enabled: bool) -> None:
-    """Run (True, the default) or skip (False) the synchronising value checks in this thread."""
-    if _C is not None:
-        _C.set_sync_checks(bool(enabled))
-    else:  # the pure-torch fallback always checks; the state is only reported back
-        _sync_state.enabled = bool(enabled)
-
-
-def sync_checks_enabled() -> bool:
-    """Whether this thread runs the value checks that synchronise with a CUDA device."""
-    return _C.sync_checks_enabled() if _C is not None else getattr(_sync_state, "enabled", True)
-
-
-@contextlib.contextmanager
-def sync_checks(enabled: bool) -> Iterator[None]:
-    """Context manager: ``with sync_checks(False): ...`` skips the value checks of CUDA inputs
-    that need a device-to-host synchronisation (see the module docstring); restored on exit."""
-    previous = sync_checks_enabled()
-    set_sync_checks(enabled)
-    try:
-        yield
-    finally:
-        set_sync_checks(previous)
-
-
-def lowrank_metric_apply(U: Tensor, lam: Tensor, v: Tensor, eps: float, *, check_finite: bool = False) -> Tensor:
+def lowrank_metric_apply(U: Tensor, lam: Tensor, v: Tensor, eps: float, *, check_values: bool = True,
+                         check_finite: bool = False) -> Tensor:
     """``g v = eps·v + U (lam ⊙ Uᵀ v)``.
 
     U [B,P,r] (r <= P), lam [B,r] >= 0, v [B,P,k], eps >= 0 -> [B,P,k].
     """
-    if uses_compiled(U):
-        return torch.ops.pullback_ext.lowrank_metric_apply(U, lam, v, float(eps), check_finite)
-    _fallback_checks.metric(U, lam, v, eps, check_finite)
-    return reference.lowrank_metric_apply(U, lam, v, eps)
+    _op_checks.lowrank_metric(U, lam, v, eps, values=check_values, finite=check_finite)
+    return _run("lowrank_metric_apply", U, U, lam, v, float(eps))
 
 
-def lowrank_metric_quadform(U: Tensor, lam: Tensor, v: Tensor, eps: float, *, check_finite: bool = False) -> Tensor:
+def lowrank_metric_quadform(U: Tensor, lam: Tensor, v: Tensor, eps: float, *, check_values: bool = True,
+                            check_finite: bool = False) -> Tensor:
     """``vᵀ g v = eps‖v‖² + Σ_j lam_j ⟨u_j, v⟩²``, reading U once.
 
     U [B,P,r], lam [B,r] >= 0, v [B,P,k], eps >= 0 -> [B,k].
     """
-    if uses_compiled(U):
-        return torch.ops.pullback_ext.lowrank_metric_quadform(U, lam, v, float(eps), check_finite)
-    _fallback_checks.metric(U, lam, v, eps, check_finite)
-    return reference.lowrank_metric_quadform(U, lam, v, eps)
+    _op_checks.lowrank_metric(U, lam, v, eps, values=check_values, finite=check_finite)
+    return _run("lowrank_metric_quadform", U, U, lam, v, float(eps))
 
 
-def token_importance(U: Tensor, lam: Tensor, num_tokens: int, *, check_finite: bool = False) -> Tensor:
+def token_importance(U: Tensor, lam: Tensor, num_tokens: int, *, check_values: bool = True,
+                     check_finite: bool = False) -> Tensor:
     """``imp(t) = sqrt(Σ_j lam_j ‖u_j^(t)‖²)`` with u_j^(t) the rows t·D .. t·D+D-1 of column j.
 
     U [B,N·D,r], lam [B,r] >= 0, num_tokens = N dividing P -> [B,N].
     """
-    if uses_compiled(U):
-        return torch.ops.pullback_ext.token_importance(U, lam, int(num_tokens), check_finite)
-    _fallback_checks.importance(U, lam, num_tokens, check_finite)
-    return reference.token_importance(U, lam, num_tokens)
+    _op_checks.token_importance(U, lam, num_tokens, values=check_values, finite=check_finite)
+    return _run("token_importance", U, U, lam, int(num_tokens))
 
 
 def block_orthonormalize(X: Tensor, return_r: bool = False, *, check_finite: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -131,7 +102,8 @@ def block_orthonormalize(X: Tensor, return_r: bool = False, *, check_finite: boo
     accumulation; images whose Cholesky fails or whose condition estimate exceeds 1e6 are
     refactorised by Householder QR, so Q is orthonormal to ~1e-6 in float32 even for rank-deficient
     or badly scaled X. For a rank-deficient X the columns of Q beyond the rank complete the basis
-    to an orthonormal set (the matching diagonal entries of R are ~0).
+    to an orthonormal set (the matching diagonal entries of R are ~0). It reads no values to
+    validate, so it takes no ``check_values``.
 
     Forward-only: no gradient flows through it; a RuntimeError is raised if one is requested.
     """
@@ -140,23 +112,21 @@ def block_orthonormalize(X: Tensor, return_r: bool = False, *, check_finite: boo
             "block_orthonormalize is forward-only: X requires grad; pass X.detach() or run it under "
             "torch.no_grad()"
         )
+    _op_checks.block_orthonormalize(X, finite=check_finite)
     if uses_compiled(X):
-        Q, R = torch.ops.pullback_ext.block_orthonormalize(X, check_finite)
+        Q, R = torch.ops.pullback_ext.block_orthonormalize(X)
         return (Q, R) if return_r else Q
-    _fallback_checks.qr(X, check_finite)
     return reference.block_orthonormalize(X, return_r)
 
 
-def gather_tokens(x: Tensor, idx: Tensor, *, check_finite: bool = False) -> Tensor:
+def gather_tokens(x: Tensor, idx: Tensor, *, check_values: bool = True, check_finite: bool = False) -> Tensor:
     """``out[b, i] = x[b, idx[b, i]]``: x [B,N,D], idx [B,K] int64 in [0,N) -> [B,K,D]."""
-    if uses_compiled(x):
-        return torch.ops.pullback_ext.gather_tokens(x, idx, check_finite)
-    _fallback_checks.gather(x, idx, check_finite)
-    return reference.gather_tokens(x, idx)
+    _op_checks.gather_tokens(x, idx, values=check_values, finite=check_finite)
+    return _run("gather_tokens", x, x, idx)
 
 
 def merge_tokens(
-    x: Tensor, w: Tensor, src_idx: Tensor, dst_idx: Tensor, *, check_finite: bool = False
+    x: Tensor, w: Tensor, src_idx: Tensor, dst_idx: Tensor, *, check_values: bool = True, check_finite: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Merge token src_idx[b,i] into dst_idx[b,i], weighted by w, tracking the weights (ToMe sizes).
 
@@ -165,61 +135,67 @@ def merge_tokens(
     becomes ``(w_d x_d + Σ_{s->d} w_s x_s) / (w_d + Σ_{s->d} w_s)`` with weight
     ``w_d + Σ_{s->d} w_s`` (x_d is kept unchanged when that weight is 0).
     """
-    if uses_compiled(x):
-        return torch.ops.pullback_ext.merge_tokens(x, w, src_idx, dst_idx, check_finite)
-    _fallback_checks.merge(x, w, src_idx, dst_idx, check_finite)
-    return reference.merge_tokens(x, w, src_idx, dst_idx)
+    _op_checks.merge_tokens(x, w, src_idx, dst_idx, values=check_values, finite=check_finite)
+    return _run("merge_tokens", x, x, w, src_idx, dst_idx)
 
 
 def reinsert_tokens(
-    kept: Tensor, kept_idx: Tensor, pruned: Tensor, pruned_idx: Tensor, *, check_finite: bool = False
+    kept: Tensor, kept_idx: Tensor, pruned: Tensor, pruned_idx: Tensor, *, check_values: bool = True,
+    check_finite: bool = False,
 ) -> Tensor:
     """Put every token back at its original position (Last-Layer Fusion).
 
     kept [B,K,D], kept_idx [B,K], pruned [B,R,D], pruned_idx [B,R]; the two index sets of each
     image together a permutation of 0..K+R-1 -> [B,K+R,D].
     """
-    if uses_compiled(kept):
-        return torch.ops.pullback_ext.reinsert_tokens(kept, kept_idx, pruned, pruned_idx, check_finite)
-    _fallback_checks.reinsert(kept, kept_idx, pruned, pruned_idx, check_finite)
-    return reference.reinsert_tokens(kept, kept_idx, pruned, pruned_idx)
-
+    _op_checks.reinsert_tokens(kept, kept_idx, pruned, pruned_idx, values=check_values, finite=check_finite)
+    return _run("reinsert_tokens", kept, kept, kept_idx, pruned, pruned_idx)
 
 
 # --- dispatcher registrations: fake (meta) kernels for torch.compile, autograd formulas ---------
 
 
 def _register_fake_kernels() -> None:
+    """Output metadata of every op for FakeTensor / torch.compile, after the same metadata checks as
+    the eager front ends (so a bad shape fails while tracing too)."""
+
     def fake(name):
         return torch.library.register_fake(f"pullback_ext::{name}")
 
     @fake("lowrank_metric_apply")
-    def _(U, lam, v, eps, check_finite=False):
+    def _(U, lam, v, eps):
+        _op_checks.lowrank_metric(U, lam, v, eps)
         return v.new_empty(v.shape)
 
     @fake("lowrank_metric_quadform")
-    def _(U, lam, v, eps, check_finite=False):
+    def _(U, lam, v, eps):
+        _op_checks.lowrank_metric(U, lam, v, eps)
         return v.new_empty((v.shape[0], v.shape[2]))
 
     @fake("token_importance")
-    def _(U, lam, num_tokens, check_finite=False):
+    def _(U, lam, num_tokens):
+        _op_checks.token_importance(U, lam, num_tokens)
         return U.new_empty((U.shape[0], num_tokens))
 
     @fake("block_orthonormalize")
-    def _(X, check_finite=False):
+    def _(X):
+        _op_checks.block_orthonormalize(X)
         return X.new_empty(X.shape), X.new_empty((X.shape[0], X.shape[2], X.shape[2]))
 
     @fake("gather_tokens")
-    def _(x, idx, check_finite=False):
+    def _(x, idx):
+        _op_checks.gather_tokens(x, idx)
         return x.new_empty((x.shape[0], idx.shape[1], x.shape[2]))
 
     @fake("merge_tokens")
-    def _(x, w, src_idx, dst_idx, check_finite=False):
+    def _(x, w, src_idx, dst_idx):
+        _op_checks.merge_tokens(x, w, src_idx, dst_idx)
         kept = x.shape[1] - src_idx.shape[1]
         return x.new_empty((x.shape[0], kept, x.shape[2])), w.new_empty((w.shape[0], kept))
 
     @fake("reinsert_tokens")
-    def _(kept, kept_idx, pruned, pruned_idx, check_finite=False):
+    def _(kept, kept_idx, pruned, pruned_idx):
+        _op_checks.reinsert_tokens(kept, kept_idx, pruned, pruned_idx)
         return kept.new_empty((kept.shape[0], kept.shape[1] + pruned.shape[1], kept.shape[2]))
 
 
@@ -235,7 +211,7 @@ def _apply_backward(ctx, grad: Tensor):
     grad_U = grad_lam = grad_v = None
     if need_v:
         # g is symmetric: the vector-Jacobian product is the op applied to the incoming grad.
-        grad_v = torch.ops.pullback_ext.lowrank_metric_apply(U, lam, grad, eps, False)
+        grad_v = torch.ops.pullback_ext.lowrank_metric_apply(U, lam, grad, eps)
     if need_U or need_lam:
         proj_v = U.transpose(1, 2) @ v  # [B,r,k]
         proj_g = U.transpose(1, 2) @ grad
@@ -243,7 +219,7 @@ def _apply_backward(ctx, grad: Tensor):
             grad_U = grad @ (lam.unsqueeze(-1) * proj_v).transpose(1, 2) + v @ (lam.unsqueeze(-1) * proj_g).transpose(1, 2)
         if need_lam:
             grad_lam = (proj_v * proj_g).sum(-1)
-    return grad_U, grad_lam, grad_v, None, None
+    return grad_U, grad_lam, grad_v, None
 
 
 def _quadform_backward(ctx, grad: Tensor):
@@ -253,18 +229,18 @@ def _quadform_backward(ctx, grad: Tensor):
     grad_U = grad_lam = grad_v = None
     g = grad.unsqueeze(1)  # [B,1,k]
     if need_v:
-        grad_v = 2 * g * torch.ops.pullback_ext.lowrank_metric_apply(U, lam, v, eps, False)
+        grad_v = 2 * g * torch.ops.pullback_ext.lowrank_metric_apply(U, lam, v, eps)
     if need_U or need_lam:
         proj = U.transpose(1, 2) @ v  # [B,r,k]
         if need_U:
             grad_U = 2 * v @ (lam.unsqueeze(-1) * proj * g).transpose(1, 2)
         if need_lam:
             grad_lam = (proj * proj * g).sum(-1)
-    return grad_U, grad_lam, grad_v, None, None
+    return grad_U, grad_lam, grad_v, None
 
 
 def _importance_setup(ctx, inputs, output) -> None:
-    U, lam, num_tokens, _ = inputs
+    U, lam, num_tokens = inputs
     ctx.save_for_backward(U, lam, output)
     ctx.num_tokens = num_tokens
 
@@ -282,7 +258,7 @@ def _importance_backward(ctx, grad: Tensor):
     if ctx.needs_input_grad[1]:
         energy = (U * U).reshape(B, N, P // N, r).sum(2)  # [B,N,r]
         grad_lam = (energy * half_rate.unsqueeze(-1)).sum(1)
-    return grad_U, grad_lam, None, None
+    return grad_U, grad_lam, None
 
 
 def _qr_setup(ctx, inputs, output) -> None:
@@ -299,11 +275,11 @@ def _gather_backward(ctx, grad: Tensor):
     if ctx.needs_input_grad[0]:
         index = idx.unsqueeze(-1).expand(-1, -1, x.shape[-1])
         grad_x = torch.zeros_like(x).scatter_add(1, index, grad)
-    return grad_x, None, None
+    return grad_x, None
 
 
 def _merge_setup(ctx, inputs, output) -> None:
-    x, w, src_idx, dst_idx, _ = inputs
+    x, w, src_idx, dst_idx = inputs
     ctx.save_for_backward(x, w, src_idx, dst_idx, *output)
 
 
@@ -332,20 +308,20 @@ def _merge_backward(ctx, grad_x_out: Tensor | None, grad_w_out: Tensor | None):
     if ctx.needs_input_grad[1]:
         through_x = torch.where(positive, (g_merged * (x - merged) / safe_total).sum(-1), 0)
         grad_w = through_x + grad_w_out.gather(1, slot)
-    return grad_x, grad_w, None, None, None
+    return grad_x, grad_w, None, None
 
 
 def _reinsert_setup(ctx, inputs, output) -> None:
-    kept, kept_idx, pruned, pruned_idx, _ = inputs
+    kept, kept_idx, pruned, pruned_idx = inputs
     ctx.save_for_backward(kept_idx, pruned_idx)
 
 
 def _reinsert_backward(ctx, grad: Tensor):
     kept_idx, pruned_idx = ctx.saved_tensors
     gather = torch.ops.pullback_ext.gather_tokens
-    grad_kept = gather(grad, kept_idx, False) if ctx.needs_input_grad[0] else None
-    grad_pruned = gather(grad, pruned_idx, False) if ctx.needs_input_grad[2] else None
-    return grad_kept, None, grad_pruned, None, None
+    grad_kept = gather(grad, kept_idx) if ctx.needs_input_grad[0] else None
+    grad_pruned = gather(grad, pruned_idx) if ctx.needs_input_grad[2] else None
+    return grad_kept, None, grad_pruned, None
 
 
 def _register_autograd() -> None:

@@ -247,10 +247,11 @@ def test_gpu_merge_is_deterministic():
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
 
 
-# Each case raises from the compiled front end; run in a child process so that a crash in the
-# error path (seen on a machine whose compiler linked libstdc++ statically into _C, see
-# test_extension_keeps_a_static_libstdcxx_private) fails this test with the case named instead of
-# ending the whole test run.
+# Each case raises, from pullback_ext.ops's validation or from the compiled kernels' invariant
+# checks (a direct torch.ops call, whose C++ message formats numbers); run in a child process so
+# that a crash in the error path (seen on a machine whose compiler linked libstdc++ statically into
+# _C, see test_extension_keeps_a_static_libstdcxx_private) fails this test with the case named
+# instead of ending the whole test run.
 _RAISING_CASES = r"""
 import sys, torch
 from pullback_ext import ops
@@ -271,6 +272,11 @@ cases = {
     "lam negative": (ValueError, r"lam must be >= 0 everywhere",
                      lambda: ops.token_importance(torch.randn(1, 20, 3, device=dev),
                                                   -torch.ones(1, 3, device=dev), 4)),
+    "kernel invariant": (RuntimeError, r"merge_tokens: internal invariant violated: w is \[2, 4\]",
+                         lambda: torch.ops.pullback_ext.merge_tokens(x, w[:, :4], t([[0], [1]]), t([[3], [4]]))),
+    "kernel divisor": (RuntimeError, r"num_tokens = 7 does not divide P = 20",
+                       lambda: torch.ops.pullback_ext.token_importance(torch.randn(1, 20, 3, device=dev),
+                                                                       torch.ones(1, 3, device=dev), 7)),
 }
 import re
 for name, (kind, pattern, call) in cases.items():
@@ -303,7 +309,7 @@ def test_extension_keeps_a_static_libstdcxx_private():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
-def test_checks_raise_from_the_compiled_front_end(device):
+def test_checks_raise_from_validation_and_kernels(device):
     if device == "cuda":
         _ops_and_reference()
     result = subprocess.run([sys.executable, "-c", _RAISING_CASES, device], capture_output=True,
@@ -316,9 +322,9 @@ def test_checks_raise_from_the_compiled_front_end(device):
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_unchecked_calls_match_and_stay_memory_safe(dtype):
-    """Without the synchronising checks valid inputs give the same results, and invalid ones
-    (out-of-range, repeated, negative) run without an out-of-bounds access: the CUDA context stays
-    usable and a gathered row with a bad index is NaN."""
+    """check_values=False calls never synchronise with the device, give the checked results on valid
+    inputs, and run invalid ones (out-of-range, repeated, negative) without an out-of-bounds access:
+    the CUDA context stays usable and a gathered row with a bad index is NaN."""
     ops, _ = _ops_and_reference()
     g = torch.Generator().manual_seed(5)
     B, N, D, R = 3, 40, 24, 12
@@ -329,14 +335,19 @@ def test_gpu_unchecked_calls_match_and_stay_memory_safe(dtype):
     kept_idx, pruned_idx = order[:, : N - R], order[:, N - R:]
     (U, lam, v), _ = _metric_inputs(2, 7, 8, 4, 1, dtype)
 
-    def run_all(src, dst, kept_idx, pruned_idx, lam):
-        return (ops.gather_tokens(x, kept_idx), *ops.merge_tokens(x, w, src, dst),
-                ops.reinsert_tokens(x[:, : N - R], kept_idx, x[:, N - R:], pruned_idx),
-                ops.lowrank_metric_apply(U, lam, v, 0.3), ops.token_importance(U, lam, 7))
+    def run_all(src, dst, kept_idx, pruned_idx, lam, check_values):
+        checks = dict(check_values=check_values)
+        return (ops.gather_tokens(x, kept_idx, **checks), *ops.merge_tokens(x, w, src, dst, **checks),
+                ops.reinsert_tokens(x[:, : N - R], kept_idx, x[:, N - R:], pruned_idx, **checks),
+                ops.lowrank_metric_apply(U, lam, v, 0.3, **checks), ops.token_importance(U, lam, 7, **checks))
 
-    checked = run_all(src, dst, kept_idx, pruned_idx, lam)
-    with ops.sync_checks(False):
-        unchecked = run_all(src, dst, kept_idx, pruned_idx, lam)
+    checked = run_all(src, dst, kept_idx, pruned_idx, lam, True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host synchronisation raises
+    try:
+        unchecked = run_all(src, dst, kept_idx, pruned_idx, lam, False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     for a, b in zip(checked, unchecked):
         assert torch.equal(a, b)
 
@@ -349,8 +360,7 @@ def test_gpu_unchecked_calls_match_and_stay_memory_safe(dtype):
     bad_dst[2, 2] = -1
     bad_pruned = pruned_idx.clone()
     bad_pruned[0, 0] = 10**6
-    with ops.sync_checks(False):
-        out = run_all(bad_src, bad_dst, bad_kept, bad_pruned, -lam)
+    out = run_all(bad_src, bad_dst, bad_kept, bad_pruned, -lam, False)
     torch.cuda.synchronize()
     gathered = out[0].float()
     assert torch.isnan(gathered[0, 0]).all() and torch.isnan(gathered[1, 3]).all()

@@ -49,8 +49,8 @@ def test_compiled_op_is_used_for_cpu_float32():
     assert ops.uses_compiled(U), "the compiled extension is not loaded: build it with setup.py build_ext --inplace"
     with torch.autograd.profiler.profile() as prof:
         ops.lowrank_metric_apply(U, lam, v, 0.1)
-    names = {e.name for e in prof.function_events}
-    assert "pullback_ext::lowrank_metric_apply" in names
+    names = [e.name for e in prof.function_events]
+    assert names.count("pullback_ext::lowrank_metric_apply") == 1  # dispatched once, to the CPU kernel
     assert not ops.uses_compiled(U.half())
 
 
@@ -231,38 +231,61 @@ def test_opcheck(device):
     opcheck = torch.library.opcheck
     U, lam, v = metric_inputs(2, 3, 2, 2, 2, torch.float64, device)
     grad = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
-    opcheck(torch.ops.pullback_ext.lowrank_metric_apply.default, (*grad(U, lam, v), 0.3, False))
-    opcheck(torch.ops.pullback_ext.lowrank_metric_quadform.default, (*grad(U, lam, v), 0.3, False))
-    opcheck(torch.ops.pullback_ext.token_importance.default, (*grad(U, lam), 3, False))
-    opcheck(torch.ops.pullback_ext.block_orthonormalize.default, (U, False))
+    opcheck(torch.ops.pullback_ext.lowrank_metric_apply.default, (*grad(U, lam, v), 0.3))
+    opcheck(torch.ops.pullback_ext.lowrank_metric_quadform.default, (*grad(U, lam, v), 0.3))
+    opcheck(torch.ops.pullback_ext.token_importance.default, (*grad(U, lam), 3))
+    opcheck(torch.ops.pullback_ext.block_orthonormalize.default, (U,))
     x, w, src, dst = merge_inputs(2, 7, 3, 3, torch.float64, device)
-    opcheck(torch.ops.pullback_ext.merge_tokens.default, (*grad(x, w), src, dst, False))
-    opcheck(torch.ops.pullback_ext.gather_tokens.default, (*grad(x), src, False))
+    opcheck(torch.ops.pullback_ext.merge_tokens.default, (*grad(x, w), src, dst))
+    opcheck(torch.ops.pullback_ext.gather_tokens.default, (*grad(x), src))
     kept, kept_idx, pruned, pruned_idx = reinsert_inputs(2, 4, 3, 2, torch.float64, device)
-    opcheck(torch.ops.pullback_ext.reinsert_tokens.default, (grad(kept)[0], kept_idx, grad(pruned)[0], pruned_idx, False))
+    opcheck(torch.ops.pullback_ext.reinsert_tokens.default, (grad(kept)[0], kept_idx, grad(pruned)[0], pruned_idx))
 
 
-def test_torch_compile_fullgraph():
-    torch._dynamo.reset()
+def _every_op(U, lam, v, x, w, src, dst, kept, kept_idx, pruned, pruned_idx, check_values=False):
+    """A scalar from every op: the metric ops on (U, lam, v), the token ops on the rest."""
+    checks = dict(check_values=check_values)
+    y = ops.lowrank_metric_apply(U, lam, v, 0.1, **checks)
+    q = ops.lowrank_metric_quadform(U, lam, y, 0.1, **checks)
+    imp = ops.token_importance(U, lam, 4, **checks)
+    Q = ops.block_orthonormalize(U.detach())
+    x_new, w_new = ops.merge_tokens(x, w, src, dst, **checks)
+    gathered = ops.gather_tokens(x, kept_idx, **checks)
+    back = ops.reinsert_tokens(kept, kept_idx, pruned, pruned_idx, **checks)
+    return y.sum() + q.sum() + imp.sum() + Q.sum() + x_new.sum() + w_new.sum() + gathered.sum() + back.sum()
 
-    def pipeline(U, lam, v, x, w, src, dst):
-        y = ops.lowrank_metric_apply(U, lam, v, 0.1)
-        q = ops.lowrank_metric_quadform(U, lam, y, 0.1)
-        imp = ops.token_importance(U, lam, 4)
-        Q = ops.block_orthonormalize(U.detach())
-        x_new, w_new = ops.merge_tokens(x, w, src, dst)
-        return y.sum() + q.sum() + imp.sum() + Q.sum() + x_new.sum() + w_new.sum()
 
+def _every_op_inputs():
     U, lam, v = metric_inputs(2, 4, 3, 2, 1, torch.float32, "cpu")
     x, w, src, dst = merge_inputs(2, 6, 3, 2, torch.float32, "cpu")
-    compiled = torch.compile(pipeline, fullgraph=True, backend="aot_eager")
-    U = U.requires_grad_()
-    out = compiled(U, lam, v, x, w, src, dst)
-    expected = pipeline(U, lam, v, x, w, src, dst)
+    kept, kept_idx, pruned, pruned_idx = reinsert_inputs(2, 4, 2, 3, torch.float32, "cpu")
+    return [U.requires_grad_(), lam, v, x, w, src, dst, kept, kept_idx, pruned, pruned_idx]
+
+
+def test_torch_compile_fullgraph_of_unchecked_calls():
+    """check_values=False leaves nothing in the ops that dynamo cannot trace: no graph break, and
+    the compiled function (forward and backward) equals eager."""
+    torch._dynamo.reset()
+    inputs = _every_op_inputs()
+    assert torch._dynamo.explain(_every_op)(*inputs).graph_break_count == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(_every_op, fullgraph=True, backend="aot_eager")
+    out = compiled(*inputs)
+    expected = _every_op(*inputs)
     torch.testing.assert_close(out, expected)
-    (g,) = torch.autograd.grad(out, U)
-    (g_ref,) = torch.autograd.grad(expected, U)
+    (g,) = torch.autograd.grad(out, inputs[0])
+    (g_ref,) = torch.autograd.grad(expected, inputs[0])
     torch.testing.assert_close(g, g_ref)
+
+
+def test_torch_compile_keeps_the_value_checks_of_checked_calls():
+    torch._dynamo.reset()
+    inputs = _every_op_inputs()
+    compiled = torch.compile(lambda *a: _every_op(*a, check_values=True), backend="aot_eager")
+    torch.testing.assert_close(compiled(*inputs), _every_op(*inputs))
+    inputs[6] = inputs[5].clone()  # dst_idx = src_idx: every destination is merged away
+    with pytest.raises(ValueError, match="dst_idx must point at tokens that are kept"):
+        compiled(*inputs)
 
 
 def test_build_mismatch_raises(monkeypatch):
@@ -281,26 +304,74 @@ def test_build_mismatch_raises(monkeypatch):
         assert importlib.import_module("pullback_ext._loader").load_compiled() is not None
 
 
-def test_pybind_module_exposes_every_op():
+OP_NAMES = ["lowrank_metric_apply", "lowrank_metric_quadform", "token_importance", "block_orthonormalize",
+            "gather_tokens", "merge_tokens", "reinsert_tokens"]
+
+
+def test_ops_have_one_kernel_per_device_and_no_pybind_surface():
     from pullback_ext import _C
 
-    U, lam, v = metric_inputs(2, 3, 4, 2, 2, torch.float64, "cpu")
-    torch.testing.assert_close(_C.lowrank_metric_apply(U, lam, v, 0.2), reference.lowrank_metric_apply(U, lam, v, 0.2))
-    torch.testing.assert_close(_C.lowrank_metric_quadform(U, lam, v, eps=0.2), reference.lowrank_metric_quadform(U, lam, v, 0.2))
-    torch.testing.assert_close(_C.token_importance(U, lam, 3), reference.token_importance(U, lam, 3))
-    Q, R = _C.block_orthonormalize(U)
-    torch.testing.assert_close(Q @ R, U)
-    x, w, src, dst = merge_inputs(2, 6, 3, 2, torch.float64, "cpu")
-    for a, b in zip(_C.merge_tokens(x, w, src, dst), reference.merge_tokens(x, w, src, dst)):
-        torch.testing.assert_close(a, b)
-    assert torch.equal(_C.gather_tokens(x, src), reference.gather_tokens(x, src))
-    kept, kept_idx, pruned, pruned_idx = reinsert_inputs(2, 4, 3, 2, torch.float64, "cpu")
-    assert torch.equal(_C.reinsert_tokens(kept, kept_idx, pruned, pruned_idx, check_finite=True),
-                       reference.reinsert_tokens(kept, kept_idx, pruned, pruned_idx))
-    assert _C.cuda_available() == bool(importlib.import_module("pullback_ext._build_info").WITH_CUDA)
+    with_cuda = bool(importlib.import_module("pullback_ext._build_info").WITH_CUDA)
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    for name in OP_NAMES:
+        qualified = f"pullback_ext::{name}"
+        assert has_kernel(qualified, "CPU") and has_kernel(qualified, "Meta")
+        assert has_kernel(qualified, "CUDA") == with_cuda
+        assert not has_kernel(qualified, "CompositeImplicitAutograd")
+        assert not has_kernel(qualified, "CompositeExplicitAutograd")
+        assert not hasattr(_C, name), f"_C.{name}: the ops' Python surface is pullback_ext.ops"
+        assert "check" not in str(getattr(torch.ops.pullback_ext, name).default._schema)
+    assert _C.cuda_available() == with_cuda
     assert _C.cpu_isa() in ("baseline", "avx2", "avx512")
-    with pytest.raises(ValueError, match="eps"):
-        _C.lowrank_metric_apply(U, lam, v, -1.0)
+
+
+def test_direct_op_calls_keep_the_memory_invariants():
+    """torch.ops.pullback_ext.* skip the validation of pullback_ext.ops; the kernels still refuse
+    metadata they would address memory out of bounds with."""
+    pe = torch.ops.pullback_ext
+    U, lam, v = metric_inputs(2, 3, 4, 2, 2, torch.float64, "cpu")
+    x, w, src, dst = merge_inputs(2, 6, 3, 2, torch.float64, "cpu")
+    kept, kept_idx, pruned, pruned_idx = reinsert_inputs(2, 4, 2, 3, torch.float64, "cpu")
+    calls = {
+        "lowrank_metric_apply": lambda: pe.lowrank_metric_apply(U, lam[:, :1], v, 0.1),
+        "lowrank_metric_quadform": lambda: pe.lowrank_metric_quadform(U, lam, v[:, :5], 0.1),
+        "token_importance": lambda: pe.token_importance(U, lam, 5),
+        "block_orthonormalize": lambda: pe.block_orthonormalize(U.mT),
+        "gather_tokens": lambda: pe.gather_tokens(x, src.int()),
+        "merge_tokens": lambda: pe.merge_tokens(x, w[:, :5], src, dst),
+        "reinsert_tokens": lambda: pe.reinsert_tokens(kept, kept_idx, pruned, pruned_idx[:1]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"pullback_ext::{name}: internal invariant violated"):
+            call()
+
+
+def test_unchecked_cpu_kernels_stay_memory_safe():
+    """With check_values=False the CPU kernels read no index outside its tensor: valid inputs give
+    the checked results, invalid ones unspecified values (a gathered row out of range is NaN)."""
+    x, w, src, dst = merge_inputs(3, 40, 24, 12, torch.float32, "cpu")
+    kept, kept_idx, pruned, pruned_idx = reinsert_inputs(3, 28, 12, 24, torch.float32, "cpu")
+
+    def run_all(src, dst, kept_idx, pruned_idx, check_values):
+        return (ops.gather_tokens(x, kept_idx, check_values=check_values),
+                *ops.merge_tokens(x, w, src, dst, check_values=check_values),
+                ops.reinsert_tokens(kept, kept_idx, pruned, pruned_idx, check_values=check_values))
+
+    checked = run_all(src, dst, kept_idx, pruned_idx, True)
+    for a, b in zip(checked, run_all(src, dst, kept_idx, pruned_idx, False)):
+        assert torch.equal(a, b)
+    bad_kept, bad_src, bad_dst, bad_pruned = kept_idx.clone(), src.clone(), dst.clone(), pruned_idx.clone()
+    bad_kept[0, 0], bad_kept[1, 3] = 40 + 7, -3
+    bad_src[0, 1] = bad_src[0, 0]  # repeated source
+    bad_src[1, 0] = 10**9  # out of range
+    bad_dst[2, 0] = bad_src[2, 1]  # destination merged away
+    bad_dst[2, 2] = -1
+    bad_pruned[0, 0] = 10**6
+    out = run_all(bad_src, bad_dst, bad_kept, bad_pruned, False)
+    assert torch.isnan(out[0][0, 0]).all() and torch.isnan(out[0][1, 3]).all()
+    assert torch.equal(out[0][2], checked[0][2])
+    assert out[1].shape == (3, 28, 24) and out[2].shape == (3, 28) and out[3].shape == (3, 40, 24)
+    assert torch.isfinite(out[1]).all()  # unspecified, but every value comes from x and w
 
 
 @pytest.mark.parametrize("N,D,r", [(3, 50, 33), (2, 300, 520)])

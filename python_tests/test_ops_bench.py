@@ -3,35 +3,46 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from ops_helpers import merge_inputs, reinsert_inputs
-from pullback_ext import cli, kernel_breakdown, op_benchmark, ops
+from pullback_ext import cli, ops
+from pullback_ext.bench import baselines, kernel_breakdown, report, timing
+from pullback_ext.bench.ops import Row
+
+
+def test_no_library_module_uses_the_bench_application():
+    package = Path(__file__).resolve().parents[1] / "pullback_ext"
+    applications = ("bench", "commands", "demo")
+    library = [p for p in package.rglob("*.py") if p.relative_to(package).parts[0] not in applications
+               and p.name not in ("cli.py", "__main__.py")]
+    assert library and not [p for p in library if "pullback_ext.bench" in p.read_text()]
 
 
 def test_tome_baselines_match_the_ops():
     x, w, src, dst = merge_inputs(3, 11, 5, 4, torch.float64, "cpu")
-    for a, b in zip(op_benchmark.tome_merge(x, w, src, dst), ops.merge_tokens(x, w, src, dst)):
+    for a, b in zip(baselines.tome_merge(x, w, src, dst), ops.merge_tokens(x, w, src, dst)):
         torch.testing.assert_close(a, b)
     kept, kept_idx, pruned, pruned_idx = reinsert_inputs(3, 7, 4, 5, torch.float64, "cpu")
-    assert torch.equal(op_benchmark.tome_reinsert(kept, kept_idx, pruned, pruned_idx),
+    assert torch.equal(baselines.tome_reinsert(kept, kept_idx, pruned, pruned_idx),
                        ops.reinsert_tokens(kept, kept_idx, pruned, pruned_idx))
 
 
 def test_outputs_are_written(tmp_path):
-    row = op_benchmark.Row("token_importance", "B=1", 2.0, 6.0, 3.0, 4_000_000, {}, fresh_output_ms=1.25)
+    row = Row("token_importance", "B=1", 2.0, 6.0, 3.0, 4_000_000, {}, fresh_output_ms=1.25)
     result = {
         "device": "cpu", "device_name": "x", "threads": 2, "torch": torch.__version__, "compiled_ops": True,
         "cpu_isa": "avx2", "quick": True, "repeats": 3, "read_bandwidth_gbps": 4.0,
         "rows": [{**row.__dict__, "speedup_vs_eager": row.speedup_eager, "speedup_vs_compiled": 1.5,
                   "effective_gbps": row.gbps(), "share_of_read_bandwidth": row.gbps() / 4.0}],
     }
-    table = op_benchmark.format_table(result)
+    table = report.format_table(result)
     assert "token_importance" in table and "3.00" in table and "50%" in table  # 2 GB/s of 4
     assert "1.250" in table  # the fresh-output floor
-    paths = op_benchmark.write_outputs(result, str(tmp_path / "sub" / "bench.json"))
+    paths = report.write_outputs(result, str(tmp_path / "sub" / "bench.json"))
     assert json.loads((tmp_path / "sub" / "bench.json").read_text())["rows"][0]["fused_ms"] == 2.0
     assert (tmp_path / "sub" / "bench.png").stat().st_size > 0 and len(paths) == 2
     assert not list((tmp_path / "sub").glob("*.tmp"))
@@ -39,11 +50,11 @@ def test_outputs_are_written(tmp_path):
 
 def test_timing_helpers_call_each_function_warmup_plus_repeats():
     calls = []
-    assert op_benchmark.timed_medians_ms([lambda: calls.append(1)], 5, "cpu")[0] >= 0
+    assert timing.timed_medians_ms([lambda: calls.append(1)], 5, "cpu")[0] >= 0
     assert len(calls) == 6  # one warm-up, five timed
     a, b = [], []
     slow = lambda: (b.append(1), sum(range(20000)))  # noqa: E731
-    fast_ms, slow_ms = op_benchmark.interleaved_medians_ms([lambda: a.append(1), slow], 4, "cpu")
+    fast_ms, slow_ms = timing.interleaved_medians_ms([lambda: a.append(1), slow], 4, "cpu")
     assert len(a) == len(b) == 5 and 0 <= fast_ms < slow_ms
 
 
@@ -119,14 +130,14 @@ def test_breakdown_rejects_a_trace_without_the_marker_pattern():
 
 def test_table_prints_the_breakdown_of_profiled_rows():
     breakdown = kernel_breakdown.Breakdown(48.0, 46.0, 2.0, 1.5, [("product<float>", 42.0), ("epilogue", 4.0)], 3, 4)
-    row = op_benchmark.Row("lowrank_metric_quadform", "B=8", 0.05, 0.2, None, 133_000_000, {}, 0.048, 0.01,
+    row = Row("lowrank_metric_quadform", "B=8", 0.05, 0.2, None, 133_000_000, {}, 0.048, 0.01,
                            json.loads(json.dumps(breakdown.to_dict())))
     result = {"device": "cuda", "device_name": "x", "threads": 2, "compiled_ops": True, "cpu_isa": None,
               "read_bandwidth_gbps": 4000.0, "copy_bandwidth_gbps": 4200.0,
               "rows": [{**row.__dict__, "speedup_vs_eager": row.speedup_eager, "speedup_vs_compiled": None,
                         "effective_gbps": row.gbps(), "share_of_read_bandwidth": row.gbps() / 4000.0,
                         "unchecked_share_of_read_bandwidth": 0.69}]}
-    profiled_line = op_benchmark.format_table(result).split("profiled")[1].splitlines()[-1]
+    profiled_line = report.format_table(result).split("profiled")[1].splitlines()[-1]
     assert profiled_line.startswith("lowrank_metric_quadform ") and profiled_line.endswith(
         "span 48.0 us = kernels 46.0 + gaps 2.0 (lead-in 1.5): product<float> 42.0, epilogue 4.0")
 
@@ -135,8 +146,8 @@ def test_table_prints_the_breakdown_of_profiled_rows():
 def test_cuda_breakdown_of_a_compiled_op_names_its_kernels():
     U = torch.randn(2, 257 * 64, 20, device="cuda")
     lam, v = torch.rand(2, 20, device="cuda"), torch.randn(2, 257 * 64, 1, device="cuda")
-    with ops.sync_checks(False):
-        result = kernel_breakdown.cuda_kernel_breakdown(lambda: ops.lowrank_metric_quadform(U, lam, v, 0.1), repeats=5)
+    result = kernel_breakdown.cuda_kernel_breakdown(
+        lambda: ops.lowrank_metric_quadform(U, lam, v, 0.1, check_values=False), repeats=5)
     names = [name for name, _ in result.kernels]
     if ops.uses_compiled(U):
         assert any(name.startswith("single_column_products_kernel<float, float,") for name in names), names

@@ -159,20 +159,60 @@ def test_device_mismatch():
         ops.gather_tokens(x, torch.zeros(2, 1, dtype=torch.long))
 
 
-def test_sync_checks_switch_leaves_cpu_inputs_checked(dtype):
-    assert ops.sync_checks_enabled()
+def test_check_values_false_skips_only_the_value_checks(dtype):
     x = torch.randn(2, 5, 3, dtype=dtype)
     U, lam, v = _metric(dtype)
-    with ops.sync_checks(False):
-        assert not ops.sync_checks_enabled()
-        with pytest.raises(IndexError, match=r"idx\[1, 0\] = 5 is out of range"):
-            ops.gather_tokens(x, torch.tensor([[0, 1], [5, 2]]))
-        with pytest.raises(ValueError, match=r"lam must be >= 0 everywhere"):
-            ops.lowrank_metric_apply(U, -lam, v, 0.1)
-        with ops.sync_checks(True):
-            assert ops.sync_checks_enabled()
-        assert not ops.sync_checks_enabled()
-    assert ops.sync_checks_enabled()
-    with pytest.raises(RuntimeError, match="boom"), ops.sync_checks(False):
-        raise RuntimeError("boom")
-    assert ops.sync_checks_enabled()
+    unchecked = dict(check_values=False)
+    assert ops.lowrank_metric_apply(U, -lam, v, 0.1, **unchecked).shape == v.shape
+    assert ops.token_importance(U, -lam, 3, **unchecked).shape == (2, 3)
+    kept, kept_idx, pruned, pruned_idx = reinsert_inputs(2, 4, 2, 3, dtype, "cpu")
+    assert ops.reinsert_tokens(kept, kept_idx, pruned, kept_idx[:, :2], **unchecked).shape == (2, 6, 3)
+    with pytest.raises(ValueError, match=r"idx must have shape \[B, K\] = \[2, \*\], got \[1, 2\]"):
+        ops.gather_tokens(x, torch.tensor([[0, 1]]), **unchecked)
+    with pytest.raises(TypeError, match=r"lam must have the dtype of U"):
+        ops.lowrank_metric_apply(U, lam.double(), v, 0.1, **unchecked)
+    with pytest.raises(ValueError, match=r"eps must be a finite value >= 0"):
+        ops.lowrank_metric_quadform(U, lam, v, -1.0, **unchecked)
+    with pytest.raises(ValueError, match=r"v contains 1 NaN"):
+        ops.lowrank_metric_apply(U, lam, torch.where(v == v[0, 0, 0], math.nan, v), 0.1, check_finite=True, **unchecked)
+
+
+# (op, arguments with one bad piece of metadata, exception, message): each fake kernel must reject
+# what the eager front end rejects, with the same exception.
+def _fake_cases(fake):
+    U, lam, v = (fake(t) for t in _metric(torch.float32))
+    x, w, src, dst = (fake(t) for t in merge_inputs(2, 6, 3, 2, torch.float32, "cpu"))
+    kept, kept_idx, pruned, pruned_idx = (fake(t) for t in reinsert_inputs(2, 4, 2, 3, torch.float32, "cpu"))
+    return [
+        ("lowrank_metric_apply", (U, lam[:, :1], v, 0.1), ValueError, r"lam must have shape \[B, r\] = \[2, 2\]"),
+        ("lowrank_metric_quadform", (U, lam, v.double(), 0.1), TypeError, r"v must have the dtype of U"),
+        ("token_importance", (U, lam, 5), ValueError, r"num_tokens must divide P = 12"),
+        ("block_orthonormalize", (U.mT,), ValueError, r"X must be tall with 1 <= r <= P"),
+        ("gather_tokens", (x, src.int()), TypeError, r"idx must be an int64 index tensor"),
+        ("merge_tokens", (x, w, src, dst[:, :1]), ValueError, r"dst_idx must have shape \[B, R\]"),
+        ("reinsert_tokens", (kept, kept_idx, pruned[:, :, :2], pruned_idx), ValueError, r"pruned must have shape"),
+    ]
+
+
+def test_fake_kernels_check_metadata():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    for name, args, error, pattern in _fake_cases(mode.from_tensor):
+        with mode, pytest.raises(error, match=pattern):
+            getattr(torch.ops.pullback_ext, name)(*args)
+
+
+def test_shape_errors_surface_under_torch_compile():
+    torch._dynamo.reset()
+    U, lam, v = _metric(torch.float32)
+    message = r"lam must have shape \[B, r\] = \[2, 2\], got \[2, 1\]"
+    apply = lambda U, lam, v: ops.lowrank_metric_apply(U, lam, v, 0.1, check_values=False)  # noqa: E731
+    with pytest.raises(ValueError, match=message):
+        torch.compile(apply, backend="aot_eager")(U, lam[:, :1], v)
+    with pytest.raises(Exception, match=message):  # dynamo's error, naming ours
+        torch.compile(apply, fullgraph=True, backend="aot_eager")(U, lam[:, :1], v)
+    direct = torch.compile(lambda U, lam, v: torch.ops.pullback_ext.lowrank_metric_apply(U, lam, v, 0.1),
+                           fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=message):  # raised by the fake kernel
+        direct(U, lam[:, :1], v)

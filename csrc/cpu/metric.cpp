@@ -1,15 +1,17 @@
-// CPU backend of the low-rank metric ops: product, quadratic form, token importance.
+// CPU kernels of the low-rank metric ops (product, quadratic form, token importance), their
+// schemas and their CPU registrations.
 //
 // All three are memory-bound: rows of U are streamed in blocks of kRowBlock rows, each block's
 // partial projections are kept per block and summed in float64 in a fixed order, so results do
 // not depend on the number of threads.
-#include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <vector>
 
 #include "cpu/simd.h"
-#include "kernels.h"
+#include "invariants.h"
 
 namespace pullback {
 namespace cpu {
@@ -22,10 +24,10 @@ constexpr int64_t kCacheBytes = int64_t(16) << 20;
 
 int64_t num_blocks(int64_t rows) { return (rows + kRowBlock - 1) / kRowBlock; }
 
-}  // namespace
-
-at::Tensor lowrank_metric_apply(const at::Tensor& U, const at::Tensor& lam, const at::Tensor& v,
-                                double eps) {
+at::Tensor lowrank_metric_apply(const at::Tensor& U_in, const at::Tensor& lam_in,
+                                const at::Tensor& v_in, double eps) {
+  expect_metric_operands("lowrank_metric_apply", U_in, lam_in, v_in);
+  const at::Tensor U = U_in.contiguous(), lam = lam_in.contiguous(), v = v_in.contiguous();
   const int64_t B = U.size(0), P = U.size(1), r = U.size(2), k = v.size(2);
   at::Tensor y = at::empty_like(v);
   AT_DISPATCH_FLOATING_TYPES(U.scalar_type(), "lowrank_metric_apply_cpu", [&] {
@@ -77,8 +79,10 @@ at::Tensor lowrank_metric_apply(const at::Tensor& U, const at::Tensor& lam, cons
   return y;
 }
 
-at::Tensor lowrank_metric_quadform(const at::Tensor& U, const at::Tensor& lam, const at::Tensor& v,
-                                   double eps) {
+at::Tensor lowrank_metric_quadform(const at::Tensor& U_in, const at::Tensor& lam_in,
+                                   const at::Tensor& v_in, double eps) {
+  expect_metric_operands("lowrank_metric_quadform", U_in, lam_in, v_in);
+  const at::Tensor U = U_in.contiguous(), lam = lam_in.contiguous(), v = v_in.contiguous();
   const int64_t B = U.size(0), P = U.size(1), r = U.size(2), k = v.size(2);
   at::Tensor q = at::empty({B, k}, v.options());
   AT_DISPATCH_FLOATING_TYPES(U.scalar_type(), "lowrank_metric_quadform_cpu", [&] {
@@ -116,8 +120,12 @@ at::Tensor lowrank_metric_quadform(const at::Tensor& U, const at::Tensor& lam, c
   return q;
 }
 
-at::Tensor token_importance(const at::Tensor& U, const at::Tensor& lam, int64_t num_tokens) {
+at::Tensor token_importance(const at::Tensor& U_in, const at::Tensor& lam_in, int64_t num_tokens) {
+  expect_metric_operands("token_importance", U_in, lam_in, at::Tensor());
+  const at::Tensor U = U_in.contiguous(), lam = lam_in.contiguous();
   const int64_t B = U.size(0), P = U.size(1), r = U.size(2);
+  expect_that(num_tokens >= 1 && P % num_tokens == 0, "token_importance", "num_tokens = ", num_tokens,
+              " does not divide P = ", P);
   const int64_t D = P / num_tokens;
   at::Tensor imp = at::empty({B, num_tokens}, U.options());
   AT_DISPATCH_FLOATING_TYPES(U.scalar_type(), "token_importance_cpu", [&] {
@@ -136,5 +144,20 @@ at::Tensor token_importance(const at::Tensor& U, const at::Tensor& lam, int64_t 
   return imp;
 }
 
+}  // namespace
+
 }  // namespace cpu
 }  // namespace pullback
+
+TORCH_LIBRARY_FRAGMENT(pullback_ext, m) {
+  m.set_python_module("pullback_ext.ops");
+  m.def("lowrank_metric_apply(Tensor U, Tensor lam, Tensor v, float eps) -> Tensor");
+  m.def("lowrank_metric_quadform(Tensor U, Tensor lam, Tensor v, float eps) -> Tensor");
+  m.def("token_importance(Tensor U, Tensor lam, int num_tokens) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pullback_ext, CPU, m) {
+  m.impl("lowrank_metric_apply", &pullback::cpu::lowrank_metric_apply);
+  m.impl("lowrank_metric_quadform", &pullback::cpu::lowrank_metric_quadform);
+  m.impl("token_importance", &pullback::cpu::token_importance);
+}

@@ -1,12 +1,11 @@
 // CPU backend of the CholeskyQR2 primitives: float64 Gram matrices and right multiplications.
-#include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 
 #include <vector>
 
 #include "cpu/qr_primitives.h"
 #include "cpu/simd.h"
-#include "kernels.h"
 
 namespace pullback {
 namespace cpu {

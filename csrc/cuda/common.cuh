@@ -1,5 +1,5 @@
 // Shared device helpers of the CUDA backend: type conversion, staging copies into shared memory,
-// block reductions, launch sizing and the host-side contract checks.
+// block reductions and launch sizing.
 #pragma once
 
 // Only c10's CUDA headers: ATen/cuda/CUDAContext.h would also need the cuBLAS and cuSPARSE
@@ -128,24 +128,6 @@ inline int64_t rows_per_chunk(int64_t rows, int64_t batch, int64_t tile, int blo
   const int64_t chunks_per_batch =
       std::max<int64_t>(1, std::min(max_chunks, target_blocks / batch));
   return round_up(std::max<int64_t>(1, ceil_div(rows, chunks_per_batch)), tile);
-}
-
-// The front ends guarantee the backend contract; these cheap host checks turn a broken contract
-// into an exception instead of an illegal memory access.
-inline void check_operand(const at::Tensor& t, const char* name, const at::Device& device) {
-  TORCH_CHECK(t.device() == device, "pullback cuda backend: ", name, " is on ", t.device(),
-              ", expected ", device);
-  TORCH_CHECK(t.is_contiguous(), "pullback cuda backend: ", name, " must be contiguous");
-}
-
-inline void check_same_dtype(const at::Tensor& t, const char* name, at::ScalarType dtype) {
-  TORCH_CHECK(t.scalar_type() == dtype, "pullback cuda backend: ", name, " has dtype ",
-              t.scalar_type(), ", expected ", dtype);
-}
-
-inline void check_index(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kLong, "pullback cuda backend: ", name,
-              " must be int64, got ", t.scalar_type());
 }
 
 }  // namespace detail

@@ -2,11 +2,13 @@
 // quadratic form vᵀ g v and the per-token importance sqrt(Σ_j λ_j ‖u_j^(t)‖²).
 //
 // Memory traffic: quadform and importance read U once; apply reads it twice (Uᵀv, then U(λ⊙·)).
-#include "../kernels.h"
-#include "common.cuh"
-#include "tall_skinny.cuh"
+#include <torch/library.h>
 
 #include <climits>
+
+#include "common.cuh"
+#include "invariants.h"
+#include "tall_skinny.cuh"
 
 namespace pullback {
 namespace cuda {
@@ -114,22 +116,11 @@ __global__ void __launch_bounds__(kEpilogueThreads)
   if (threadIdx.x == 0) q[b] = detail::from_acc<T>(term);
 }
 
-void check_metric_operands(const at::Tensor& U, const at::Tensor& lam, const at::Tensor& v) {
-  detail::check_operand(U, "U", U.device());
-  detail::check_operand(lam, "lam", U.device());
-  detail::check_same_dtype(lam, "lam", U.scalar_type());
-  if (v.defined()) {
-    detail::check_operand(v, "v", U.device());
-    detail::check_same_dtype(v, "v", U.scalar_type());
-  }
-}
-
-}  // namespace
-
-at::Tensor lowrank_metric_apply(const at::Tensor& U, const at::Tensor& lam, const at::Tensor& v,
-                                double eps) {
-  const c10::cuda::CUDAGuard guard(U.device());
-  check_metric_operands(U, lam, v);
+at::Tensor lowrank_metric_apply(const at::Tensor& U_in, const at::Tensor& lam_in,
+                                const at::Tensor& v_in, double eps) {
+  expect_metric_operands("lowrank_metric_apply", U_in, lam_in, v_in);
+  const c10::cuda::CUDAGuard guard(U_in.device());
+  const at::Tensor U = U_in.contiguous(), lam = lam_in.contiguous(), v = v_in.contiguous();
   const int64_t B = U.size(0), r = U.size(2), k = v.size(2);
   at::Tensor y = at::empty(v.sizes(), v.options());
   if (y.numel() == 0) return y;
@@ -143,10 +134,11 @@ at::Tensor lowrank_metric_apply(const at::Tensor& U, const at::Tensor& lam, cons
   return y;
 }
 
-at::Tensor lowrank_metric_quadform(const at::Tensor& U, const at::Tensor& lam, const at::Tensor& v,
-                                   double eps) {
-  const c10::cuda::CUDAGuard guard(U.device());
-  check_metric_operands(U, lam, v);
+at::Tensor lowrank_metric_quadform(const at::Tensor& U_in, const at::Tensor& lam_in,
+                                   const at::Tensor& v_in, double eps) {
+  expect_metric_operands("lowrank_metric_quadform", U_in, lam_in, v_in);
+  const c10::cuda::CUDAGuard guard(U_in.device());
+  const at::Tensor U = U_in.contiguous(), lam = lam_in.contiguous(), v = v_in.contiguous();
   const int64_t B = U.size(0), r = U.size(2), k = v.size(2);
   at::Tensor q = at::empty({B, k}, U.options());
   if (q.numel() == 0) return q;
@@ -179,11 +171,12 @@ at::Tensor lowrank_metric_quadform(const at::Tensor& U, const at::Tensor& lam, c
   return q;
 }
 
-at::Tensor token_importance(const at::Tensor& U, const at::Tensor& lam, int64_t num_tokens) {
-  const c10::cuda::CUDAGuard guard(U.device());
-  check_metric_operands(U, lam, at::Tensor());
-  TORCH_CHECK(num_tokens > 0 && U.size(1) % num_tokens == 0, "pullback cuda backend: num_tokens=",
-              num_tokens, " must divide P=", U.size(1));
+at::Tensor token_importance(const at::Tensor& U_in, const at::Tensor& lam_in, int64_t num_tokens) {
+  expect_metric_operands("token_importance", U_in, lam_in, at::Tensor());
+  const c10::cuda::CUDAGuard guard(U_in.device());
+  const at::Tensor U = U_in.contiguous(), lam = lam_in.contiguous();
+  expect_that(num_tokens >= 1 && U.size(1) % num_tokens == 0, "token_importance", "num_tokens = ",
+              num_tokens, " does not divide P = ", U.size(1));
   const int64_t B = U.size(0), P = U.size(1), r = U.size(2);
   const int64_t D = P / num_tokens;
   at::Tensor out = at::empty({B, num_tokens}, U.options());
@@ -212,5 +205,13 @@ at::Tensor token_importance(const at::Tensor& U, const at::Tensor& lam, int64_t 
   return out;
 }
 
+}  // namespace
+
 }  // namespace cuda
 }  // namespace pullback
+
+TORCH_LIBRARY_IMPL(pullback_ext, CUDA, m) {
+  m.impl("lowrank_metric_apply", &pullback::cuda::lowrank_metric_apply);
+  m.impl("lowrank_metric_quadform", &pullback::cuda::lowrank_metric_quadform);
+  m.impl("token_importance", &pullback::cuda::token_importance);
+}

@@ -1,16 +1,23 @@
-// CUDA primitives of the CholeskyQR2 block orthonormalisation: the float64 Gram matrix XᵀX of a
-// tall-skinny batch and the row-wise product X·M with a small float64 matrix M (the inverse
-// Cholesky factor). The front end does the r×r Cholesky work and the fallback decisions.
-#include "../kernels.h"
+// CUDA kernel of block_orthonormalize (the CholeskyQR2 of csrc/qr/cholesky_qr2.h with Q1 stored)
+// and its CUDA registration. The device work is the float64 Gram matrix XᵀX of a tall-skinny batch
+// and the row-wise product X·M with a small float64 matrix M (an inverse Cholesky factor); the r×r
+// factorisations and the fallback decisions run on the host.
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
 #include "common.cuh"
+#include "qr/cholesky_qr2.h"
 #include "tall_skinny.cuh"
 
 namespace pullback {
 namespace cuda {
 
+namespace {
+
+// G[B,r,r] = Xᵀ X accumulated and returned in float64; X[B,P,r] contiguous on the current device.
 at::Tensor gram(const at::Tensor& X) {
-  const c10::cuda::CUDAGuard guard(X.device());
-  detail::check_operand(X, "X", X.device());
   const int64_t B = X.size(0), r = X.size(2);
   at::Tensor G = at::empty({B, r, r}, X.options().dtype(at::kDouble));
   if (G.numel() == 0) return G;
@@ -21,17 +28,10 @@ at::Tensor gram(const at::Tensor& X) {
   return G;
 }
 
-at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M_in) {
-  const c10::cuda::CUDAGuard guard(X.device());
-  detail::check_operand(X, "X", X.device());
-  // M is a small r×r factor straight out of a triangular solve, which may be column-major.
-  const at::Tensor M = M_in.contiguous();
-  detail::check_operand(M, "M", X.device());
-  detail::check_same_dtype(M, "M", at::kDouble);
-  TORCH_CHECK(M.dim() == 3 && M.size(0) == X.size(0) && M.size(1) == X.size(2) &&
-                  M.size(2) == X.size(2),
-              "pullback cuda backend: M must have shape [B, r, r] = [", X.size(0), ", ", X.size(2),
-              ", ", X.size(2), "], got ", M.sizes());
+// Y[B,P,r] = X[B,P,r] @ M[B,r,r]: M is float64 on the host (an inverse triangular factor), Y has
+// X's dtype, the products accumulate in float64.
+at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M_host) {
+  const at::Tensor M = M_host.to(X.device()).contiguous();
   at::Tensor Y = at::empty(X.sizes(), X.options());
   if (Y.numel() == 0) return Y;
   PULLBACK_DISPATCH_FLOATING(X.scalar_type(), "pullback_cuda_right_multiply", [&] {
@@ -40,5 +40,21 @@ at::Tensor right_multiply(const at::Tensor& X, const at::Tensor& M_in) {
   return Y;
 }
 
+std::tuple<at::Tensor, at::Tensor> block_orthonormalize(const at::Tensor& X_in) {
+  const c10::cuda::CUDAGuard guard(X_in.device());
+  const at::Tensor X = qr::tall_skinny_operand(X_in);
+  std::vector<bool> bad(X.size(0), false);
+  const auto [R1, M1] = qr::cholesky_step(gram(X), /*check_condition=*/true, bad);
+  const at::Tensor Q1 = right_multiply(X, M1);
+  const auto [R2, M2] = qr::cholesky_step(gram(Q1), /*check_condition=*/false, bad);
+  return qr::finish(X, right_multiply(Q1, M2), R1, R2, bad);
+}
+
+}  // namespace
+
 }  // namespace cuda
 }  // namespace pullback
+
+TORCH_LIBRARY_IMPL(pullback_ext, CUDA, m) {
+  m.impl("block_orthonormalize", &pullback::cuda::block_orthonormalize);
+}

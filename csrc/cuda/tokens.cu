@@ -6,10 +6,16 @@
 // row, the kept-token order (exclusive scan over N) and for every kept token the list of the
 // sources merged into it (sorted by their position in src_idx); a second kernel then computes
 // every output row once as a gather.
-#include "../kernels.h"
-#include "common.cuh"
+//
+// Unchecked calls (check_values=False) may pass invalid indices; the kernels never address memory
+// outside their operands then (results unspecified): see GatherRows, ReinsertRows and
+// merge_plan_kernel.
+#include <torch/library.h>
 
 #include <climits>
+
+#include "common.cuh"
+#include "invariants.h"
 
 namespace pullback {
 namespace cuda {
@@ -21,9 +27,8 @@ constexpr int kCopyUnroll = 8;
 constexpr int kPlanThreads = 256;
 constexpr int kMergeThreads = 256;
 
-// Where row q of a gather comes from and goes to. The front end checks the indices unless its
-// synchronising checks are switched off; then an out-of-range index gives src = nullptr (the
-// row is filled with NaN) instead of an out-of-bounds read.
+// Where row q of a gather comes from and goes to. An index out of range (unchecked input) gives
+// src = nullptr (the row is filled with NaN) instead of an out-of-bounds read.
 template <typename T>
 struct GatherRows {
   const T* x;
@@ -181,8 +186,8 @@ __global__ void __launch_bounds__(kPlanThreads)
   for (int n = threadIdx.x; n < N; n += blockDim.x) pos[n] = 0;
   for (int j = threadIdx.x; j <= M; j += blockDim.x) offsets[j] = 0;
   __syncthreads();
-  // Indices out of range (possible only when the front end's synchronising checks are off) are
-  // dropped wherever they occur, so that no access leaves the arrays.
+  // Indices out of range (possible only in unchecked calls) are dropped wherever they occur, so
+  // that no access leaves the arrays.
   for (int i = threadIdx.x; i < R; i += blockDim.x) {
     const int64_t s = src[i];
     if (s >= 0 && s < N) pos[s] = 1;
@@ -287,13 +292,11 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
 }
 
-}  // namespace
-
-at::Tensor gather_tokens(const at::Tensor& x, const at::Tensor& idx) {
-  const c10::cuda::CUDAGuard guard(x.device());
-  detail::check_operand(x, "x", x.device());
-  detail::check_operand(idx, "idx", x.device());
-  detail::check_index(idx, "idx");
+at::Tensor gather_tokens(const at::Tensor& x_in, const at::Tensor& idx_in) {
+  expect_tensor("gather_tokens", x_in, "x", {-1, -1, -1}, x_in.device(), x_in.scalar_type());
+  expect_tensor("gather_tokens", idx_in, "idx", {x_in.size(0), -1}, x_in.device(), at::kLong);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), idx = idx_in.contiguous();
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2), K = idx.size(1);
   at::Tensor out = at::empty({B, K, D}, x.options());
   if (out.numel() == 0) return out;
@@ -305,20 +308,14 @@ at::Tensor gather_tokens(const at::Tensor& x, const at::Tensor& idx) {
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> merge_tokens(const at::Tensor& x, const at::Tensor& w,
-                                                const at::Tensor& src_idx,
-                                                const at::Tensor& dst_idx) {
-  const c10::cuda::CUDAGuard guard(x.device());
-  detail::check_operand(x, "x", x.device());
-  detail::check_operand(w, "w", x.device());
-  detail::check_same_dtype(w, "w", x.scalar_type());
-  detail::check_operand(src_idx, "src_idx", x.device());
-  detail::check_operand(dst_idx, "dst_idx", x.device());
-  detail::check_index(src_idx, "src_idx");
-  detail::check_index(dst_idx, "dst_idx");
+std::tuple<at::Tensor, at::Tensor> merge_tokens(const at::Tensor& x_in, const at::Tensor& w_in,
+                                                const at::Tensor& src_in,
+                                                const at::Tensor& dst_in) {
+  expect_merge_operands(x_in, w_in, src_in, dst_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const at::Tensor src_idx = src_in.contiguous(), dst_idx = dst_in.contiguous();
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2), R = src_idx.size(1);
-  TORCH_CHECK(R <= N && N <= INT_MAX,
-              "pullback cuda backend: merge_tokens needs R <= N <= 2^31-1, got R=", R, ", N=", N);
   const MergePlanLayout layout{N, R};
   at::Tensor x_out = at::empty({B, N - R, D}, x.options());
   at::Tensor w_out = at::empty({B, N - R}, x.options());
@@ -343,16 +340,12 @@ std::tuple<at::Tensor, at::Tensor> merge_tokens(const at::Tensor& x, const at::T
   return {x_out, w_out};
 }
 
-at::Tensor reinsert_tokens(const at::Tensor& kept, const at::Tensor& kept_idx,
-                           const at::Tensor& pruned, const at::Tensor& pruned_idx) {
-  const c10::cuda::CUDAGuard guard(kept.device());
-  detail::check_operand(kept, "kept", kept.device());
-  detail::check_operand(pruned, "pruned", kept.device());
-  detail::check_same_dtype(pruned, "pruned", kept.scalar_type());
-  detail::check_operand(kept_idx, "kept_idx", kept.device());
-  detail::check_operand(pruned_idx, "pruned_idx", kept.device());
-  detail::check_index(kept_idx, "kept_idx");
-  detail::check_index(pruned_idx, "pruned_idx");
+at::Tensor reinsert_tokens(const at::Tensor& kept_in, const at::Tensor& kept_idx_in,
+                           const at::Tensor& pruned_in, const at::Tensor& pruned_idx_in) {
+  expect_reinsert_operands(kept_in, kept_idx_in, pruned_in, pruned_idx_in);
+  const c10::cuda::CUDAGuard guard(kept_in.device());
+  const at::Tensor kept = kept_in.contiguous(), pruned = pruned_in.contiguous();
+  const at::Tensor kept_idx = kept_idx_in.contiguous(), pruned_idx = pruned_idx_in.contiguous();
   const int64_t B = kept.size(0), K = kept.size(1), D = kept.size(2), R = pruned.size(1);
   at::Tensor out = at::empty({B, K + R, D}, kept.options());
   if (out.numel() == 0) return out;
@@ -366,5 +359,13 @@ at::Tensor reinsert_tokens(const at::Tensor& kept, const at::Tensor& kept_idx,
   return out;
 }
 
+}  // namespace
+
 }  // namespace cuda
 }  // namespace pullback
+
+TORCH_LIBRARY_IMPL(pullback_ext, CUDA, m) {
+  m.impl("gather_tokens", &pullback::cuda::gather_tokens);
+  m.impl("merge_tokens", &pullback::cuda::merge_tokens);
+  m.impl("reinsert_tokens", &pullback::cuda::reinsert_tokens);
+}

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from pullback_ext import op_benchmark
+    from pullback_ext.bench import ops, report
     from pullback_ext.errors import PullbackError
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -30,10 +30,9 @@ def run(args: argparse.Namespace) -> int:
         raise PullbackError(f"--repeats: expected a positive count, got {args.repeats}")
     if args.kernels and args.device != "cuda":
         raise PullbackError("--kernels: profiles CUDA kernels, needs --device cuda")
-    result = op_benchmark.run(args.device, args.quick, args.repeats, not args.no_compile,
-                              kernel_breakdown=args.kernels)
-    print(op_benchmark.format_table(result))
+    result = ops.run(args.device, args.quick, args.repeats, not args.no_compile, kernel_breakdown=args.kernels)
+    print(report.format_table(result))
     if args.out:
-        for path in op_benchmark.write_outputs(result, args.out):
+        for path in report.write_outputs(result, args.out):
             print(f"wrote {path}")
     return 0

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from pullback_ext.linalg.kernels import kernel
+from pullback_ext import ops
 from pullback_ext.errors import PullbackError
 
 
@@ -16,8 +15,4 @@ def token_energy(V: Tensor, sigma: Tensor, num_tokens: int) -> Tensor:
             f"V, sigma: expected V[N·D, r] with N={num_tokens} and sigma[r], got {tuple(V.shape)} and {tuple(sigma.shape)}"
         )
     lam = sigma.double() ** 2
-    importance = kernel("token_importance")
-    if importance is not None:
-        return importance(V.double().unsqueeze(0), lam.unsqueeze(0), num_tokens)[0] ** 2
-    blocks = V.double().reshape(num_tokens, -1, V.shape[1])
-    return torch.einsum("j,tdj->t", lam, blocks**2)
+    return ops.token_importance(V.double().unsqueeze(0), lam.unsqueeze(0), num_tokens)[0] ** 2

@@ -70,8 +70,7 @@ def fuse_inattentive(state: MergedTokens, attentiveness: torch.Tensor, keep: int
     inattentive = torch.ones(b, k, dtype=torch.bool, device=state.x.device).scatter(1, top, False)
     inattentive[:, :p] = False
     fused = fused_token(state.x, attentiveness, inattentive)
-    with ops.sync_checks(False):  # top comes from topk: valid by construction
-        kept = ops.gather_tokens(state.x, top)
+    kept = ops.gather_tokens(state.x, top, check_values=False)  # top comes from topk: valid by construction
     new_index = torch.full((b, k), p + keep, dtype=torch.long, device=state.x.device)  # the fused token
     new_index[:, :p] = torch.arange(p, device=state.x.device)
     new_index.scatter_(1, top, torch.arange(p, p + keep, device=state.x.device).expand(b, keep))

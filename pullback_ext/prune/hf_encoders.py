@@ -34,7 +34,7 @@ from pullback_ext.prune.hf_vit import refuse_attention_mask
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import Reduction
 from pullback_ext.prune.rope import DeferredAttention, RotaryRows
-from pullback_ext.prune.tokens import TokenState, internal_indices
+from pullback_ext.prune.tokens import TokenState
 
 _LAYER_ATTR = "_pullback_layer_state"
 # Attention implementations that add a float attention_mask to the logits.
@@ -205,8 +205,7 @@ def encoder_forward(encoder: Encoder, reduction: Reduction, holder: dict, hidden
         out = layer(state.x)
         if not state.reduced:
             return out
-        with internal_indices():
-            return ops.gather_tokens(out, state.positions)
+        return ops.gather_tokens(out, state.positions, check_values=False)
 
     try:
         holder["input"] = hidden_states

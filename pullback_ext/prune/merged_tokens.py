@@ -55,8 +55,8 @@ class MergedTokens:
         x = self.x if x is None else x
         if self.owner is None:
             return x
-        with ops.sync_checks(False):  # owner is built from topk/argsort: valid by construction
-            return ops.gather_tokens(x, self.owner)
+        # owner is built from topk/argsort: valid by construction
+        return ops.gather_tokens(x, self.owner, check_values=False)
 
     def size_bias(self) -> Optional[torch.Tensor]:
         """Proportional attention ``log(size)`` as an additive mask ``[B, 1, 1, K]``, or None before

@@ -9,6 +9,10 @@ block sees; everything else needed to rebuild the full ``[B, N, D]`` sequence tr
 - merge mode: ``owner[b, n]``, the current token that original token ``n`` was merged into, so that
   "unmerging" is one ``gather_tokens`` call; ``sizes`` (original tokens per current token) feed
   proportional attention, ``weights`` the weighted averages of the ``merge_tokens`` kernel.
+
+The token ops run with ``check_values=False`` on a TokenState's own index sets: those are built
+from topk / argsort and valid by construction, and the checks would only add a device-to-host
+synchronisation per op on CUDA (and a graph break under ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -68,9 +72,8 @@ class TokenState:
         """
         keep = _complement(remove, self.x.shape[1])
         remove = remove.sort(dim=1).values
-        with internal_indices():
-            frozen = ops.gather_tokens(self.x, remove)
-            kept = ops.gather_tokens(self.x, keep)
+        frozen = ops.gather_tokens(self.x, remove, check_values=False)
+        kept = ops.gather_tokens(self.x, keep, check_values=False)
         frozen_positions = torch.gather(self.positions, 1, remove)
         if self.frozen is not None:
             frozen = torch.cat([self.frozen, frozen], dim=1)
@@ -93,9 +96,8 @@ class TokenState:
         """
         k = self.x.shape[1]
         w = self.weights if weights is None else weights
-        with internal_indices():
-            x, w_new = ops.merge_tokens(self.x, w, src, dst)
-            _, sizes = ops.merge_tokens(self.sizes.unsqueeze(-1), self.sizes, src, dst)
+        x, w_new = ops.merge_tokens(self.x, w, src, dst, check_values=False)
+        _, sizes = ops.merge_tokens(self.sizes.unsqueeze(-1), self.sizes, src, dst, check_values=False)
         keep = _complement(src, k)
         # new index of every old token: its rank among the kept ones, or its destination's rank
         kept_mask = torch.ones(self.x.shape[0], k, dtype=torch.long, device=self.x.device).scatter(1, src, 0)
@@ -118,11 +120,10 @@ class TokenState:
         tokens each take the feature of the token they were merged into.
         """
         x = self.x if x is None else x
-        with internal_indices():
-            if self.owner is not None:
-                return ops.gather_tokens(x, self.owner)
-            if self.frozen is not None:
-                return ops.reinsert_tokens(x, self.positions, self.frozen, self.frozen_positions)
+        if self.owner is not None:
+            return ops.gather_tokens(x, self.owner, check_values=False)
+        if self.frozen is not None:
+            return ops.reinsert_tokens(x, self.positions, self.frozen, self.frozen_positions, check_values=False)
         return x
 
     def restore(self, masked: bool = False) -> "TokenState":
@@ -149,12 +150,6 @@ class TokenState:
             mask = torch.zeros(hidden.shape, dtype=self.x.dtype, device=self.x.device).masked_fill(hidden, float("-inf"))
             bias = mask[:, None] if bias is None else bias + mask[:, None]
         return bias
-
-
-def internal_indices():
-    """Context for the token ops on a TokenState's own index sets (built from topk/argsort, valid
-    by construction): their checks would only add a device-to-host synchronisation per op on CUDA."""
-    return ops.sync_checks(False)
 
 
 def _complement(remove: torch.Tensor, k: int) -> torch.Tensor:

@@ -99,8 +99,9 @@ def bipartite_merge(state: MergedTokens, keys: torch.Tensor, r: int) -> MergedTo
     order = torch.cat([prefix, a_pos, b_pos]).expand(b, k)
     sizes = torch.ones(b, k, dtype=state.x.dtype, device=state.x.device) if state.sizes is None else state.sizes
     src, dst = src + p, dst + p + a_pos.numel()
-    with ops.sync_checks(False):  # index sets built from arange/argsort: valid by construction
-        x, merged_sizes = ops.merge_tokens(ops.gather_tokens(state.x, order), torch.gather(sizes, 1, order), src, dst)
+    # index sets built from arange/argsort: valid by construction
+    grouped = ops.gather_tokens(state.x, order, check_values=False)
+    x, merged_sizes = ops.merge_tokens(grouped, torch.gather(sizes, 1, order), src, dst, check_values=False)
     return state.regroup(x, _positions_after_merge(order, src, dst), sizes=merged_sizes)
 
 

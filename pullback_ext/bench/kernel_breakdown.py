@@ -138,7 +138,8 @@ def summarize(calls: list[tuple[Activity, list[Activity]]]) -> Breakdown:
 def cuda_kernel_breakdown(fn: Callable[[], object], repeats: int = 20, flush_mbytes: int = 256,
                           lead_cycles: int = 2_000_000) -> Breakdown:
     """Profile ``repeats`` calls of ``fn`` on the current CUDA device (after two warm-up calls),
-    each timed as ``op_benchmark.cuda_interleaved_medians_ms`` times it, and summarize them."""
+    each timed as :func:`pullback_ext.bench.timing.cuda_interleaved_medians_ms` times it, and
+    summarize them."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 

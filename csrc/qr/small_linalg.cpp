@@ -1,9 +1,9 @@
-#include "ops/small_linalg.h"
+#include "qr/small_linalg.h"
 
 #include <cmath>
 
 namespace pullback {
-namespace ops {
+namespace qr {
 
 bool cholesky_upper(const double* G, int64_t r, double* R) {
   for (int64_t e = 0; e < r * r; ++e) R[e] = 0.0;
@@ -56,5 +56,5 @@ void set_identity(double* A, int64_t r) {
   for (int64_t i = 0; i < r; ++i) A[i * r + i] = 1.0;
 }
 
-}  // namespace ops
+}  // namespace qr
 }  // namespace pullback

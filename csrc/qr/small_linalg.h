@@ -7,7 +7,7 @@
 #include <cstdint>
 
 namespace pullback {
-namespace ops {
+namespace qr {
 
 // Upper Cholesky factor R of a symmetric G (G = RᵀR, diag(R) > 0). Returns false when G is not
 // numerically positive definite (a pivot <= 0 or not finite); R is then unspecified.
@@ -25,5 +25,5 @@ double frobenius(const double* A, int64_t r);
 // A = I.
 void set_identity(double* A, int64_t r);
 
-}  // namespace ops
+}  // namespace qr
 }  // namespace pullback
