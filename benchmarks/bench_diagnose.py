@@ -254,7 +254,7 @@ def main() -> None:
     if opts.out:
         Path(opts.out).write_text(json.dumps(report, indent=1))
     if opts.results_page:
-        note = ("Reduced settings (`--quick`): 112 px and m = 20 probes on a shared 2-core machine; not comparable with "
+        note = ("Reduced settings (`--quick`): 112 px and m = 20 probes on a shared 2-core machine (busy when its load average is above 2); not comparable with "
                 "the full-size run ([cpu-benchmarks.md](cpu-benchmarks.md#diagnostic)).") if opts.quick else ""
         print("wrote", *publish(report, "bench-diagnose", "Diagnostic cost (`benchmarks/bench_diagnose.py`)", render, note))
 

@@ -1,4 +1,4 @@
-"""Benchmark of the learned metric at inference (SPEC §3, issue 5).
+"""Benchmark of the learned metric at inference (docs/formulas.md §3, issue 5).
 
 1. Importance head vs computing imp* with the diagnostic's randomized SVD (rank 20, q = 2,
    oversampling 10) on a ViT-S/16 CLS probe at layer 10 (timm, random weights): seconds per image.
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
         atomic_write_json(args.out, result)
     if args.results_page:
         note = ("Reduced settings (`--quick`): 112 px (N = 50 tokens), fewer repeats, one image for imp*, on a shared "
-                "2-core machine; not comparable with the full-size run ([cpu-benchmarks.md](cpu-benchmarks.md)).") if args.quick else ""
+                "2-core machine (busy when its load average is above 2); not comparable with the full-size run ([cpu-benchmarks.md](cpu-benchmarks.md)).") if args.quick else ""
         print("wrote", *publish(result, "bench-metric", "Learned metric at inference (`benchmarks/bench_metric.py`)", render, note))
     return 0
 

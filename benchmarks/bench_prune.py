@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     if args.out:
         atomic_write_json(args.out, result)
     if args.results_page:
-        note = ("Reduced settings (`--quick`) for a shared 2-core machine: smaller batches and 224 px for the speed-up, "
+        note = ("Reduced settings (`--quick`) for a shared 2-core machine (busy when its load average is above 2): smaller batches and 224 px for the speed-up, "
                 "so the figures are not comparable with the full-size run "
                 "([cpu-benchmarks.md](cpu-benchmarks.md#pruning)).") if args.quick else ""
         print("wrote", *publish(result, "bench-prune", "Token pruning cost (`benchmarks/bench_prune.py`)", render, note))

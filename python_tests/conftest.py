@@ -3,8 +3,9 @@
 Fixtures (factories where a test may need several variants; every model has random weights
 unless it is the shipped demo model):
 
-- ``seeded``: torch, numpy and ``random`` seeded with 0 for the test; torch's RNG state is put
-  back afterwards so no test depends on another's draws.
+- ``seeded``: torch, numpy and ``random`` seeded with 0 for the test, their states put back
+  afterwards so that no test depends on another's draws (``seeded_rngs(seed)`` is the same as a
+  context manager).
 - ``tiny_vit(...)``: a timm ``VisionTransformer`` on 32-px images, patch 8 (16 patch tokens).
 - ``timm_weights``: ``(model name, safetensors path)`` of a random ``vit_tiny_patch16_224`` at
   32 px, for command-line tests that take ``--model timm:NAME --weights FILE``.
@@ -23,6 +24,7 @@ parameters: ``test_x.py::test_f``) or one parametrization (``test_x.py::test_f[p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import warnings
@@ -57,14 +59,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         warnings.warn(pytest.PytestWarning("conftest.SLOW names tests that no longer exist: " + ", ".join(stale)))
 
 
+@contextlib.contextmanager
+def seeded_rngs(seed: int = 0):
+    """torch, numpy and ``random`` seeded with ``seed`` inside the block; their states put back after."""
+    states = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    try:
+        yield seed
+    finally:
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
+
+
 @pytest.fixture
 def seeded():
-    state = torch.get_rng_state()
-    torch.manual_seed(0)
-    np.random.seed(0)
-    random.seed(0)
-    yield 0
-    torch.set_rng_state(state)
+    with seeded_rngs(0) as seed:
+        yield seed
 
 
 @pytest.fixture
