@@ -9,7 +9,7 @@
     python benchmarks/bench_prune.py --quick --results-page     # docs/results/bench-prune.{json,md}
 
 Batch 64 at 448 px needs minutes per forward on a small CPU; ``--batch`` sets what is feasible
-(``--quick``: batch 8 at 224 px, 2 repeats) and the JSON records what ran, with the machine,
+(``--quick``: batch 4 at 224 px, 1 repeat) and the JSON records what ran, with the machine,
 versions and command (``pullback_ext.results_pages.stamp``).
 """
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pullback_ext.fileio import atomic_write_json  # noqa: E402
 from pullback_ext.results_pages import current_command, markdown_table, publish, stamp  # noqa: E402
 
-QUICK = {"overhead_batch": 4, "size": 224, "batch": 8, "repeats": 2}
+QUICK = {"overhead_batch": 4, "size": 224, "batch": 4, "repeats": 1}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,10 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overhead-size", type=int, default=224, help="image size for the overhead measurement")
     p.add_argument("--overhead-batch", type=int, default=None, help="default 16 (--quick: 4)")
     p.add_argument("--size", type=int, default=None, help="image size for the speed-up measurement (default 448, --quick: 224)")
-    p.add_argument("--batch", type=int, default=None, help="large batch for the speed-up (default 64, --quick: 8)")
+    p.add_argument("--batch", type=int, default=None, help="large batch for the speed-up (default 64, --quick: 4)")
     p.add_argument("--ratio", type=float, default=0.5)
     p.add_argument("--layers", default="4", help="stage layers (comma list, the model's block indices)")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per median (default 3, --quick: 2)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per median (default 3, --quick: 1)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-speedup", action="store_true", help="only the overhead measurement")
     p.add_argument("--quick", action="store_true", help="small settings for a shared 2-core machine (a few minutes)")
