@@ -256,6 +256,8 @@ def main() -> None:
     if opts.results_page:
         note = ("Reduced settings (`--quick`): 112 px and m = 20 probes on a shared 2-core machine (busy when its load average is above 2); not comparable with "
                 "the full-size run ([cpu-benchmarks.md](cpu-benchmarks.md#diagnostic)).") if opts.quick else ""
+        if opts.only != "vit_cls,dpt_depth":
+            note += f" Only the probes named by `--only` ran: {', '.join(PROBE_NAMES.get(p, p) for p in opts.only.split(','))}."
         print("wrote", *publish(report, "bench-diagnose", "Diagnostic cost (`benchmarks/bench_diagnose.py`)", render, note))
 
 
