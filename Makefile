@@ -4,7 +4,7 @@ VENV ?= .venv
 OUT ?= out/demo
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test test-quick bench results
 setup:
 	bash .ci/bootstrap.sh
 
@@ -14,5 +14,15 @@ demo: setup
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
+# The quick loop while developing: everything but the tests marked slow in python_tests/conftest.py.
+test-quick: setup
+	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
 bench: setup
 	$(VENV)/bin/python benchmarks/bench_ops.py
+
+# Regenerate the generated pages of docs/results/ with the reduced settings a 2-core machine affords.
+results: setup
+	$(VENV)/bin/python benchmarks/bench_prune.py --quick --threads 2 --results-page
+	$(VENV)/bin/python benchmarks/bench_metric.py --quick --threads 2 --results-page
+	$(VENV)/bin/python benchmarks/bench_diagnose.py --quick --threads 2 --results-page

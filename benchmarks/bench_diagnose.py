@@ -15,6 +15,9 @@ memory (CPU) or peak CUDA allocation is reported.
 
     python benchmarks/bench_diagnose.py            # full: 224 px, m = 100
     python benchmarks/bench_diagnose.py --quick    # 112 px, m = 20, for a shared 2-core machine
+
+``--results-page`` also writes docs/results/bench-diagnose.json and .md, stamped with the machine,
+versions and command.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a source checkout without installing
+
+from pullback_ext.results_pages import current_command, markdown_table, publish, stamp  # noqa: E402
+
+PROBE_NAMES = {"vit_cls": "ViT-S/14 CLS, layer 10", "dpt_depth": "DPT ViT-S depth, layer 2, 16×16"}
 
 
 def build_probe(name: str, img: int, device: str, full_block: bool = False):
@@ -178,6 +186,22 @@ def run_worker(probe: str, method: str, chunk: int, opts, full_block: bool = Fal
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def render(report: dict) -> str:
+    """Markdown body of the results page: one table per probe (every run, then the summary)."""
+    s = report["settings"]
+    parts = [f"Settings: {s['img']} px, rank {s['rank']}, q = 2, m = {s['probes']} probes, {s['threads']} thread(s), "
+             f"device {s['device']}. Seconds per image; peak memory of the measuring process."]
+    for probe, summary in report["probes"].items():
+        rows = [(name, run["seconds"], run["peak_mib"], run["kappa_cap"]) for name, run in summary["runs"].items()]
+        speedup = summary.get("speedup_vs_straightforward")
+        parts += [f"## {PROBE_NAMES.get(probe, probe)} (N = {summary['N']}, D = {summary['D']})",
+                  markdown_table(["run", "seconds", "peak MiB", "κ_cap"], rows, digits=4),
+                  f"Tangent passes {summary['tangent_passes']:,}; one single-tangent JVP {summary['single_jvp_s']:.4f} s, "
+                  f"so the floor is {summary['floor_s']:.2f} s and ours / floor = {summary['ours_over_floor']:.2f}"
+                  + (f"; speed-up over the straightforward algorithm {speedup:.2f}×." if speedup else ".")]
+    return "\n\n".join(parts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="112 px and m = 20 (small shared machines)")
@@ -191,6 +215,7 @@ def main() -> None:
     parser.add_argument("--skip-straightforward", action="store_true")
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--results-page", action="store_true", help="also write docs/results/bench-diagnose.json and .md")
     # worker mode (one measurement per fresh process)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe", default="vit_cls", help=argparse.SUPPRESS)
@@ -207,7 +232,7 @@ def main() -> None:
         return
 
     chunks = [int(c) for c in opts.chunks.split(",")]
-    report = {"settings": {k: getattr(opts, k) for k in ("quick", "img", "probes", "rank", "threads", "device")}, "probes": {}}
+    report = {"stamp": stamp(current_command()), "settings": {k: getattr(opts, k) for k in ("quick", "img", "probes", "rank", "threads", "device")}, "probes": {}}
     for probe in opts.only.split(","):
         floor = run_worker(probe, "floor", 1, opts)
         rows = {f"ours_chunk{c}": run_worker(probe, "ours", c, opts) for c in chunks}
@@ -229,6 +254,12 @@ def main() -> None:
         print(f"  ours / floor = {summary['ours_over_floor']:.2f}" + (f"   speedup vs straightforward = {summary['speedup_vs_straightforward']:.2f}x" if "straightforward" in rows else ""))
     if opts.out:
         Path(opts.out).write_text(json.dumps(report, indent=1))
+    if opts.results_page:
+        note = ("Reduced settings (`--quick`): 112 px and m = 20 probes on a shared 2-core machine (busy when its load average is above 2); not comparable with "
+                "the full-size run ([cpu-benchmarks.md](cpu-benchmarks.md#diagnostic)).") if opts.quick else ""
+        if opts.only != "vit_cls,dpt_depth":
+            note += f" Only the probes named by `--only` ran: {', '.join(PROBE_NAMES.get(p, p) for p in opts.only.split(','))}."
+        print("wrote", *publish(report, "bench-diagnose", "Diagnostic cost (`benchmarks/bench_diagnose.py`)", render, note))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Benchmark of the learned metric at inference (SPEC §3, issue 5).
+"""Benchmark of the learned metric at inference (docs/formulas.md §3, issue 5).
 
 1. Importance head vs computing imp* with the diagnostic's randomized SVD (rank 20, q = 2,
    oversampling 10) on a ViT-S/16 CLS probe at layer 10 (timm, random weights): seconds per image.
@@ -6,8 +6,9 @@
 3. SPN metric products through the kernels (``pullback_ext.ops``) vs the eager reference
    (``pullback_ext.reference``): lowrank_metric_apply, lowrank_metric_quadform, token_importance.
 
-Prints a table and writes JSON (``--out``). ``--quick`` uses a smaller input (N = 50 tokens) and
-fewer repeats, for shared machines.
+Prints a table and writes JSON (``--out``); ``--results-page`` also writes
+docs/results/bench-metric.json and .md, stamped with the machine, versions and command.
+``--quick`` uses a smaller input (N = 50 tokens) and fewer repeats, for shared machines.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pullback_ext.fileio import atomic_write_json  # noqa: E402
+from pullback_ext.results_pages import current_command, markdown_table, publish, stamp  # noqa: E402
 
 
 def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
@@ -96,12 +98,32 @@ def bench_kernels(N: int, D: int, r: int, batches: tuple[int, ...], ks: tuple[in
     return rows
 
 
+def render(result: dict) -> str:
+    """Markdown body of the results page: the head against imp* and the backbone, then the kernels."""
+    h = result["head"]
+    head = markdown_table(["", "value"], [
+        ("importance head, ms per image", 1e3 * h["head_seconds_per_image"]),
+        ("imp* by randomized SVD (r = 20, q = 2), ms per image", 1e3 * h["imp_star_seconds_per_image"]),
+        ("head speed-up over imp*", h["speedup_vs_imp_star"]),
+        (f"backbone forward, ms per batch of {h['batch']}", 1e3 * h["backbone_forward_seconds_per_batch"]),
+        ("head cost, % of the backbone forward", 100 * h["head_fraction_of_forward"]),
+        ("head parameters", h["head_parameters"]),
+    ])
+    kernels = markdown_table(["op", "B", "k", "kernel ms", "eager ms", "× eager", "compiled"], [
+        (r["op"], r["B"], r["k"], 1e3 * r["kernel_s"], 1e3 * r["eager_s"], r["speedup"], r["compiled"]) for r in result["kernels"]
+    ])
+    return (f"## Importance head\n\n{h['model']}: N = {h['N']}, D = {h['D']}, batch {h['batch']}; imp* timed on "
+            f"{h['imp_star_images']} image(s).\n\n{head}\n\n## Metric kernels against the eager reference\n\n"
+            f"N = {h['N']}, D = {h['D']}, r = 20; medians of the timed repeats.\n\n{kernels}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N = 50 tokens (112 px), fewer repeats")
     parser.add_argument("--batch", type=int, default=16, help="images per head / backbone forward")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--results-page", action="store_true", help="also write docs/results/bench-metric.json and .md")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,9 +140,14 @@ def main(argv=None) -> int:
     for row in kernels:
         k = "-" if row["k"] is None else row["k"]
         print(f"{row['op']:<26}{row['B']:>3}{k:>4}{row['kernel_s'] * 1e3:>11.3f}{row['eager_s'] * 1e3:>10.3f}{row['speedup']:>9.2f}  {row['compiled']}")
-    result = {"quick": args.quick, "threads": torch.get_num_threads(), "torch": torch.__version__, "head": head, "kernels": kernels}
+    result = {"stamp": stamp(current_command(None if argv is None else [__file__, *argv])), "quick": args.quick,
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "head": head, "kernels": kernels}
     if args.out:
         atomic_write_json(args.out, result)
+    if args.results_page:
+        note = ("Reduced settings (`--quick`): 112 px (N = 50 tokens), fewer repeats, one image for imp*, on a shared "
+                "2-core machine (busy when its load average is above 2); not comparable with the full-size run ([cpu-benchmarks.md](cpu-benchmarks.md)).") if args.quick else ""
+        print("wrote", *publish(result, "bench-metric", "Learned metric at inference (`benchmarks/bench_metric.py`)", render, note))
     return 0
 
 
