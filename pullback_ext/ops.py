@@ -1,4 +1,4 @@
-"""Fused kernels of pullback_ext (SPEC §5), with autograd and torch.compile support.
+"""Fused kernels of pullback_ext (docs/formulas.md §5), with autograd and torch.compile support.
 
 This module is the ops' one Python surface. Each function validates its arguments
 (:mod:`pullback_ext._op_checks`), then runs the compiled op ``torch.ops.pullback_ext.<name>`` (from

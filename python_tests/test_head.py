@@ -12,7 +12,7 @@ def test_parameter_count_at_vit_b_width():
     head = ImportanceHead(768)
     count = parameter_count(head)
     print(f"ImportanceHead(768): {count:,} parameters")
-    # SPEC: about 0.31M at D = 768, H = 256, 4 heads (input projection 0.197M + two attention blocks)
+    # docs/formulas.md §3: about 0.31M at D = 768, H = 256, 4 heads (input projection 0.197M + two attention blocks)
     assert 0.28e6 <= count <= 0.34e6
 
 

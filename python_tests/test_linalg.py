@@ -125,7 +125,7 @@ def test_trace_estimators(shape):
 def test_trace_method_rule_and_total_sensitivity_record_the_estimator():
     from pullback_ext.linalg import EXACT_TRACE_MAX, total_sensitivity, trace_method
 
-    # auto: exact while the smaller side has at most 512 dimensions (SPEC §2), else XNysTrace
+    # auto: exact while the smaller side has at most 512 dimensions (docs/formulas.md §2), else XNysTrace
     assert trace_method((EXACT_TRACE_MAX, 10_000)) == "exact" == trace_method((10_000, EXACT_TRACE_MAX))
     assert trace_method((EXACT_TRACE_MAX + 1, 10_000)) == "xnystrace" == trace_method((10_000, EXACT_TRACE_MAX + 1))
     explicit = ("exact", "hutchinson", "hutch++", "xnystrace")

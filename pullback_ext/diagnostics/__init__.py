@@ -1,5 +1,5 @@
 """The tractability diagnostic: spectrum, captured energy, spatial concentration and regime of a
-probe map at given feature maps (SPEC §2).
+probe map at given feature maps (docs/formulas.md §2).
 
 ``diagnose(probe, F, DiagnoseConfig(...))`` returns a ``Diagnosis``: one ``ImageDiagnosis`` per
 feature map and an aggregate (mean ± std over images) with the regime of the mean.

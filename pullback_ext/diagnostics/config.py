@@ -38,7 +38,7 @@ _INT_FIELDS = (("rank", 1), ("oversample", 0), ("power", 0), ("probes", 2), ("sl
 
 @dataclass(frozen=True)
 class DiagnoseConfig:
-    """What ``diagnose`` computes and how (SPEC §2); every field is checked when the config is built.
+    """What ``diagnose`` computes and how (docs/formulas.md §2); every field is checked when the config is built.
 
     rank: r, the captured subspace (κ_cap(r), CV, imp*); must be < P = N·D; capped at M (the
         diagnosis records the rank used and the one requested).

@@ -1,4 +1,4 @@
-"""The five tractability regimes (SPEC §2) and the rule that assigns one."""
+"""The five tractability regimes (docs/formulas.md §2) and the rule that assigns one."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ REGIMES = {
 
 
 def classify(M: int, rank: int, kappa_cap: float, cv: float, thresholds: Thresholds = Thresholds()) -> str:
-    """Regime label (SPEC §2): 'iv' if M ≤ r, else by κ_cap(r) and CV."""
+    """Regime label (docs/formulas.md §2): 'iv' if M ≤ r, else by κ_cap(r) and CV."""
     if M <= rank:
         return "iv"
     low_rank = kappa_cap >= thresholds.kappa

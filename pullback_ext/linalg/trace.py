@@ -133,7 +133,7 @@ def trace_method(shape: tuple[int, int], method: str = "auto") -> str:
 
     The "auto" rule (fixed; the diagnosis records the method it chose):
 
-    - "exact" when min(M, P) ≤ ``EXACT_TRACE_MAX`` (512): SPEC §2 requires the exact T there, and
+    - "exact" when min(M, P) ≤ ``EXACT_TRACE_MAX`` (512): docs/formulas.md §2 requires the exact T there, and
       its min(M, P) basis products cost about as much as the probes;
     - otherwise "xnystrace": ‖J V‖_F² of the captured subspace plus XNysTrace on the deflated
       remainder, which is PSD by construction (a Gram matrix of J (I − VVᵀ)). Its Nyström part

@@ -1,4 +1,4 @@
-"""Learned task metrics (SPEC §3): the Spectral Pullback Network, the distilled importance head and
+"""Learned task metrics (docs/formulas.md §3): the Spectral Pullback Network, the distilled importance head and
 the VAE bottleneck, with their RandNLA / exact-SVD targets, training loop and checkpoints."""
 
 from pullback_ext.metric.checkpoint import load_model, save_model

@@ -1,4 +1,4 @@
-"""Importance head: F[B,N,D] -> per-token log-importance scores[B,N] (SPEC §3)."""
+"""Importance head: F[B,N,D] -> per-token log-importance scores[B,N] (docs/formulas.md §3)."""
 
 from __future__ import annotations
 

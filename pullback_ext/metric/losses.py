@@ -1,4 +1,4 @@
-"""Training losses of the SPN (RandNLA supervision) and the importance head (SPEC §3)."""
+"""Training losses of the SPN (RandNLA supervision) and the importance head (docs/formulas.md §3)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _check_bases(U: Tensor, V: Tensor) -> None:
 def subspace_alignment(U: Tensor, V: Tensor) -> Tensor:
     """Per-image alignment ‖UᵀV‖_F²/m: U[B,P,r], V[B,P,m] orthonormal, m <= r -> [B].
 
-    For m = r this is SPEC §2's ‖AᵀB‖_F²/r; for m < r (a probe with fewer than r nonzero modes)
+    For m = r this is docs/formulas.md §2's ‖AᵀB‖_F²/r; for m < r (a probe with fewer than r nonzero modes)
     it is the fraction of the target subspace that U captures.
     """
     _check_bases(U, V)

@@ -1,4 +1,4 @@
-"""Spectral Pullback Network: F[B,N,D] -> a rank-r metric g_θ(F) = ε I + U diag(λ) Uᵀ (SPEC §3)."""
+"""Spectral Pullback Network: F[B,N,D] -> a rank-r metric g_θ(F) = ε I + U diag(λ) Uᵀ (docs/formulas.md §3)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Supervision targets per image: the probe's top-r right singular subspace, its energies, imp*.
 
-Two modes (SPEC §3):
+Two modes (docs/formulas.md §3):
 - ``randnla``: randomized SVD with ``power`` rounds from a Gaussian sketch (pullback_ext.linalg);
 - ``exact``: the dense Jacobian from min(M, P) products and a full SVD — the "ceiling" for small
   probes.

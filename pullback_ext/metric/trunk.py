@@ -1,4 +1,4 @@
-"""The token encoder shared by the SPN and the importance head (SPEC §3).
+"""The token encoder shared by the SPN and the importance head (docs/formulas.md §3).
 
 ``LayerNorm → Linear(D→H)`` plus a per-token log-RMS channel, then two pre-norm multi-head
 self-attention blocks (optionally each with a small per-token MLP). The probe Jacobian depends on

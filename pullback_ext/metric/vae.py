@@ -1,4 +1,4 @@
-"""VAE bottleneck for rich-spectrum probes (SPEC §3, regime (i)).
+"""VAE bottleneck for rich-spectrum probes (docs/formulas.md §3, regime (i)).
 
 A per-token VAE on the features a decoder reads (for instance the concatenated multi-layer DPT
 input, F[B,N,D]); the probe then becomes ψ ∘ Dec at the latent z[B,N,d], which the diagnostic

@@ -28,7 +28,7 @@ class Probe(torch.nn.Module):
         dim: D, the channel width.
         num_prefix_tokens: number of leading non-patch tokens (CLS + registers).
         output_transform: optional L[M_out,M]; when set, ``forward`` returns L·y, so the
-            Euclidean metric on the transformed output is the metric H = LᵀL on y (SPEC writes
+            Euclidean metric on the transformed output is the metric H = LᵀL on y (docs/formulas.md writes
             H = L Lᵀ for the transposed factor).
 
     Subclasses implement ``features`` and ``outputs`` (or override ``forward`` and call

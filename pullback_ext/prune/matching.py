@@ -107,7 +107,7 @@ def merge_drift(
     ``pullback``: the single-token pullback distance itself (it already carries the token's
     sensitivity); ``cosine``: the Euclidean length ``‖x_t − x_s‖`` of the move to the cosine-nearest
     token, to be scaled by the token's importance. Used to rank merge candidates by the first-order
-    error bound ``imp(s) · ‖x_t − x_s‖`` (SPEC §4, Theorem 4 with the merge drift as residual).
+    error bound ``imp(s) · ‖x_t − x_s‖`` (docs/formulas.md §4, Theorem 4 with the merge drift as residual).
     ``patch_dist``: :func:`patch_distances` of ``x`` when already computed.
     """
     b, k, d = x.shape

@@ -1,4 +1,4 @@
-"""The ``oracle`` strategy's scorer: imp* of the probe map at the stage layer (SPEC §2).
+"""The ``oracle`` strategy's scorer: imp* of the probe map at the stage layer (docs/formulas.md §2).
 
 ``imp*(t) = sqrt(Σ_{j≤r} σ_j² ‖v_j^(t)‖²)`` from a randomized SVD of the probe's Jacobian, computed
 per image by :func:`pullback_ext.metric.targets.compute_targets`. Expensive (JVP/VJP sweeps per
