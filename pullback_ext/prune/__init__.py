@@ -6,7 +6,7 @@
 - ``pipeline``: validated plans and the reducing block loop; ``timm_vit`` / ``hf_encoders`` adapters
 - ``schedules``: ViT-B stage schedules scaled to other depths
 - ``quality``, ``cost``, ``evaluation``, ``report``: metrics, FLOPs / wall-clock, strategy × ratio
-  tables, JSON and plots; ``backbones``, ``images``, ``setup``: what ``pullback evaluate`` loads
+  tables, JSON and plots; ``backbones``: the models ``pullback evaluate`` loads
 - ``subspace``: Geosubprobe-style subspace interventions
 
 The patch API itself is :mod:`pullback_ext.patch`.
