@@ -10,7 +10,6 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import importlib
 import sys
 
@@ -29,14 +28,6 @@ COMMANDS = {
 USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 
 
-def _available_commands() -> dict:
-    found = {}
-    for name, (module, help_text) in COMMANDS.items():
-        if importlib.util.find_spec(module) is not None:
-            found[name] = (module, help_text)
-    return found
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pullback", description=__doc__.splitlines()[0])
     from pullback_ext import __version__
@@ -44,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pullback_ext {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name, (module, help_text) in _available_commands().items():
+    for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         importlib.import_module(module).add_arguments(p)

@@ -2,12 +2,14 @@
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pullback_ext.cli import main
-from pullback_ext.commands import demo as demo_command
+from pullback_ext.demo import pipeline
+from pullback_ext.demo.stages import StageResult, TrainedHead
 
 
 def _walk_numbers(value):
@@ -21,25 +23,45 @@ def _walk_numbers(value):
         yield value
 
 
-def test_missing_stage_is_skipped_and_results_stay_valid(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(demo_command, "STAGES", (("future", "pullback_ext.no_such_module"),
-                                                ("also_future", "pullback_ext.embedded.scenes")))
+def _stage(name, run):
+    return SimpleNamespace(NAME=name, run_demo_stage=run)
+
+
+def test_the_stages_are_the_demo_modules_in_order():
+    from pullback_ext.demo import diagnostic_stage, importance_stage, pruning_stage
+
+    assert pipeline.STAGES == (diagnostic_stage, importance_stage, pruning_stage)
+    assert [stage.NAME for stage in pipeline.STAGES] == ["diagnostic", "importance_head", "pruning"]
+
+
+def test_heads_pass_from_stage_to_stage_as_values(tmp_path, monkeypatch):
+    head = torch.nn.Identity()
+    seen = []
+
+    def trains(inputs):
+        assert inputs.heads == () and inputs.scenes["images"].shape[0] == 4 and inputs.images.spec == "builtin:scenes"
+        return StageResult({"trained": True}, heads=(TrainedHead("cls", head, 2),))
+
+    def uses(inputs):
+        seen.append(inputs.heads)
+        return StageResult({"used": [h.layer for h in inputs.heads]})
+
+    monkeypatch.setattr(pipeline, "STAGES", (_stage("first", trains), _stage("second", uses)))
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
+    assert seen == [(TrainedHead("cls", head, 2),)]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["stages"]["future"]["status"] == "skipped"
-    assert "no_such_module" in results["stages"]["future"]["reason"]
-    assert results["stages"]["also_future"] == {"status": "skipped", "reason": "pullback_ext.embedded.scenes has no run_demo_stage"}
+    assert results["stages"]["first"]["result"] == {"trained": True}
+    assert results["stages"]["second"]["result"] == {"used": [2]} and results["stages"]["second"]["status"] == "ok"
+    assert results["scenes"] == {"source": "builtin:scenes", "seed": 0, "num_images": 4}
     assert 0 <= results["model"]["this_run"]["top1"] <= 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # no temp files left
-    assert "skipped" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # nothing read or left through the folder
 
 
 def test_failing_stage_is_recorded_and_exit_code_is_1(tmp_path, monkeypatch):
-    def run_demo_stage(model, scenes, out_dir, quick):
+    def run_demo_stage(inputs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(demo_command, "_stage_function", lambda name: (run_demo_stage, ""))
-    monkeypatch.setattr(demo_command, "STAGES", (("bad", "any.module"), ("after", "any.module")))
+    monkeypatch.setattr(pipeline, "STAGES", (_stage("bad", run_demo_stage), _stage("after", run_demo_stage)))
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 1
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["stages"]["bad"]["status"] == "failed" and "boom" in results["stages"]["bad"]["error"]
@@ -47,7 +69,7 @@ def test_failing_stage_is_recorded_and_exit_code_is_1(tmp_path, monkeypatch):
 
 
 def test_jsonable_handles_tensors_and_non_finite_values():
-    out = demo_command._jsonable({"a": torch.tensor([1.0, float("nan")]), 3: (float("inf"), torch.tensor(2))})
+    out = pipeline.jsonable({"a": torch.tensor([1.0, float("nan")]), 3: (float("inf"), torch.tensor(2))})
     assert out == {"a": [1.0, None], "3": [None, 2]}
 
 
@@ -78,4 +100,5 @@ def test_quick_demo_end_to_end(tmp_path):
     for name in diagnostic["result"]["plots"]:
         assert (tmp_path / name).stat().st_size > 1000
     for stage in results["stages"].values():
-        assert stage["status"] in {"ok", "skipped"}
+        assert stage["status"] == "ok"
+    assert results["stages"]["pruning"]["result"]["heads"] == {"cls": 2}  # the importance stage's head, by value

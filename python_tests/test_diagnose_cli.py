@@ -61,7 +61,8 @@ def test_timm_cli_writes_json_and_plots_matching_the_library(image_dir, timm_wei
     from safetensors.torch import load_file
 
     from pullback_ext import diagnose
-    from pullback_ext.images import list_images, load_images, timm_preprocess
+    from pullback_ext.sources.image_files import list_images, load_images
+    from pullback_ext.sources.preprocess import timm_preprocess
     from pullback_ext.probes import from_timm
 
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32)
@@ -126,6 +127,16 @@ def test_demo_cli(image_dir, tmp_path):
     assert main(args) == 0
     first = json.loads((out / "diagnosis.json").read_text())["images"][0]
     assert first["N"] == 197 and first["M"] == 64
+
+
+def test_demo_model_defaults_to_builtin_scenes(tmp_path):
+    out = tmp_path / "out"
+    args = ["diagnose", "--model", "demo", "--layer", "2", "--decoder", "depth", "--output-size", "4", "--num-images", "2",
+            "--out", str(out), *FAST]
+    assert main(args) == 0
+    data = json.loads((out / "diagnosis.json").read_text())
+    assert data["settings"]["images"] == "builtin:scenes" and data["settings"]["model"] == "demo"
+    assert data["settings"]["files"] == ["heldout-scene-0-0", "heldout-scene-0-1"] and data["images"][0]["M"] == 16
 
 
 def bad_cases(image_dir, weights, tmp):

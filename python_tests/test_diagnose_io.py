@@ -6,7 +6,8 @@ import torch
 
 from pullback_ext.distributed import gather_objects, init_from_env, shard, shard_indices, unshard
 from pullback_ext.errors import PullbackError
-from pullback_ext.images import Preprocess, check_readable, hf_preprocess, list_images, load_images, timm_preprocess
+from pullback_ext.sources.image_files import check_readable, list_images, load_images
+from pullback_ext.sources.preprocess import Preprocess, hf_preprocess, timm_preprocess
 from pullback_ext.plots import grid_shape, plot_spectrum, plot_token_energy
 
 

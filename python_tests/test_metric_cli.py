@@ -89,3 +89,18 @@ def test_bad_arguments_exit_2_with_a_one_line_message(tmp_path, image_dir, capsy
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_train_head_on_the_demo_model_defaults_to_rendered_scenes(tmp_path):
+    argv = ["train", "head", "--model", "demo", "--layer", "1", "--decoder", "embedding", "--num-images", "2", "--heldout", "2",
+            "--rank", "2", "--power", "0", "--steps", "1", "--batch-size", "2", "--hidden", "8", "--heads", "2", "--warmup", "0",
+            "--no-progress"]
+    assert main(argv + ["--out", str(tmp_path / "new")]) == 0
+    config = json.loads((tmp_path / "new" / "config.json").read_text())
+    assert config["probe"]["model"] == "demo" and config["images"] == {"demo": "render", "seed": 1000, "block": 32, "count": 2}
+    with pytest.warns(FutureWarning, match="--demo is deprecated"):
+        assert main([a for a in argv if a not in ("--model", "demo")] + ["--demo", "--out", str(tmp_path / "old")]) == 0
+    new, old = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("new", "old"))
+    assert new["heldout"]["per_image"] == old["heldout"]["per_image"]
+    assert main(["eval-head", "--checkpoint", str(tmp_path / "new"), "--heldout", "2", "--rank", "2", "--out", str(tmp_path / "e.json")]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["per_image"] == pytest.approx(new["heldout"]["per_image"], abs=1e-6)

@@ -98,12 +98,14 @@ def test_cache_round_trip_reuse_and_mismatch(tmp_path, vit_probe, monkeypatch):
 def test_demo_render_shards_are_reused_by_a_larger_run(tmp_path, vit_probe, monkeypatch):
     """Rendered training scenes come in fixed blocks, so the key of their shards does not depend on
     the image count: a larger run recomputes only the new shards."""
-    from pullback_ext.metric.data import ImageSource
+    from pullback_ext.sources.preprocess import unit_range_preprocess
+    from pullback_ext.sources.scenes import HeldoutScenes, TrainingScenes
 
     probe, F = vit_probe
     cfg = TargetConfig(mode="exact", rank=3)
-    small, large = ({"probe": "tiny", "images": ImageSource(n).describe()} for n in (1, 2))
-    assert small == large and ImageSource(1, heldout=True).describe() != ImageSource(2, heldout=True).describe()
+    pre = unit_range_preprocess(112)
+    small, large = ({"probe": "tiny", "images": TrainingScenes(n, pre).describe()} for n in (1, 2))
+    assert small == large and HeldoutScenes(1, 0, pre).describe() != HeldoutScenes(2, 0, pre).describe()
     TargetCache(tmp_path).build(probe, lambda s, e: F[s:e], 1, cfg, small, shard_size=1, progress=False)
     import pullback_ext.metric.targets as targets
 

@@ -104,7 +104,7 @@ def test_diagnose_train_and_evaluate_a_dinov2_folder(image_dir, tmp_path, capsys
 
 
 def test_a_cropping_image_processor_sets_the_input_size(image_dir, tmp_path):
-    from pullback_ext.images import hf_crop_preprocess
+    from pullback_ext.sources.preprocess import hf_crop_preprocess
 
     folder = tmp_path / "dinov2"
     tiny_dinov2().float().save_pretrained(folder)

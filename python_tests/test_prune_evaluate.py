@@ -78,9 +78,10 @@ def test_cli_end_to_end_on_a_timm_model(tmp_path):
             arr = (torch.rand(24, 24, 3, generator=g) * 255).to(torch.uint8).numpy()
             Image.fromarray(arr).save(tmp_path / "img" / cls / f"{i}.png")
     out = tmp_path / "out"
-    code = main(["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(tmp_path / "img"), "--num-images", "4",
-                 "--seeds", "2", "--ratios", "0,0.3", "--stages", "4,8", "--strategies", "tome_score,norm",
-                 "--time-batches", "1,2", "--time-repeats", "1", "--out", str(out), "--quiet", "--batch-size", "4"])
+    with pytest.warns(FutureWarning, match="write --model timm:vit_tiny_patch16_224"):  # the bare name still works
+        code = main(["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(tmp_path / "img"), "--num-images", "4",
+                     "--seeds", "2", "--ratios", "0,0.3", "--stages", "4,8", "--strategies", "tome_score,norm",
+                     "--time-batches", "1,2", "--time-repeats", "1", "--out", str(out), "--quiet", "--batch-size", "4"])
     assert code == 0
     result = json.loads((out / "results.json").read_text())
     assert result["layers"] == [4, 8] and result["seeds"] == 2
@@ -119,7 +120,7 @@ def image_dir(tmp_path_factory):
     ],
 )
 def test_cli_rejects_bad_options(image_dir, tmp_path, capsys, argv, match):
-    base = ["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--out", str(tmp_path / "o"), "--quiet",
+    base = ["evaluate", "--model", "timm:vit_tiny_patch16_224", "--images", str(image_dir), "--out", str(tmp_path / "o"), "--quiet",
             "--num-images", "2", "--seeds", "2"]
     assert main(base + argv) == 2
     assert match in capsys.readouterr().err
@@ -130,25 +131,28 @@ def test_cli_rejects_a_corrupt_head_checkpoint(image_dir, tmp_path, capsys):
     bad = tmp_path / "head"
     bad.mkdir()
     (bad / "model.safetensors").write_bytes(b"not a safetensors file")
-    assert main(["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--head", str(bad),
+    assert main(["evaluate", "--model", "timm:vit_tiny_patch16_224", "--images", str(image_dir), "--head", str(bad),
                  "--out", str(tmp_path / "o"), "--quiet"]) == 2
     assert "corrupt or unreadable" in capsys.readouterr().err
 
 
 def test_demo_stage_uses_the_trained_head_at_its_layer(tmp_path, monkeypatch):
-    from pullback_ext.metric.checkpoint import save_model
-    from pullback_ext.metric.head import ImportanceHead
-    from pullback_ext.prune import demo_stage
+    from dataclasses import replace
 
-    monkeypatch.setitem(demo_stage.QUICK, "images", 4)
-    monkeypatch.setitem(demo_stage.QUICK, "cls_ratios", (0.5,))
-    monkeypatch.setitem(demo_stage.QUICK, "depth_ratios", (0.5,))
-    monkeypatch.setitem(demo_stage.QUICK, "batches", (1,))
-    monkeypatch.setitem(demo_stage.QUICK, "repeats", 1)
+    from pullback_ext.demo import pruning_stage
+    from pullback_ext.demo.pipeline import demo_inputs
+    from pullback_ext.demo.stages import TrainedHead
+    from pullback_ext.metric.head import ImportanceHead
+
+    monkeypatch.setitem(pruning_stage.QUICK, "images", 4)
+    monkeypatch.setitem(pruning_stage.QUICK, "cls_ratios", (0.5,))
+    monkeypatch.setitem(pruning_stage.QUICK, "depth_ratios", (0.5,))
+    monkeypatch.setitem(pruning_stage.QUICK, "batches", (1,))
+    monkeypatch.setitem(pruning_stage.QUICK, "repeats", 1)
     torch.manual_seed(0)
-    save_model(tmp_path / "importance_head", "head", ImportanceHead(192, hidden=16, heads=2),
-               extra={"probe": {"model": "demo", "layer": 3, "decoder": "embedding"}})
-    result = demo_stage.run_demo_stage(_demo_model(), None, tmp_path, quick=True, progress=False)
+    head = ImportanceHead(192, hidden=16, heads=2).eval().requires_grad_(False)
+    inputs = replace(demo_inputs(tmp_path, quick=True), model=_demo_model(), heads=(TrainedHead("cls", head, 4),))
+    result = pruning_stage.run_demo_stage(inputs, progress=False).report
     assert result["heads"] == {"cls": 4}
     assert result["cls"]["layers"] == [4] and "importance" in result["cls"]["strategies"]
     assert "importance" not in result["depth"]["strategies"]
@@ -163,7 +167,7 @@ def test_cli_rejects_a_head_of_the_wrong_width(image_dir, tmp_path, capsys):
     from pullback_ext.metric.head import ImportanceHead
 
     save_model(tmp_path / "head", "head", ImportanceHead(16, hidden=8, heads=2))
-    assert main(["evaluate", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--head", str(tmp_path / "head"),
+    assert main(["evaluate", "--model", "timm:vit_tiny_patch16_224", "--images", str(image_dir), "--head", str(tmp_path / "head"),
                  "--out", str(tmp_path / "o"), "--quiet"]) == 2
     assert "expects features of width 16, the backbone has 192" in capsys.readouterr().err
 
@@ -173,7 +177,7 @@ def test_cli_subspace_interventions_with_a_probe_file(image_dir, tmp_path):
 
     w = torch.randn(2, 192, generator=torch.Generator().manual_seed(0))
     save_file({"weight": w, "bias": torch.zeros(2)}, str(tmp_path / "probe.safetensors"))
-    code = main(["subprobe", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--num-images", "2",
+    code = main(["subprobe", "--model", "timm:vit_tiny_patch16_224", "--images", str(image_dir), "--num-images", "2",
                  "--probe", str(tmp_path / "probe.safetensors"), "--layer", "3", "--k", "1,2", "--out", str(tmp_path / "o")])
     assert code == 0
     result = json.loads((tmp_path / "o" / "subspace.json").read_text())
@@ -181,7 +185,7 @@ def test_cli_subspace_interventions_with_a_probe_file(image_dir, tmp_path):
     top = {r["k"]: r for r in result["results"]["subspace"]}
     assert top[2]["output_change"] < 1e-6 and top[2]["energy"] == pytest.approx(1.0)
     save_file({"weight": torch.randn(2, 5)}, str(tmp_path / "bad.safetensors"))
-    assert main(["subprobe", "--model", "vit_tiny_patch16_224", "--images", str(image_dir), "--probe",
+    assert main(["subprobe", "--model", "timm:vit_tiny_patch16_224", "--images", str(image_dir), "--probe",
                  str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "o2")]) == 2
 
 
@@ -240,3 +244,30 @@ def test_hugging_face_weights_must_fit_exactly(image_dir, tmp_path, capsys):
     assert main(["evaluate", "--model", model, "--weights", str(tmp_path / "partial.safetensors"), "--images",
                  str(image_dir), "--out", str(tmp_path / "o"), "--quiet"]) == 2
     assert "does not fit the Dinov2Model: 1 missing (e.g. embeddings.cls_token)" in capsys.readouterr().err
+
+
+def test_cli_demo_model_on_builtin_scenes_and_the_deprecated_demo_flag(tmp_path):
+    common = ["--num-images", "2", "--seeds", "1", "--ratios", "0.5", "--stages", "4", "--strategies", "tome_score",
+              "--no-timing", "--quiet"]
+    assert main(["evaluate", "--model", "demo", "--images", "builtin:scenes", "--out", str(tmp_path / "new")] + common) == 0
+    with pytest.warns(FutureWarning, match="write --model demo --images builtin:scenes"):
+        assert main(["evaluate", "--demo", "--out", str(tmp_path / "old")] + common) == 0
+    new, old = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("new", "old"))
+    assert new["model"] == old["model"] == "demo"
+    assert new["tables"] == old["tables"] and new["tables"]["merge"]["tome_score"]["0.5"]["cosine_x100"]["mean"] > 0
+
+
+def test_cli_model_and_images_errors(image_dir, tmp_path, capsys):
+    out = ["--out", str(tmp_path / "o"), "--quiet"]
+    cases = [
+        (["--images", str(image_dir)], "--model: required (demo | timm:NAME | hf:DIR)"),
+        (["--model", "resnet:50", "--images", str(image_dir)], "--model: expected demo | timm:NAME | hf:DIR, got 'resnet:50'"),
+        (["--model", "timm:vit_tiny_patch16_224"], "--images: required with --model timm:vit_tiny_patch16_224"),
+        (["--model", "demo", "--images", str(tmp_path / "missing")], f"--images: folder '{tmp_path / 'missing'}' does not exist"),
+        (["--model", "demo", "--images", "builtin:nothing"], "expected a folder or one of builtin:scenes"),
+        (["--demo", "--model", "timm:vit_tiny_patch16_224"], "--demo: conflicts with --model"),
+    ]
+    for argv, message in cases:
+        assert main(["evaluate", *argv, *out]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert message in err[-1] and err[-1].startswith("pullback evaluate: error:"), (argv, err)

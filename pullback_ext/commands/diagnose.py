@@ -19,14 +19,12 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="timm:NAME, hf:DIR (local transformers folder) or demo")
-    parser.add_argument("--img-size", type=_positive, default=None, help="timm models: build for this input size")
-    parser.add_argument("--weights", default=None, help="local weights (safetensors or torch checkpoint)")
+    from pullback_ext.commands.arguments import add_source_arguments
+
+    add_source_arguments(parser, 50, "the first N images (a folder's sorted by name)", img_size=True)
     parser.add_argument("--layer", type=int, default=None, help="probe layer ℓ (0-based block index; F is its output)")
     parser.add_argument("--decoder", default="cls", help="cls | tokens | pooled (timm) | embedding (demo) | depth | depth-multi (hf) | linear:FILE")
     parser.add_argument("--output-size", type=_positive, default=None, help="resize dense outputs to S×S (M = S²)")
-    parser.add_argument("--images", required=True, help="folder of images")
-    parser.add_argument("--num-images", type=_positive, default=50, help="first N images of the folder (sorted by name)")
     parser.add_argument("--rank", type=int, default=20, help="r: captured subspace for κ_cap(r), CV, importance")
     parser.add_argument("--oversample", type=int, default=10, help="randomized-SVD oversampling p (sketch r + p)")
     parser.add_argument("--power", type=int, default=2, help="q power rounds")
@@ -78,6 +76,19 @@ def diagnose_config(args: argparse.Namespace):
     )
 
 
+def probe_and_images(args: argparse.Namespace, dtype):
+    """``(ProbeSetup, ImageSource, ImageSet)`` of ``--model``/``--weights``/``--images``: the
+    probe, where the images come from, and up to ``--num-images`` of them prepared for the model."""
+    from pullback_ext.commands.arguments import image_source, model_spec
+    from pullback_ext.sources.probe_setup import build_probe_setup
+
+    model = model_spec(args)
+    source = image_source(args, model)
+    layer = args.layer if args.layer is not None else 0
+    setup = build_probe_setup(model, args.weights, layer, args.decoder, args.output_size, args.img_size, dtype)
+    return setup, source, source.heldout(setup.preprocess, args.num_images, partial=True)
+
+
 def run(args: argparse.Namespace) -> int:
     import json
     import sys
@@ -89,8 +100,6 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext import distributed
     from pullback_ext.diagnostics import Diagnosis, diagnose
     from pullback_ext.errors import PullbackError
-    from pullback_ext.images import check_readable, list_images, load_images
-    from pullback_ext.model_loading import build
     from pullback_ext.fileio import atomic_write_text
     from pullback_ext.plots import plot_spectrum, plot_token_energy
 
@@ -100,24 +109,23 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise PullbackError(f"--out: {str(out)!r} exists and is not a folder")
-    paths = list_images(args.images, args.num_images)
-    check_readable(paths)
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
-    setup = build(args.model, args.weights, args.layer if args.layer is not None else 0, args.decoder, args.output_size, args.img_size, dtype)
+    setup, source, image_set = probe_and_images(args, dtype)
+    names = image_set.names()
     probe = setup.probe
-    if setup.description["weights"] is None and args.model != "demo":
+    if setup.description["weights"] is None and setup.description["model"] != "demo":
         print("pullback diagnose: note: no --weights given, the model keeps its random initialisation", file=sys.stderr)
     config.check_rank(probe.ambient_dim)
 
     info = distributed.init_from_env()
     try:
-        mine = distributed.shard_indices(len(paths), info.rank, info.world_size)
+        mine = distributed.shard_indices(len(image_set), info.rank, info.world_size)
         per_image = []
         desc = f"diagnose[rank {info.rank}/{info.world_size}]" if info.world_size > 1 else "diagnose"
         with tqdm(total=len(mine), desc=desc, unit="image", disable=not info.is_main, file=sys.stderr) as bar:
             for start in range(0, len(mine), args.batch_size):
                 indices = mine[start : start + args.batch_size]
-                images = load_images([paths[i] for i in indices], setup.preprocess, dtype)
+                images = image_set.images(indices).to(dtype)
                 F = probe.features(images)
                 result = diagnose(probe, F, config, indices=indices, keep_vectors=args.save_vectors)
                 per_image.extend(result.images)
@@ -131,15 +139,15 @@ def run(args: argparse.Namespace) -> int:
     gathered.sort(key=lambda d: d.index)
     full = Diagnosis.from_images(gathered, config)
     full.settings = dict(
-        setup.description, images=str(args.images), num_images=len(paths), **full.settings, dtype=args.dtype,
-        world_size=info.world_size, files=[p.name for p in paths],
+        setup.description, images=source.spec, num_images=len(image_set), **full.settings, dtype=args.dtype,
+        world_size=info.world_size, files=names,
     )
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "diagnosis.json", json.dumps(full.to_dict(include_vectors=args.save_vectors), indent=1))
     plot_spectrum([d.sigma for d in gathered], [d.trace for d in gathered], out / "spectrum.png", kappa_threshold=config.thresholds.kappa)
     plot_token_energy(
         [d.token_energy for d in gathered], probe.num_prefix_tokens, out / "token_energy.png",
-        grid_size=getattr(probe, "grid_size", None), titles=[p.name for p in paths],
+        grid_size=getattr(probe, "grid_size", None), titles=names,
     )
     print(summary_table(full, setup.description))
     print(f"wrote {out / 'diagnosis.json'}, {out / 'spectrum.png'}, {out / 'token_energy.png'}")

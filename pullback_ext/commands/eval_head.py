@@ -28,13 +28,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pullback_ext import distributed
+    from pullback_ext.commands.arguments import image_source, model_spec
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_json
     from pullback_ext.metric.checkpoint import load_model
-    from pullback_ext.metric.data import ProbeSpec, build_probe, features, image_sources
     from pullback_ext.metric.evaluation import spearman_per_image, summarize
+    from pullback_ext.metric.probe_spec import ProbeSpec, build_probe, features
     from pullback_ext.metric.targets import compute_targets
     from pullback_ext.metric.training_run import reference_targets
+    from pullback_ext.sources.models import parse_model
 
     if args.rank < 1 or args.power < 0:
         raise PullbackError(f"--rank/--power: expected rank >= 1 and power >= 0, got {args.rank}, {args.power}")
@@ -43,17 +45,19 @@ def run(args: argparse.Namespace) -> int:
         raise PullbackError(f"--checkpoint: {args.checkpoint!r} has no probe definition; pass --model/--layer/--decoder")
     spec = ProbeSpec.from_dict(config["probe"])
     overrides = {k: getattr(args, k) for k in ("weights", "layer", "decoder", "output_size", "img_size", "vae") if getattr(args, k) is not None}
-    if args.model is not None or args.demo:
-        overrides["model"] = "demo" if args.demo else args.model
+    model = model_spec(args, required=False)
+    if model is not None:
+        overrides["model"] = str(model)
     spec = replace(spec, **overrides)
+    # with a folder the held-out images are the files after the --num-images training ones
+    images = image_source(args, parse_model(spec.model))
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     torch.manual_seed(args.seed)
     probe, preprocess = build_probe(spec, dtype)
     if head.dim != probe.dim:
         raise PullbackError(f"--checkpoint: the head reads D={head.dim} features, the probe gives D={probe.dim}")
     head = head.to(dtype)
-    # with --images the held-out set is the whole folder slice after --num-images training files
-    _, held = image_sources(args.images, spec.model == "demo" and args.images is None, args.num_images if args.images else 1, args.heldout, preprocess)
+    held = images.heldout(preprocess, args.heldout, after=args.num_images)
     reference = replace(reference_targets(probe, args.rank, args.power, args.seed), block_norms=args.target == "block-norm", keep_basis=False)
     info = distributed.init_from_env()
     try:

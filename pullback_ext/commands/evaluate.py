@@ -9,19 +9,20 @@ LLF_CHOICES = {"on": (True,), "full": ("full",), "off": (False,), "both": (True,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pullback_ext.commands.values import add_backbone_arguments
+    from pullback_ext.commands.arguments import add_source_arguments
 
-    add_backbone_arguments(parser, "timm model name (NAME or timm:NAME, random weights unless --weights; cls task) or hf:DIR, a local "
-                           "transformers folder (DINOv2: cls; DPT / Depth Anything: depth)",
-                           "folder of images (class subfolders give k-NN labels); default with --demo: rendered scenes",
-                           "images per seed (default 32)")
+    add_source_arguments(parser, 32, "images per seed",
+                         model_help="demo (cls and depth tasks), timm:NAME (random weights unless --weights; cls task) or hf:DIR, "
+                                    "a local transformers folder (DINOv2: cls; DPT / Depth Anything: depth)",
+                         images_help="a folder of images (class subfolders give k-NN labels) or builtin:scenes "
+                                     "(rendered demo scenes, the default with --model demo)")
     red = parser.add_argument_group("reduction")
     red.add_argument("--task", choices=("cls", "depth"), default="cls")
     red.add_argument("--mode", choices=("auto", "merge", "prune"), default="auto", help="auto: merge for cls, prune for depth")
     red.add_argument("--head", help="importance head or SPN checkpoint (enables strategy 'importance'); a comma list gives one per stage")
     red.add_argument("--spn", help="SPN checkpoint for pullback-distance matching in merge mode (default: --head if it is an SPN)")
     red.add_argument("--strategies", default=None, help="comma list (default: importance when --head is given, oracle with --oracle, and every training-free rule)")
-    red.add_argument("--oracle", action="store_true", help="add the imp* oracle (demo only; slow: a randomized SVD per image)")
+    red.add_argument("--oracle", action="store_true", help="add the imp* oracle (--model demo only; slow: a randomized SVD per image)")
     red.add_argument("--ratios", default=DEFAULT_RATIOS, help=f"comma list of prune ratios (default {DEFAULT_RATIOS})")
     red.add_argument("--stages", default="4", help="stage layers for a 12-block ViT-B (e.g. 4, 4,8, 1,4,7,10, 2stage), scaled to the model's depth")
     red.add_argument("--absolute-layers", action="store_true", help="use --stages as the model's own block indices, unscaled")
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     red.add_argument("--selection", choices=("auto", "lowest", "bound"), default="auto",
                      help="tokens importance/oracle merge away: lowest importance, or lowest imp·drift bound (auto: bound in merge mode)")
     run = parser.add_argument_group("run")
-    run.add_argument("--seeds", type=int, default=3, help="image sets (demo scene seeds / random-strategy seeds)")
+    run.add_argument("--seeds", type=int, default=3, help="image sets (folder splits or scene seeds; random-strategy seeds)")
     run.add_argument("--batch-size", type=int, default=16)
     run.add_argument("--time-batches", default="1,64", help="batch sizes for wall-clock (default 1,64)")
     run.add_argument("--time-repeats", type=int, default=3)
@@ -51,38 +52,39 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from pullback_ext.commands.values import comma_floats, comma_ints
+    from pullback_ext.commands import evaluate_plan
+    from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec
     from pullback_ext.errors import PullbackError
-    from pullback_ext.prune import options
+    from pullback_ext.prune.backbones import load_backbone
     from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
     from pullback_ext.prune.report import plot_quality, write_json, write_text
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.demo == bool(args.model):
-        raise PullbackError("give exactly one of --demo or --model NAME")
-    for name in ("num_images", "seeds", "batch_size", "time_repeats"):
+    spec = model_spec(args)
+    images = image_source(args, spec)
+    for name in ("seeds", "batch_size", "time_repeats"):
         if getattr(args, name) < 1:
             raise PullbackError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
     ratios = comma_floats(args.ratios, "--ratios")
     time_batches = comma_ints(args.time_batches, "--time-batches")
-    backbone, model = options.load_backbone(demo=args.demo, model_name=args.model, weights=args.weights)
-    layers = options.stage_layers(args.stages, backbone.depth, absolute=args.absolute_layers)
+    backbone, model = load_backbone(spec, args.weights)
+    layers = evaluate_plan.stage_layers(args.stages, backbone.depth, absolute=args.absolute_layers)
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
-    scorers, spn = options.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)
-    strategies = options.strategy_list(args.strategies, scorers)
+    scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)
+    strategies = evaluate_plan.strategy_list(args.strategies, scorers)
     llf = LLF_CHOICES[args.llf]
     plan = Plan(task=args.task, strategies=strategies, ratios=ratios, layers=layers, mode=mode, llf=llf, scorers=scorers, spn=spn,
                 prop_attn={"auto": "auto", "on": True, "off": False}[args.prop_attn], selection=args.selection,
                 batch_size=args.batch_size)
     check_plan(plan, backbone)
-    image_sets = options.image_sets(args.images, backbone, args.demo, args.num_images, args.seeds)
+    image_sets = [s.load() for s in images.seed_sets(backbone.preprocess, args.num_images, args.seeds)]
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = run_quality(backbone, image_sets, plan, progress=not args.quiet)
     if not args.no_timing:
-        timed = options.strategy_list(args.time_strategies, scorers) if args.time_strategies else strategies
+        timed = evaluate_plan.strategy_list(args.time_strategies, scorers) if args.time_strategies else strategies
         result["cost"] = run_cost(backbone, image_sets[0]["images"], plan, time_batches, args.time_repeats, timed, progress=not args.quiet)
     result["command"] = "pullback " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result["model"] = backbone.name

@@ -11,35 +11,30 @@ from __future__ import annotations
 import argparse
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
-    return value
+def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, images and probe definition (shared with ``pullback eval-head``)."""
+    from pullback_ext.commands.arguments import add_source_arguments, positive_int
 
-
-def add_probe_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    parser.add_argument("--model", default=None, help="timm:NAME, hf:DIR (local transformers folder) or demo")
-    parser.add_argument("--demo", action="store_true", help="the embedded demo model and rendered demo scenes (= --model demo, no --images)")
-    parser.add_argument("--weights", default=None, help="local backbone weights (safetensors or torch checkpoint)")
-    parser.add_argument("--img-size", type=_positive, default=None, help="timm models: build for this input size")
+    add_source_arguments(parser, 256, "training images",
+                         images_help="a folder of images (training images first, then held-out) or builtin:scenes "
+                                     "(rendered demo scenes; the default with --model demo)", img_size=True)
     parser.add_argument("--layer", type=int, default=None, help="probe layer ℓ (0-based block index; F is its output)")
     parser.add_argument("--decoder", default=None, help="cls | embedding (demo) | tokens | pooled | depth | depth-multi | linear:FILE")
-    parser.add_argument("--output-size", type=_positive, default=None, help="resize dense outputs to S×S (M = S²)")
+    parser.add_argument("--output-size", type=positive_int, default=None, help="resize dense outputs to S×S (M = S²)")
     parser.add_argument("--vae", default=None, metavar="DIR", help="take the probe at the latent of this trained feature VAE")
-    parser.add_argument("--images", default=None, metavar="DIR", help="image folder (training images first, then held-out)")
-    parser.add_argument("--num-images", type=_positive, default=256, help="training images")
-    parser.add_argument("--heldout", type=_positive, default=32, help="held-out images for the final evaluation")
+    parser.add_argument("--heldout", type=positive_int, default=32, help="held-out images for the final evaluation")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--seed", type=int, default=0, help="seeds training, sketches, and the weights of a model built without --weights")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pullback_ext.commands.arguments import positive_int
+
     parser.add_argument("kind", choices=["spn", "head", "vae"], help="what to train")
     add_probe_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, metrics, results)")
     targets = parser.add_argument_group("targets (spn, head)")
-    targets.add_argument("--rank", type=_positive, default=20, help="rank r of the SPN / of imp*")
+    targets.add_argument("--rank", type=positive_int, default=20, help="rank r of the SPN / of imp*")
     targets.add_argument("--targets", default="randnla", choices=["randnla", "exact"], help="randomized SVD or the exact-SVD ceiling")
     targets.add_argument("--power", type=int, default=1, help="power rounds q of the randomized SVD")
     targets.add_argument("--oversample", type=int, default=10)
@@ -50,41 +45,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     targets.add_argument("--w-order", type=float, default=0.0,
                          help="spn: weight of an extra term tying column j of U to mode j (default 0: L_sub + L_en only)")
     model = parser.add_argument_group("model")
-    model.add_argument("--hidden", type=_positive, default=256)
-    model.add_argument("--heads", type=_positive, default=4)
+    model.add_argument("--hidden", type=positive_int, default=256)
+    model.add_argument("--heads", type=positive_int, default=4)
     model.add_argument("--mlp-hidden", type=int, default=0, help="head: width of a per-token MLP in each encoder block (0: none)")
     model.add_argument("--eps", type=float, default=1e-3, help="spn: isotropic floor ε")
-    model.add_argument("--latent-dim", type=_positive, default=32, help="vae: latent channels per token")
+    model.add_argument("--latent-dim", type=positive_int, default=32, help="vae: latent channels per token")
     model.add_argument("--beta", type=float, default=1e-3, help="vae: KL weight")
     model.add_argument("--diagnose-images", type=int, default=2,
                        help="vae: held-out images diagnosed at the features and at the latent afterwards (0: skip)")
     train = parser.add_argument_group("optimisation")
-    train.add_argument("--steps", type=_positive, default=1000)
-    train.add_argument("--batch-size", type=_positive, default=16, help="global batch (split over torchrun ranks)")
+    train.add_argument("--steps", type=positive_int, default=1000)
+    train.add_argument("--batch-size", type=positive_int, default=16, help="global batch (split over torchrun ranks)")
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--weight-decay", type=float, default=0.01)
     train.add_argument("--warmup", type=int, default=50, help="linear warm-up steps before the cosine decay")
     train.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
                        help="keep an exponential moving average of the weights with this decay (e.g. 0.999) and save it as the model (0: off)")
     train.add_argument("--amp", action="store_true", help="mixed precision (bfloat16 on CPU, float16 on CUDA)")
-    train.add_argument("--checkpoint-every", type=_positive, default=100)
+    train.add_argument("--checkpoint-every", type=positive_int, default=100)
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT")
     train.add_argument("--no-progress", action="store_true")
 
 
-def probe_spec(args: argparse.Namespace):
+def probe_spec(args: argparse.Namespace, model):
+    """The :class:`~pullback_ext.metric.probe_spec.ProbeSpec` of the arguments, for ``model``."""
     from pullback_ext.errors import PullbackError
-    from pullback_ext.metric.data import ProbeSpec
+    from pullback_ext.metric.probe_spec import ProbeSpec
 
-    if args.demo and args.model not in (None, "demo"):
-        raise PullbackError(f"--demo: conflicts with --model {args.model!r}")
-    model = "demo" if args.demo else args.model
-    if model is None:
-        raise PullbackError("--model: required (timm:NAME, hf:DIR or demo), or pass --demo")
     if args.layer is None:
         raise PullbackError("--layer: required (the probe layer ℓ)")
-    return ProbeSpec(model=model, layer=args.layer, decoder=args.decoder or "cls", weights=args.weights,
+    return ProbeSpec(model=str(model), layer=args.layer, decoder=args.decoder or "cls", weights=args.weights,
                      output_size=args.output_size, img_size=args.img_size, vae=args.vae)
+
+
+def run_config(args: argparse.Namespace):
+    """The :class:`~pullback_ext.metric.training_run.TrainingRunConfig` of the arguments."""
+    from pathlib import Path
+
+    from pullback_ext.commands.arguments import image_source, model_spec
+    from pullback_ext.metric.training import TrainConfig
+    from pullback_ext.metric.training_run import TrainingRunConfig
+
+    model = model_spec(args)
+    spec = probe_spec(args, model)
+    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+                        warmup_steps=min(args.warmup, args.steps), amp=args.amp, seed=args.seed,
+                        checkpoint_every=args.checkpoint_every, ema_decay=args.ema)
+    return TrainingRunConfig(
+        kind=args.kind, probe=spec, images=image_source(args, model), out=Path(args.out), train=train,
+        num_images=args.num_images, num_heldout=args.heldout, dtype=args.dtype, rank=args.rank, targets=args.targets,
+        power=args.power, oversample=args.oversample, on_the_fly=args.on_the_fly,
+        cache=None if args.cache is None else Path(args.cache), target=args.target, w_rank=args.w_rank,
+        w_order=args.w_order, hidden=args.hidden, heads=args.heads, mlp_hidden=args.mlp_hidden, eps=args.eps,
+        latent_dim=args.latent_dim, beta=args.beta, diagnose_images=args.diagnose_images, resume=args.resume,
+        progress=not args.no_progress,
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -111,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.metric.training_run import TrainingRun
 
     _check(args)
+    config = run_config(args)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise PullbackError(f"--out: {str(out)!r} exists and is not a folder")
@@ -118,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         raise PullbackError(f"--out: {str(out)!r} already holds a training run; pass --resume to continue it or choose another folder")
     info = distributed.init_from_env()
     try:
-        results = TrainingRun(args, probe_spec(args), info).run()
+        results = TrainingRun(config, info).run()
     finally:
         distributed.shutdown(info)
     if info.is_main:

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+from pullback_ext.demo.stages import DemoInputs, StageResult
+
+NAME = "diagnostic"
 PROBE_LAYERS = (1, 3, 6)
 
 
@@ -109,17 +112,18 @@ def _plot_importance(results: dict, images: torch.Tensor, grid: int, path: Path)
     plt.close(fig)
 
 
-def run_demo_stage(model: torch.nn.Module, scenes: dict, out_dir: Path, quick: bool = False) -> dict:
-    """Diagnose the demo model on ``scenes['images']``; writes spectra.png and importance.png.
+def run_demo_stage(inputs: DemoInputs) -> StageResult:
+    """Diagnose the demo model on the held-out scenes' images; writes spectra.png and importance.png.
 
-    Returns {"settings", "table": [row per (decoder, layer)], "per_image": {...}, "plots"}.
+    Reports {"settings", "table": [row per (decoder, layer)], "per_image": {...}, "plots"}.
     """
     from tqdm.auto import tqdm
 
     from pullback_ext.diagnostics import DiagnoseConfig, diagnose
     from pullback_ext.embedded.probes import demo_probe
 
-    settings = DiagnosticSettings.for_run(quick)
+    model, scenes = inputs.model, inputs.scenes
+    settings = DiagnosticSettings.for_run(inputs.quick)
     config = DiagnoseConfig(rank=settings.rank, oversample=settings.oversample, power=settings.power,
                             probes=settings.probes, slq_steps=settings.slq_steps, seed=0)
     images = scenes["images"][: settings.num_images]
@@ -147,16 +151,16 @@ def run_demo_stage(model: torch.nn.Module, scenes: dict, out_dir: Path, quick: b
         })
     table = _format_table(rows)
     print("\nTractability diagnostic (mean ± std over images; regime from κ_cap and the all-token CV):\n" + table, flush=True)
-    out_dir = Path(out_dir)
+    out_dir = Path(inputs.out_dir)
     _plot_spectra(results, out_dir / "spectra.png")
     _plot_importance(results, images, grid, out_dir / "importance.png")
     per_image = {
         f"{decoder}/L{layer}": diag.to_dict()["images"] for decoder in results for layer, diag in results[decoder].items()
     }
-    return {
+    return StageResult({
         "settings": {**settings.__dict__, "layers": list(PROBE_LAYERS), "num_images": int(images.shape[0])},
         "table": rows,
         "table_text": table,
         "per_image": per_image,
         "plots": ["spectra.png", "importance.png"],
-    }
+    })

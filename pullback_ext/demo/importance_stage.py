@@ -5,7 +5,7 @@ stage runs at (the ViT-B layer 4 scaled to the demo's 8 blocks), and ends at the
 embedding whose cosine the pruning stage reports. Targets imp* come from the exact Jacobian (128
 VJPs per image) of rendered training scenes and are cached; an ImportanceHead is trained on them
 (or loaded when the stage already ran with the same settings) and evaluated by per-image Spearman ρ
-on the held-out scenes the demo passes in.
+on the held-out scenes the demo passes in; the pruning stage receives the trained head.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from pullback_ext.demo.stages import DemoInputs, StageResult, TrainedHead
+
+NAME = "importance_head"
 LAYER = 1
 DECODER = "embedding"
 
@@ -44,29 +47,28 @@ def _weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def run_demo_stage(
-    model: torch.nn.Module, scenes: dict, out_dir, quick: bool = False, progress: bool = True, settings: StageSettings | None = None
-) -> dict:
-    """Train (or load) the head for the demo model's CLS probe; held-out Spearman ρ against imp*.
+def run_demo_stage(inputs: DemoInputs, progress: bool = True, settings: StageSettings | None = None) -> StageResult:
+    """Train (or load) the head for the demo model's CLS probe; held-out Spearman ρ against imp*
+    on ``inputs.scenes["images"]``. The result carries the head for the pruning stage.
 
-    ``scenes``: held-out scenes as returned by ``pullback_ext.embedded.heldout`` (uses "images").
     Writes ``out_dir/importance_head/`` (checkpoint, metrics.jsonl, target cache); a second run
     with the same settings and weights reuses them.
     """
     from pullback_ext.embedded.probes import demo_probe
-    from pullback_ext.metric.data import DEMO_TRAIN_SEED, ImageSource, features
     from pullback_ext.metric.head import ImportanceHead, parameter_count
+    from pullback_ext.metric.probe_spec import features
     from pullback_ext.metric.targets import TargetCache, TargetConfig, compute_targets
     from pullback_ext.metric.tasks import HeadTask, evaluate_head
     from pullback_ext.metric.training import TrainConfig, fit
 
     started = time.time()
-    settings = settings or StageSettings.for_run(quick)
-    stage_dir = Path(out_dir) / "importance_head"
+    model = inputs.model
+    settings = settings or StageSettings.for_run(inputs.quick)
+    stage_dir = Path(inputs.out_dir) / "importance_head"
     probe = demo_probe(model, LAYER, DECODER)
     targets = TargetConfig(mode="exact", rank=settings.rank, keep_basis=False)
-    source = {"model": "demo", "weights": _weights_digest(model), "layer": LAYER, "decoder": DECODER, "train_seed": DEMO_TRAIN_SEED}
-    scenes_train = ImageSource(settings.train_images)
+    scenes_train = inputs.images.training(inputs.preprocess, settings.train_images)
+    source = {"model": "demo", "weights": _weights_digest(model), "layer": LAYER, "decoder": DECODER, "images": scenes_train.describe()}
     train = TargetCache(stage_dir / "targets").build(
         probe, lambda a, b: features(probe, scenes_train, a, b), settings.train_images, targets, source, shard_size=32, progress=progress
     )
@@ -83,11 +85,11 @@ def run_demo_stage(
     fit(HeadTask(w_rank=settings.w_rank), head, train, cfg, stage_dir,
         extra_config={"probe": probe_def, "targets": asdict(targets), "stage": asdict(settings)}, resume=True, progress=progress)
 
-    F_held = probe.features(scenes["images"])
+    F_held = probe.features(inputs.scenes["images"])
     imp_held = compute_targets(probe, F_held, targets, stream=[("heldout", i) for i in range(len(F_held))])["importance"]
     result = evaluate_head(head, F_held.F, imp_held)
     print(f"[importance_head] held-out Spearman rho = {result['mean']:.3f} ± {result['std']:.3f} over {result['count']} images", flush=True)
-    return {
+    report = {
         "probe": probe_def,
         "parameters": count,
         "train_images": settings.train_images,
@@ -98,3 +100,5 @@ def run_demo_stage(
         "seconds": time.time() - started,
         "checkpoint": str(stage_dir),
     }
+    # the CLS embedding probe at block LAYER scores the tokens entering stage LAYER + 1
+    return StageResult(report, heads=(TrainedHead("cls", head.eval().requires_grad_(False), LAYER + 1),))

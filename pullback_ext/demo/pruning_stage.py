@@ -8,10 +8,8 @@ probe. Quick mode (about a minute on a laptop CPU) uses fewer scenes and ratios.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
-import torch
-
+from pullback_ext.demo.stages import DemoInputs, StageResult
 from pullback_ext.prune.backbones import demo_backbone
 from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
 from pullback_ext.prune.report import plot_quality, write_json, write_text
@@ -19,41 +17,12 @@ from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.subspace import subspace_analysis
 from pullback_ext.prune.strategies import TRAINING_FREE
 
+NAME = "pruning"
 QUICK = {"images": 16, "seeds": 1, "cls_ratios": (0.1, 0.3, 0.5), "depth_ratios": (0.25, 0.5), "batches": (1, 16), "repeats": 2}
 TITLES = {"cls": "CLS soft merge, cosine ×100 against the unpruned embedding (lower is better)",
           "depth": "dense prune, additional SILog ×100 against the unpruned depth (lower is better)"}
 FULL = {"images": 32, "seeds": 3, "cls_ratios": (0.05, 0.1, 0.2, 0.3, 0.5), "depth_ratios": (0.1, 0.2, 0.3, 0.5),
         "batches": (1, 64), "repeats": 3}
-
-
-def _image_sets(scenes, n: int, seeds: int) -> list:
-    """The given scenes when they hold ``n`` images per seed, else rendered held-out scenes."""
-    from pullback_ext.prune.images import demo_scenes
-
-    sets = [] if scenes is None else (list(scenes) if isinstance(scenes, (list, tuple)) else [scenes])
-    if len(sets) >= seeds and all(s["images"].shape[0] >= n for s in sets):
-        return [{"images": s["images"], "labels": s.get("labels")} for s in sets]
-    return [demo_scenes(n, seed, 112) for seed in range(seeds)]
-
-
-def trained_heads(out_dir: Path) -> dict:
-    """Importance heads left by the importance-head stage under ``out_dir``:
-    ``{task: (head, stage layer)}``; the stage layer is the head's probe layer + 1."""
-    from pullback_ext.errors import CheckpointError
-    from pullback_ext.metric.checkpoint import load_model
-
-    found = {}
-    folder = out_dir / "importance_head"
-    if (folder / "model.safetensors").is_file():
-        try:
-            head, config = load_model(folder, kind="head")
-        except CheckpointError:
-            return found
-        probe = config.get("probe", {})
-        task = "depth" if str(probe.get("decoder", "")).startswith("depth") else "cls"
-        if isinstance(probe.get("layer"), int):
-            found[task] = (head.eval().requires_grad_(False), probe["layer"] + 1)
-    return found
 
 
 def _plan(backbone, task: str, spec: dict, head, results: dict) -> Plan:
@@ -75,23 +44,19 @@ def _plan(backbone, task: str, spec: dict, head, results: dict) -> Plan:
                 llf=spec["llf"], scorers=scorers, batch_size=16)
 
 
-def run_demo_stage(model, scenes=None, out_dir: str | Path = "out/demo/prune", quick: bool = True,
-                   heads: Optional[dict] = None, progress: bool = True) -> dict:
-    """Run the comparison and write ``pruning/{cls,depth}/results.json``, ``table.md``,
-    ``quality.png`` and ``pruning/subspace.json`` under ``out_dir``; returns the results.
+def run_demo_stage(inputs: DemoInputs, progress: bool = True) -> StageResult:
+    """Run the comparison on rendered held-out scenes and write ``pruning/{cls,depth}/results.json``,
+    ``table.md``, ``quality.png`` and ``pruning/subspace.json`` under ``inputs.out_dir``.
 
-    ``scenes``: a dict from :func:`pullback_ext.embedded.heldout` (or a list of them, one per seed),
-    used when large enough, else held-out scenes are rendered. ``heads``: optional
-    ``{task: (scorer, stage layer)}`` for ``cls`` / ``depth``; by default the head written by the
-    importance-head stage under ``out_dir`` is used. Tasks without a head compare the
-    training-free strategies only.
+    A task with one of ``inputs.heads`` also runs the importance strategy with it, its first stage
+    at the head's layer; tasks without a head compare the training-free strategies only.
     """
+    model, quick = inputs.model, inputs.quick
     settings = QUICK if quick else FULL
-    root = Path(out_dir)
-    out = root / "pruning"
-    heads = trained_heads(root) if heads is None else heads
+    out = Path(inputs.out_dir) / "pruning"
+    heads = {h.task: (h.head, h.layer) for h in inputs.heads}
     backbone = demo_backbone(model)
-    sets = _image_sets(scenes, settings["images"], settings["seeds"])
+    sets = [s.load() for s in inputs.images.seed_sets(inputs.preprocess, settings["images"], settings["seeds"])]
     results: dict = {"quick": quick, "heads": {task: layer for task, (_, layer) in heads.items()}}
     tasks = {
         "cls": dict(mode="merge", layers=scale_layers((4,), backbone.depth), ratios=settings["cls_ratios"], llf=(True,)),
@@ -111,9 +76,7 @@ def run_demo_stage(model, scenes=None, out_dir: str | Path = "out/demo/prune", q
         print(f"[pruning] {task}: {TITLES[task]}\n{tables}", flush=True)
         plot_quality(result, folder / "quality.png")
         results[task] = result
-    from pullback_ext.embedded import heldout
-
-    test = heldout(settings["images"], 0)
+    test = inputs.images.heldout(inputs.preprocess, settings["images"]).load()
     results["subspace"] = subspace_analysis(model, model.hook_layers[1], 32 if quick else 128, test, quick)
     write_json(results["subspace"], out / "subspace.json")
-    return results
+    return StageResult(results)

@@ -158,25 +158,11 @@ def write_model_card(out: Path, card: dict) -> None:
     atomic_write_bytes(out / "MODEL_CARD.md", "\n".join(lines).encode())
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    import torch
-    import torch.nn.functional as Fn
-    from tqdm import tqdm
-
-    from pullback_ext.embedded import heldout, load
-    from pullback_ext.demo.metrics import evaluate
+def initial_model(args: argparse.Namespace):
+    """``(DemoModel in training mode, previous stage or None)``: random, or the ``--init`` weights
+    (and the training record of the model card next to them)."""
     from pullback_ext.embedded.model import DemoModel
-    from pullback_ext.embedded.scenes import CLASS_NAMES, HELDOUT_SEED_OFFSET
-    from pullback_ext.embedded.weights_io import load_weights, save_weights
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    started = time.time()
-    if args.seed * 100_000 + args.train_images // 256 + 1 >= HELDOUT_SEED_OFFSET:
-        raise SystemExit("--seed: too large, training seeds would reach the held-out range")
-    data = cached_training_set(args.train_images, args.seed, args.cache_dir)
-    render_seconds = time.time() - started
+    from pullback_ext.embedded.weights_io import load_weights
 
     model = DemoModel().train()
     previous_stage = None
@@ -186,8 +172,19 @@ def main(argv=None) -> int:
         if init_card.is_file():
             previous = json.loads(init_card.read_text())
             previous_stage = {**previous["training"], "heldout": previous["heldout"]}
-    decay = [p for n, p in model.named_parameters() if p.dim() > 1 and "pos_embed" not in n and "token" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() > 1 and "pos_embed" not in n and "token" not in n)]
+    return model, previous_stage
+
+
+def train_model(model, data: dict, args: argparse.Namespace, started: float) -> None:
+    """AdamW (no weight decay on biases, norms, tokens and position embeddings) on random
+    flipped batches of ``data``: cross-entropy on the logits plus L1 on log-depth."""
+    import torch
+    import torch.nn.functional as Fn
+    from tqdm import tqdm
+
+    decayed = lambda n, p: p.dim() > 1 and "pos_embed" not in n and "token" not in n  # noqa: E731
+    decay = [p for n, p in model.named_parameters() if decayed(n, p)]
+    no_decay = [p for n, p in model.named_parameters() if not decayed(n, p)]
     optimiser = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
     order = torch.Generator().manual_seed(args.seed + 1)
@@ -220,17 +217,17 @@ def main(argv=None) -> int:
             print(f"step {step} ce {running[0]:.4f} log_depth_l1 {running[1]:.4f} "
                   f"elapsed {time.time() - started:.0f}s", file=sys.stderr, flush=True)
 
-    out_dir = Path(args.out)
-    weights_path = out_dir / "demo_vit.safetensors"
-    save_weights(model, weights_path, metadata={"format": "pt", "model": "pullback_ext.embedded.DemoModel"})
-    shipped = load(weights_path)
-    held = evaluate(shipped, heldout(args.eval_images, seed=0))
-    elapsed = time.time() - started
-    print(f"held-out: top1 {held['top1']:.4f} abs_rel {held['abs_rel']:.4f} delta1 {held['delta1']:.4f} "
-          f"({elapsed / 60:.1f} min)", file=sys.stderr, flush=True)
-    card = {
+
+def model_card(args: argparse.Namespace, shipped, held: dict, n_train: int, timing: dict, weights_name: str) -> dict:
+    """The model card of the shipped model: architecture, data, training record, held-out quality.
+    ``timing``: ``wall_clock_min`` and ``data_seconds`` of the run."""
+    import torch
+
+    from pullback_ext.embedded.scenes import CLASS_NAMES
+
+    return {
         "name": "pullback_ext demo ViT",
-        "weights": weights_path.name,
+        "weights": weights_name,
         "architecture": {
             "backbone": "timm VisionTransformer, 112x112, patch 8 (196 patch tokens + CLS), width 192, 8 blocks, 3 heads, MLP ratio 4",
             "cls_head": "final-norm CLS -> Linear(192,128) embedding -> Linear(128,9) classifier",
@@ -253,14 +250,45 @@ def main(argv=None) -> int:
             "recipe": f"{args.steps} AdamW steps of {args.batch_size} images, lr {args.lr} (warm-up {args.warmup}, cosine), "
                       f"weight decay {args.weight_decay}, CE (label smoothing 0.1) + {args.depth_weight} x L1(log depth), "
                       f"random horizontal flips, {'float32' if args.no_bf16 else 'bf16 autocast'}, seed {args.seed}",
-            "wall_clock_min": elapsed / 60,
-            "data_seconds": render_seconds,
+            "wall_clock_min": timing["wall_clock_min"],
+            "data_seconds": timing["data_seconds"],
             "threads": args.threads,
             "machine": platform.processor() or platform.machine(),
             "torch": torch.__version__,
         },
         "heldout": held,
     }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from pullback_ext.demo.metrics import evaluate
+    from pullback_ext.embedded import heldout, load
+    from pullback_ext.embedded.scenes import HELDOUT_SEED_OFFSET
+    from pullback_ext.embedded.weights_io import save_weights
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    started = time.time()
+    if args.seed * 100_000 + args.train_images // 256 + 1 >= HELDOUT_SEED_OFFSET:
+        raise SystemExit("--seed: too large, training seeds would reach the held-out range")
+    data = cached_training_set(args.train_images, args.seed, args.cache_dir)
+    render_seconds = time.time() - started
+    model, previous_stage = initial_model(args)
+    train_model(model, data, args, started)
+
+    out_dir = Path(args.out)
+    weights_path = out_dir / "demo_vit.safetensors"
+    save_weights(model, weights_path, metadata={"format": "pt", "model": "pullback_ext.embedded.DemoModel"})
+    shipped = load(weights_path)
+    held = evaluate(shipped, heldout(args.eval_images, seed=0))
+    elapsed = time.time() - started
+    print(f"held-out: top1 {held['top1']:.4f} abs_rel {held['abs_rel']:.4f} delta1 {held['delta1']:.4f} "
+          f"({elapsed / 60:.1f} min)", file=sys.stderr, flush=True)
+    card = model_card(args, shipped, held, data["labels"].shape[0], {"wall_clock_min": elapsed / 60, "data_seconds": render_seconds},
+                      weights_path.name)
     if previous_stage is not None:
         card["training"]["previous_stage"] = previous_stage
     write_model_card(out_dir, card)

@@ -136,6 +136,48 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
 
+def _check_batch(data: dict[str, Tensor], cfg: TrainConfig, world: int) -> int:
+    """The number of training samples, once the global batch fits them and the world size."""
+    num = next(iter(data.values())).shape[0]
+    if cfg.batch_size > num:
+        raise PullbackError(f"batch_size: expected <= the number of training samples ({num}), got {cfg.batch_size}")
+    if cfg.batch_size % world != 0:
+        raise PullbackError(f"batch_size: expected a multiple of the world size {world}, got {cfg.batch_size}")
+    return num
+
+
+def _start(out: Path, rank: int, resume: bool, model: nn.Module, optimizer, averaged: Optional[nn.Module]) -> int:
+    """The first step to run: 0, or the step of the checkpoint in ``out`` when resuming (its
+    weights and optimizer state loaded); rank 0 drops metrics logged after it and stale temp files."""
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    start = 0
+    if resume and (out / checkpoint.STATE_FILE).exists():
+        start = int(checkpoint.load_training_state(out, model, optimizer, averaged)["step"])
+    if rank == 0:
+        _truncate_metrics(out / METRICS_FILE, start)
+        for stale in out.glob(".*.tmp-*"):  # left by a run killed while writing
+            stale.unlink()
+    return start
+
+
+def _optimizer_step(loss: Tensor, model: nn.Module, optimizer, scaler, grad_clip: float) -> float:
+    """Backward, clip and step (through the gradient scaler when there is one); the gradient norm."""
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+    else:
+        loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return grad_norm
+
+
 def fit(
     task: Task,
     model: nn.Module,
@@ -160,26 +202,13 @@ def fit(
 
     rank, world = _world()
     out = Path(out_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    num = next(iter(data.values())).shape[0]
-    if cfg.batch_size > num:
-        raise PullbackError(f"batch_size: expected <= the number of training samples ({num}), got {cfg.batch_size}")
-    if cfg.batch_size % world != 0:
-        raise PullbackError(f"batch_size: expected a multiple of the world size {world}, got {cfg.batch_size}")
+    num = _check_batch(data, cfg, world)
     param = next(model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     averaged = copy.deepcopy(model) if cfg.ema_decay > 0 else None
-    start = 0
-    if resume and (out / checkpoint.STATE_FILE).exists():
-        start = int(checkpoint.load_training_state(out, model, optimizer, averaged)["step"])
-    if rank == 0:
-        _truncate_metrics(out / METRICS_FILE, start)
-        for stale in out.glob(".*.tmp-*"):  # left by a run killed while writing
-            stale.unlink()
+    start = _start(out, rank, resume, model, optimizer, averaged)
     trained = nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    use_scaler = cfg.amp and param.device.type == "cuda"
-    scaler = torch.amp.GradScaler("cuda") if use_scaler else None
+    scaler = torch.amp.GradScaler("cuda") if cfg.amp and param.device.type == "cuda" else None
     amp_dtype = torch.float16 if param.device.type == "cuda" else torch.bfloat16
     config = {"train": asdict(cfg), **(extra_config or {})}
     logged: dict[str, float] = {}
@@ -202,18 +231,7 @@ def fit(
             loss, metrics = task.loss(trained, batch, idx, step)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss became {float(loss)} at step {step}; lower --lr or check the targets")
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-        else:
-            loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        grad_norm = _optimizer_step(loss, model, optimizer, scaler, cfg.grad_clip)
         if averaged is not None:
             ema_update(averaged, model, step, cfg.ema_decay)
         done = step + 1

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from pullback_ext.errors import PullbackError
 from pullback_ext.fileio import atomic_write_json
-from pullback_ext.metric.data import ProbeSpec, build_probe, features, image_sources
+from pullback_ext.metric.probe_spec import ProbeSpec, build_probe, features
 from pullback_ext.metric.targets import EXACT_MAX_SIDE, TargetCache, TargetConfig, compute_targets
+from pullback_ext.metric.training import TrainConfig
+from pullback_ext.sources.image_sets import ImageSet, ImageSource
 
 SHARD_SIZE = 32
 
@@ -51,11 +53,58 @@ def plot_training(metrics_file: Path, out_file: Path, rho: list[float] | None = 
     tmp.replace(out_file)
 
 
+@dataclass(frozen=True)
+class TrainingRunConfig:
+    """Everything one run needs. ``kind``: spn | head | vae; ``probe``: what is trained on;
+    ``images``: training images (``num_images``) and then held-out ones (``num_heldout``);
+    ``out``: the output folder; ``train``: the optimisation (its ``seed`` seeds everything).
+
+    Targets (spn, head): ``targets`` randnla | exact at ``rank`` (``power``, ``oversample``),
+    cached in ``cache`` (default out/targets) unless ``on_the_fly`` (spn). Head: ``target`` imp |
+    block-norm | spn:DIR, ranking-loss weight ``w_rank``; spn: ``w_order``, floor ``eps``.
+    Models: ``hidden`` width, ``heads``, head ``mlp_hidden``; vae ``latent_dim``, ``beta`` and
+    ``diagnose_images`` diagnosed at the features and at the latent afterwards.
+    """
+
+    kind: str
+    probe: ProbeSpec
+    images: ImageSource
+    out: Path
+    train: TrainConfig
+    num_images: int = 256
+    num_heldout: int = 32
+    dtype: str = "float32"
+    rank: int = 20
+    targets: str = "randnla"
+    power: int = 1
+    oversample: int = 10
+    on_the_fly: bool = False
+    cache: Optional[Path] = None
+    target: str = "imp"
+    w_rank: float = 0.5
+    w_order: float = 0.0
+    hidden: int = 256
+    heads: int = 4
+    mlp_hidden: int = 0
+    eps: float = 1e-3
+    latent_dim: int = 32
+    beta: float = 1e-3
+    diagnose_images: int = 2
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("spn", "head", "vae"):
+            raise PullbackError(f"kind: expected spn, head or vae, got {self.kind!r}")
+        if self.dtype not in ("float32", "float64"):
+            raise PullbackError(f"dtype: expected float32 or float64, got {self.dtype!r}")
+
+
 class TrainingRun:
-    def __init__(self, args: argparse.Namespace, spec: ProbeSpec, info) -> None:
-        self.args, self.spec, self.info = args, spec, info
-        self.out = Path(args.out)
-        self.dtype = torch.float64 if args.dtype == "float64" else torch.float32
+    def __init__(self, config: TrainingRunConfig, info) -> None:
+        self.config, self.spec, self.info = config, config.probe, info
+        self.out = Path(config.out)
+        self.dtype = torch.float64 if config.dtype == "float64" else torch.float32
 
     def _barrier(self) -> None:
         if self.info.world_size > 1:
@@ -63,13 +112,13 @@ class TrainingRun:
 
             dist.barrier()
 
-    def _targets(self, probe, source, config: TargetConfig) -> dict[str, Tensor]:
+    def _targets(self, probe, source: ImageSet, config: TargetConfig) -> dict[str, Tensor]:
         """Cached targets of the training images, shards split over ranks."""
-        a = self.args
-        cache = TargetCache(a.cache or self.out / "targets")
-        described = {"probe": self.spec.to_dict(), "images": source.describe(), "dtype": a.dtype}
+        c = self.config
+        cache = TargetCache(c.cache or self.out / "targets")
+        described = {"probe": self.spec.to_dict(), "images": source.describe(), "dtype": c.dtype}
         fetch = lambda s, e: features(probe, source, s, e)
-        progress = not a.no_progress and self.info.is_main
+        progress = c.progress and self.info.is_main
         if self.info.world_size == 1:
             return cache.build(probe, fetch, len(source), config, described, SHARD_SIZE, progress)
         cache.build(probe, fetch, len(source), config, described, SHARD_SIZE, progress, self.info.rank, self.info.world_size)
@@ -79,74 +128,91 @@ class TrainingRun:
         self._barrier()
         return cache.load(config, described)
 
-    def run(self) -> dict[str, Any]:
-        from pullback_ext.errors import PullbackError
-        from pullback_ext.metric.head import ImportanceHead, parameter_count
-        from pullback_ext.metric.spn import SPN
-        from pullback_ext.metric.tasks import HeadTask, SPNTask, VAETask
-        from pullback_ext.metric.training import METRICS_FILE, TrainConfig, fit
+    def _vae(self, probe, train_src: ImageSet) -> tuple[dict, torch.nn.Module, Any, dict]:
+        """(data, model, task, config entries) of a feature VAE."""
+        from pullback_ext.metric.tasks import VAETask
         from pullback_ext.metric.vae import FeatureVAE
 
-        a = self.args
-        torch.manual_seed(a.seed)
-        probe, preprocess = build_probe(self.spec, self.dtype)
-        train_src, held_src = image_sources(a.images, a.demo or self.spec.model == "demo", a.num_images, a.heldout, preprocess)
-        P = probe.num_tokens * probe.dim
-        if a.rank > P:
-            raise PullbackError(f"--rank: expected r <= P = N·D = {P}, got {a.rank}")
-        torch.manual_seed(a.seed)  # the model's initialisation must not depend on how the probe was built
-        extra: dict[str, Any] = {"probe": self.spec.to_dict(), "images": dict(train_src.describe(), count=len(train_src))}
-        if a.kind == "vae":
+        c = self.config
+        data = {"features": features(probe, train_src, 0, len(train_src)).F}
+        model = FeatureVAE(probe.dim, c.latent_dim, c.hidden).to(self.dtype)
+        model.fit_normalization(data["features"])
+        return data, model, VAETask(beta=c.beta, seed=c.train.seed), {"beta": c.beta}
+
+    def _spn(self, probe, train_src: ImageSet, config: TargetConfig) -> tuple[dict, torch.nn.Module, Any, dict]:
+        """(data, model, task, config entries) of an SPN: cached targets, or a fresh sketch every step."""
+        from pullback_ext.metric.spn import SPN
+        from pullback_ext.metric.tasks import SPNTask
+
+        c = self.config
+        extra: dict[str, Any] = {"targets": asdict(config), "w_order": c.w_order}
+        if c.on_the_fly:
+            if probe.context_keys:
+                raise PullbackError("--on-the-fly: this probe reads per-image decoder context besides F; use cached targets")
             data = {"features": features(probe, train_src, 0, len(train_src)).F}
-            model = FeatureVAE(probe.dim, a.latent_dim, a.hidden).to(self.dtype)
-            model.fit_normalization(data["features"])
-            task: Any = VAETask(beta=a.beta, seed=a.seed)
-            extra["beta"] = a.beta
+            task = SPNTask(config, probe=probe, w_order=c.w_order)
+            extra["targets"]["on_the_fly"] = True
         else:
-            config = TargetConfig(mode=a.targets, rank=a.rank, power=a.power, oversample=a.oversample, seed=a.seed,
-                                  keep_basis=a.kind == "spn", block_norms=a.target == "block-norm")
-            extra["targets"] = asdict(config)
-            if a.kind == "spn" and a.on_the_fly:
-                if probe.context_keys:
-                    raise PullbackError("--on-the-fly: this probe reads per-image decoder context besides F; use cached targets")
-                data = {"features": features(probe, train_src, 0, len(train_src)).F}
-                task = SPNTask(config, probe=probe, w_order=a.w_order)
-                extra["targets"]["on_the_fly"] = True
-            else:
-                data = self._targets(probe, train_src, config)
-                task = SPNTask(config, w_order=a.w_order) if a.kind == "spn" else HeadTask(target="importance", w_rank=a.w_rank)
-            if a.kind == "spn":
-                extra["w_order"] = a.w_order
-                model = SPN(probe.dim, a.rank, a.hidden, a.heads, a.eps).to(self.dtype)
-                sample = data if "sigma" in data else compute_targets(probe, data["features"][:8], config)
-                model.set_energy_scale(sample["sigma"][:, : min(a.rank, sample["V"].shape[-1])] ** 2)
-            else:
-                model = ImportanceHead(probe.dim, a.hidden, a.heads, a.mlp_hidden).to(self.dtype)
-                if self.info.is_main:
-                    print(f"ImportanceHead(dim={probe.dim}, hidden={a.hidden}, heads={a.heads}, mlp_hidden={a.mlp_hidden}): "
-                          f"{parameter_count(model):,} parameters", flush=True)
-                task.target = "block_norm" if a.target == "block-norm" else "importance"
-                if a.target.startswith("spn:"):
-                    data["importance"] = self._distilled(a.target[4:], data["features"])
-                model.set_score_offset(data[task.target])
-                extra.update(target=a.target, w_rank=a.w_rank)
-        at_init = self._evaluate(a.kind, model, probe, held_src) if a.kind != "vae" and self.info.is_main and not a.resume else None
-        cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, weight_decay=a.weight_decay, warmup_steps=min(a.warmup, a.steps),
-                          amp=a.amp, seed=a.seed, checkpoint_every=a.checkpoint_every, ema_decay=a.ema)
-        fit(task, model, data, cfg, self.out, extra_config=extra, resume=a.resume, progress=not a.no_progress)
+            data = self._targets(probe, train_src, config)
+            task = SPNTask(config, w_order=c.w_order)
+        model = SPN(probe.dim, c.rank, c.hidden, c.heads, c.eps).to(self.dtype)
+        sample = data if "sigma" in data else compute_targets(probe, data["features"][:8], config)
+        model.set_energy_scale(sample["sigma"][:, : min(c.rank, sample["V"].shape[-1])] ** 2)
+        return data, model, task, extra
+
+    def _head(self, probe, train_src: ImageSet, config: TargetConfig) -> tuple[dict, torch.nn.Module, Any, dict]:
+        """(data, model, task, config entries) of an importance head on cached targets."""
+        from pullback_ext.metric.head import ImportanceHead, parameter_count
+        from pullback_ext.metric.tasks import HeadTask
+
+        c = self.config
+        data = self._targets(probe, train_src, config)
+        task = HeadTask(target="importance", w_rank=c.w_rank)
+        model = ImportanceHead(probe.dim, c.hidden, c.heads, c.mlp_hidden).to(self.dtype)
+        if self.info.is_main:
+            print(f"ImportanceHead(dim={probe.dim}, hidden={c.hidden}, heads={c.heads}, mlp_hidden={c.mlp_hidden}): "
+                  f"{parameter_count(model):,} parameters", flush=True)
+        task.target = "block_norm" if c.target == "block-norm" else "importance"
+        if c.target.startswith("spn:"):
+            data["importance"] = self._distilled(c.target[4:], data["features"])
+        model.set_score_offset(data[task.target])
+        return data, model, task, {"targets": asdict(config), "target": c.target, "w_rank": c.w_rank}
+
+    def run(self) -> dict[str, Any]:
+        from pullback_ext.metric.head import parameter_count
+        from pullback_ext.metric.training import METRICS_FILE, fit
+
+        c = self.config
+        torch.manual_seed(c.train.seed)
+        probe, preprocess = build_probe(self.spec, self.dtype)
+        train_src = c.images.training(preprocess, c.num_images)
+        held_src = c.images.heldout(preprocess, c.num_heldout, after=c.num_images)
+        P = probe.num_tokens * probe.dim
+        if c.rank > P:
+            raise PullbackError(f"--rank: expected r <= P = N·D = {P}, got {c.rank}")
+        torch.manual_seed(c.train.seed)  # the model's initialisation must not depend on how the probe was built
+        if c.kind == "vae":
+            data, model, task, extra = self._vae(probe, train_src)
+        else:
+            targets = TargetConfig(mode=c.targets, rank=c.rank, power=c.power, oversample=c.oversample, seed=c.train.seed,
+                                   keep_basis=c.kind == "spn", block_norms=c.target == "block-norm")
+            data, model, task, extra = (self._spn if c.kind == "spn" else self._head)(probe, train_src, targets)
+        extra = {"probe": self.spec.to_dict(), "images": dict(train_src.describe(), count=len(train_src)), **extra}
+        at_init = self._evaluate(c.kind, model, probe, held_src) if c.kind != "vae" and self.info.is_main and not c.resume else None
+        fit(task, model, data, c.train, self.out, extra_config=extra, resume=c.resume, progress=c.progress)
         if not self.info.is_main:
             return {}
-        heldout = self._evaluate(a.kind, model, probe, held_src)
-        results = {"kind": a.kind, "probe": self.spec.to_dict(), "train": asdict(cfg), "num_train_images": len(train_src),
+        heldout = self._evaluate(c.kind, model, probe, held_src)
+        results = {"kind": c.kind, "probe": self.spec.to_dict(), "train": asdict(c.train), "num_train_images": len(train_src),
                    "heldout": heldout, "checkpoint": str(self.out)}
         if at_init is not None:
             results["heldout_at_init"] = {k: v for k, v in at_init.items() if k != "per_image"}
-        if a.kind == "head":
+        if c.kind == "head":
             results["parameters"] = parameter_count(model)
-        if a.kind == "vae" and a.diagnose_images > 0:
+        if c.kind == "vae" and c.diagnose_images > 0:
             results["diagnosis"] = self._diagnose_latent(probe, model, held_src)
         atomic_write_json(self.out / "results.json", results)
-        plot_training(self.out / METRICS_FILE, self.out / "training.png", heldout.get("per_image") if a.kind == "head" else None)
+        plot_training(self.out / METRICS_FILE, self.out / "training.png", heldout.get("per_image") if c.kind == "head" else None)
         return results
 
     def _diagnose_latent(self, probe, vae, source) -> dict:
@@ -154,14 +220,15 @@ class TrainingRun:
         from pullback_ext.diagnostics import DiagnoseConfig, diagnose
         from pullback_ext.metric.vae import LatentProbe
 
-        n = min(self.args.diagnose_images, len(source))
+        n = min(self.config.diagnose_images, len(source))
         F = features(probe, source, 0, n)
         latent = LatentProbe(probe, vae.requires_grad_(False))
         with torch.no_grad():
             z = latent.latent(F)
         out = {}
         for name, fn, X in (("features", probe, F), ("latent", latent, z)):
-            config = DiagnoseConfig(rank=min(self.args.rank, fn.ambient_dim - 1), power=2, probes=30, slq_steps=20, seed=self.args.seed)
+            config = DiagnoseConfig(rank=min(self.config.rank, fn.ambient_dim - 1), power=2, probes=30, slq_steps=20,
+                                    seed=self.config.train.seed)
             d = diagnose(fn, X, config, keep_vectors=False)
             out[name] = {"rank": d.settings["rank"], "rank_requested": config.rank, "regime": d.regime, "method": d.method,
                          "aggregate": d.aggregate}
@@ -179,7 +246,7 @@ class TrainingRun:
         """Held-out features and their reference targets, computed once."""
         if not hasattr(self, "_held"):
             F = features(probe, source, 0, len(source))
-            reference = reference_targets(probe, self.args.rank, self.args.power, self.args.seed)
+            reference = reference_targets(probe, self.config.rank, self.config.power, self.config.train.seed)
             targets = compute_targets(probe, F, reference, stream=[("heldout", i) for i in range(len(F))])
             self._held = (F.F, targets, reference)
         return self._held

@@ -9,7 +9,7 @@
   loop; ``timm_vit`` / ``hf_encoders`` adapters; ``eta``: the η a setting produces
 - ``schedules``: ViT-B stage schedules scaled to other depths
 - ``quality``, ``cost``, ``evaluation``, ``report``: metrics, FLOPs / wall-clock, strategy × ratio
-  tables, JSON and plots; ``backbones``, ``images``, ``setup``: what ``pullback evaluate`` loads
+  tables, JSON and plots; ``backbones``: the models ``pullback evaluate`` loads
 - ``subspace``: Geosubprobe-style subspace interventions
 
 The patch API itself is :mod:`pullback_ext.patch`.

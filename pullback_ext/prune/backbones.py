@@ -7,15 +7,16 @@ Outputs are dicts with ``embedding [B, E]`` (CLS task) and, for models with a de
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.images import timm_preprocess
 from pullback_ext.prune import timm_vit
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import Reduction
+from pullback_ext.sources.models import ModelSpec, load_model
+from pullback_ext.sources.preprocess import Preprocess, hf_crop_preprocess, hf_preprocess, timm_preprocess, unit_range_preprocess
 
 
 @dataclass
@@ -32,7 +33,7 @@ class Backbone:
     reduced: Callable
     features_dim: int
     block_tokens: Callable  # (images, layer) -> patch tokens [B, n, D] after block ``layer``, unreduced
-    preprocess: Callable | None = None  # how images from a folder are prepared (None: in [0, 1])
+    preprocess: Preprocess  # how its images are prepared
 
 
 def demo_backbone(model) -> Backbone:
@@ -53,7 +54,7 @@ def demo_backbone(model) -> Backbone:
     return Backbone(
         name="demo", depth=len(bb.blocks), num_prefix=int(bb.num_prefix_tokens), has_cls=bb.cls_token is not None,
         image_size=int(model.image_size), tasks=("cls", "depth"), full=full, reduced=reduced, features_dim=int(bb.embed_dim),
-        block_tokens=block_tokens,
+        block_tokens=block_tokens, preprocess=unit_range_preprocess(int(model.image_size)),
     )
 
 
@@ -84,7 +85,6 @@ def hf_backbone(model, folder: str | None = None) -> Backbone:
     """A Hugging Face model: a DINOv2 model (CLS task: the pooled CLS embedding) or a DPT / Depth
     Anything depth model (depth task: the predicted depth, and as the embedding the CLS token after
     the last encoder layer). ``folder`` holds its image processor config (mean and std)."""
-    from pullback_ext.images import hf_crop_preprocess, hf_preprocess
     from pullback_ext.prune.hf_encoders import find_encoder, install, restore
 
     encoder = find_encoder(model)
@@ -116,6 +116,18 @@ def hf_backbone(model, folder: str | None = None) -> Backbone:
         image_size=preprocess.size[0], tasks=("depth",) if dense else ("cls",), full=full, reduced=reduced,
         features_dim=int(config.hidden_size), block_tokens=block_tokens, preprocess=preprocess,
     )
+
+
+def load_backbone(spec: ModelSpec, weights: Optional[str] = None) -> tuple[Backbone, torch.nn.Module]:
+    """``(Backbone, model)`` of ``spec``: the demo model, a timm VisionTransformer without its
+    classifier (random weights unless ``weights``), or a local transformers folder (DINOv2, DPT or
+    Depth Anything; weights from ``weights`` or the folder)."""
+    model, _ = load_model(spec, weights, headless=True)
+    if spec.kind == "demo":
+        return demo_backbone(model), model
+    if spec.kind == "hf":
+        return hf_backbone(model, spec.name), model
+    return timm_backbone(model), model
 
 
 def block_output_tokens(backbone: Backbone, images: torch.Tensor, layer: int) -> torch.Tensor:

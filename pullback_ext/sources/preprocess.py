@@ -1,34 +1,18 @@
-"""Image folders -> model-ready tensors: listing, decoding (PIL) and per-model preprocessing."""
+"""Per-model image preprocessing: resize, centre crop, [0, 1] scaling and normalisation."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from pullback_ext.errors import PullbackError
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def list_images(folder: str | Path, limit: Optional[int] = None) -> list[Path]:
-    """Sorted image files directly in ``folder`` (by extension), at most ``limit`` of them."""
-    path = Path(folder)
-    if not path.exists():
-        raise PullbackError(f"--images: folder {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise PullbackError(f"--images: {str(path)!r} is not a folder")
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise PullbackError(f"--num-images: expected a positive int, got {limit!r}")
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-    if not files:
-        raise PullbackError(f"--images: no image files ({', '.join(IMAGE_EXTENSIONS)}) in {str(path)!r}")
-    return files[:limit] if limit is not None else files
 
 
 @dataclass(frozen=True)
@@ -50,7 +34,22 @@ class Preprocess:
         x = TF.to_image(image.convert("RGB"))
         x = TF.resize(x, self.resize, interpolation=mode, antialias=True)
         x = TF.center_crop(x, list(self.size))
-        x = TF.to_dtype(x, torch.float32, scale=True)
+        return self._normalised(TF.to_dtype(x, torch.float32, scale=True))
+
+    def from_unit_tensor(self, images: Tensor) -> Tensor:
+        """images[B,3,S,S] in [0, 1], rendered with side S = ``resize`` -> images[B,3,H,W] (centre
+        crop, normalisation): what ``__call__`` does to a decoded image, without resampling it."""
+        import torchvision.transforms.v2.functional as TF
+
+        if tuple(images.shape[-2:]) != (self.resize, self.resize):
+            raise PullbackError(f"images: expected a side of {self.resize} (the resize), got {tuple(images.shape[-2:])}")
+        if tuple(images.shape[-2:]) != self.size:
+            images = TF.center_crop(images, list(self.size))
+        return self._normalised(images)
+
+    def _normalised(self, x: Tensor) -> Tensor:
+        import torchvision.transforms.v2.functional as TF
+
         if self.mean is not None and self.std is not None:
             x = TF.normalize(x, list(self.mean), list(self.std))
         return x
@@ -107,30 +106,3 @@ def hf_crop_preprocess(default_size: Sequence[int], config_dir: Optional[str | P
 def unit_range_preprocess(size: int) -> Preprocess:
     """Resize/crop to size×size, values in [0,1], no normalisation (models that normalise inside)."""
     return Preprocess(size=(size, size), resize=size, mean=None, std=None, interpolation="bilinear")
-
-
-def check_readable(paths: Sequence[Path]) -> None:
-    """Open and verify every file (headers and structure) before any work starts."""
-    from PIL import Image, UnidentifiedImageError
-
-    for path in paths:
-        try:
-            with Image.open(path) as image:
-                image.verify()
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-            raise PullbackError(f"--images: cannot read image {str(path)!r} ({exc.__class__.__name__})") from exc
-
-
-def load_images(paths: Sequence[Path], preprocess: Callable, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Decode and preprocess ``paths`` into images[B,3,H,W]; an unreadable file is a PullbackError naming it."""
-    from PIL import Image, UnidentifiedImageError
-
-    out = []
-    for path in paths:
-        try:
-            with Image.open(path) as image:
-                image.load()
-                out.append(preprocess(image))
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise PullbackError(f"--images: cannot read image {str(path)!r} ({exc.__class__.__name__}: {exc})") from exc
-    return torch.stack(out).to(dtype)

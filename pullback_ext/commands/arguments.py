@@ -1,0 +1,90 @@
+"""Command-line arguments shared by the commands: where the model and the images come from
+(``--model demo|timm:NAME|hf:DIR``, ``--weights``, ``--img-size``, ``--images PATH|builtin:NAME``,
+``--num-images`` and the deprecated ``--demo``), and comma-separated numeric values validated
+with the option named in errors."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+from pullback_ext.errors import PullbackError
+
+MODEL_HELP = "demo (the embedded demo model), timm:NAME (random weights unless --weights) or hf:DIR (a local transformers folder)"
+IMAGES_HELP = "a folder of images, or builtin:scenes (rendered demo scenes; the default with --model demo)"
+DEMO_SPELLING = "--model demo --images builtin:scenes"
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
+    return value
+
+
+def add_source_arguments(parser: argparse.ArgumentParser, num_images: int, num_images_help: str, *,
+                         model_help: str = MODEL_HELP, images_help: str = IMAGES_HELP, img_size: bool = False) -> None:
+    """``--model``, ``--weights`` (, ``--img-size``), ``--images``, ``--num-images`` and ``--demo``
+    as one group; read them back with :func:`model_spec` and :func:`image_source`."""
+    group = parser.add_argument_group("model and images")
+    group.add_argument("--model", metavar="SPEC", help=model_help)
+    group.add_argument("--weights", metavar="FILE", help="local model weights: a state dict (.safetensors / .pth); demo: a demo "
+                       "weights file (default: the shipped one); hf:DIR: default the folder's own")
+    if img_size:
+        group.add_argument("--img-size", type=positive_int, default=None, help="timm models: build for this input size")
+    group.add_argument("--images", metavar="PATH|builtin:NAME", help=images_help)
+    group.add_argument("--num-images", type=int, default=num_images, help=f"{num_images_help} (default {num_images})")
+    group.add_argument("--demo", action="store_true", help=f"deprecated spelling of {DEMO_SPELLING}")
+
+
+def model_spec(args: argparse.Namespace, required: bool = True):
+    """The :class:`~pullback_ext.sources.models.ModelSpec` of ``--model`` (``--demo``: demo, with
+    a deprecation warning); None when neither is given and not ``required``."""
+    from pullback_ext.sources.models import MODEL_GRAMMAR, ModelSpec, parse_model
+
+    if args.demo:
+        warnings.warn(f"--demo is deprecated and will be removed in the next release; write {DEMO_SPELLING}",
+                      FutureWarning, stacklevel=2)
+        if args.model is not None and parse_model(args.model).kind != "demo":
+            raise PullbackError(f"--demo: conflicts with --model {args.model!r}")
+        return ModelSpec("demo")
+    if args.model is None:
+        if required:
+            raise PullbackError(f"--model: required ({MODEL_GRAMMAR})")
+        return None
+    return parse_model(args.model)
+
+
+def image_source(args: argparse.Namespace, model):
+    """The :class:`~pullback_ext.sources.image_sets.ImageSource` of ``--images``: a folder or
+    ``builtin:NAME``; with the demo model (``model.kind == "demo"``) it defaults to builtin:scenes."""
+    from pullback_ext.sources.images import open_images
+
+    if args.num_images < 1:
+        raise PullbackError(f"--num-images must be at least 1; got {args.num_images}")
+    if args.images is not None:
+        return open_images(args.images)
+    if model is None or model.kind != "demo":
+        raise PullbackError(f"--images: required with --model {model} (a folder, or builtin:scenes)")
+    return open_images("builtin:scenes")
+
+
+def comma_floats(text: str, name: str) -> tuple:
+    """``"0.1,0.2"`` -> ``(0.1, 0.2)``; ``name`` is the option, for the error message."""
+    try:
+        values = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise PullbackError(f"{name} must be comma-separated numbers; got {text!r}") from None
+    if not values:
+        raise PullbackError(f"{name} must name at least one value")
+    return values
+
+
+def comma_ints(text: str, name: str) -> tuple:
+    """``"1,64"`` -> ``(1, 64)``: positive integers only."""
+    values = comma_floats(text, name)
+    if any(v != int(v) or v < 1 for v in values):
+        raise PullbackError(f"{name} must be positive integers; got {text!r}")
+    return tuple(int(v) for v in values)
+

@@ -1,0 +1,80 @@
+"""The reduction options of ``pullback evaluate`` as the parts of a plan: stage layers, the scorer
+checkpoints (importance head, SPN, oracle) and the strategies."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from pullback_ext.errors import CheckpointError, PullbackError
+from pullback_ext.prune.backbones import Backbone
+from pullback_ext.prune.schedules import parse_layers, scale_layers
+from pullback_ext.prune.strategies import STRATEGIES, TRAINING_FREE
+
+
+def stage_layers(text: str, depth: int, absolute: bool = False) -> tuple:
+    """Stage layers from ``--stages`` (ViT-B numbering scaled to ``depth`` unless ``absolute``)."""
+    layers = parse_layers(text)
+    if not layers:
+        raise PullbackError("--stages must name at least one layer")
+    return tuple(layers) if absolute else scale_layers(layers, depth)
+
+
+def load_metric(path: str, expected_dim: int):
+    """``(model, config)`` of an importance head or SPN checkpoint, checked against the backbone."""
+    from pullback_ext.metric.checkpoint import load_model
+
+    model, config = load_model(path)
+    if config.get("kind") not in ("head", "spn"):
+        raise CheckpointError(f"{path}: expected an importance head or SPN checkpoint, got kind {config.get('kind')!r}")
+    dim = config.get("model", {}).get("dim")
+    if dim != expected_dim:
+        raise CheckpointError(f"{path}: the {config['kind']} expects features of width {dim}, the backbone has {expected_dim}")
+    return model.eval().requires_grad_(False), config
+
+
+def load_scorers(head: Optional[str], spn: Optional[str], model, backbone: Backbone, layers: tuple, task: str, oracle: bool):
+    """``({strategy: scorer}, spn or None)`` from the checkpoint options."""
+    scorers: dict = {}
+    spn_model = None
+    if head is not None:
+        paths = [h.strip() for h in head.split(",") if h.strip()]
+        if len(paths) not in (1, len(layers)):
+            raise PullbackError(f"--head: give one checkpoint or one per stage ({len(layers)} for layers {list(layers)}); got {len(paths)}")
+        loaded = [load_metric(path, backbone.features_dim) for path in paths]
+        for stage, (path, (_, config)) in enumerate(zip(paths, loaded)):
+            trained_on = config.get("probe", {}).get("layer")
+            if isinstance(trained_on, int) and layers[stage] != trained_on + 1:
+                print(f"warning: --head {path} was trained on the output of block {trained_on}, i.e. stage layer {trained_on + 1}, "
+                      f"but stage {stage} is at layer {layers[stage]} (use --absolute-layers with matching --stages)", file=sys.stderr)
+        scorers["importance"] = loaded[0][0] if len(loaded) == 1 else [scorer for scorer, _ in loaded]
+        if len(loaded) == 1 and loaded[0][1]["kind"] == "spn":
+            spn_model = loaded[0][0]
+    if spn is not None:
+        spn_model, config = load_metric(spn, backbone.features_dim)
+        if config["kind"] != "spn":
+            raise CheckpointError(f"--spn: {spn} holds an importance head, not an SPN")
+    if oracle:
+        if backbone.name != "demo":
+            raise PullbackError("--oracle needs --model demo (a probe map of the model's decoder)")
+        if len(layers) != 1 or layers[0] < 1:
+            raise PullbackError(f"--oracle scores the full token set: use a single stage at layer >= 1; got {layers}")
+        from pullback_ext.embedded.probes import demo_probe
+        from pullback_ext.prune.oracle import OracleScorer
+
+        decoder = "embedding" if task == "cls" else "depth"
+        scorers["oracle"] = OracleScorer(demo_probe(model, layers[0] - 1, decoder, output_size=16 if task == "depth" else None))
+    return scorers, spn_model
+
+
+def strategy_list(text: Optional[str], scorers: dict) -> tuple:
+    """Strategies from a comma list, or the default: scorer-based ones available, then the rest."""
+    if text is None:
+        return tuple(s for s in ("importance", "oracle") if s in scorers) + TRAINING_FREE
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    for name in names:
+        if name not in STRATEGIES:
+            raise PullbackError(f"--strategies: unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+        if name in ("importance", "oracle") and name not in scorers:
+            raise PullbackError(f"--strategies: {name!r} needs {'--head CKPT' if name == 'importance' else '--oracle'}")
+    return names

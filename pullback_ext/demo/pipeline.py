@@ -1,0 +1,113 @@
+"""The run of ``pullback demo``: the demo model's held-out quality, then the stages in order.
+
+Each stage is a module of this package listed in :data:`STAGES` (``NAME``, ``run_demo_stage``);
+the heads a stage trains are handed to the stages after it. After every stage
+``DIR/results.json`` is rewritten atomically, so it is always valid JSON describing the stages
+done so far; a stage that fails is recorded and the later ones still run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from pullback_ext.demo import diagnostic_stage, importance_stage, pruning_stage
+from pullback_ext.demo.stages import DemoInputs
+from pullback_ext.fileio import atomic_write_json
+
+# add a stage with one line here
+STAGES = (diagnostic_stage, importance_stage, pruning_stage)
+NUM_SCENES = {True: 4, False: 16}  # held-out scenes (seed 0) of a quick / full run
+
+
+def jsonable(value):
+    """Tensors -> lists, non-finite floats -> None, paths -> str; recursively."""
+    if isinstance(value, torch.Tensor):
+        return jsonable(value.tolist())
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Path):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if hasattr(value, "item"):
+        return jsonable(value.item())
+    return str(value)
+
+
+def run_stages(inputs: DemoInputs, results: dict, results_path: Path, started: float) -> list[str]:
+    """Run :data:`STAGES` in order into ``results["stages"]`` (rewriting ``results_path`` after
+    each); returns the names of the stages that failed."""
+    from tqdm.auto import tqdm
+
+    failed = []
+    for stage in tqdm(STAGES, desc="pullback demo", unit="stage"):
+        stage_started = time.time()
+        try:
+            output = stage.run_demo_stage(inputs)
+            inputs = replace(inputs, heads=inputs.heads + output.heads)
+            results["stages"][stage.NAME] = {"status": "ok", "seconds": time.time() - stage_started, "result": output.report}
+        except Exception as exc:
+            traceback.print_exc()
+            print(f"[{stage.NAME}] failed: {type(exc).__name__}: {exc}", flush=True)
+            results["stages"][stage.NAME] = {"status": "failed", "seconds": time.time() - stage_started,
+                                             "error": f"{type(exc).__name__}: {exc}"}
+            failed.append(stage.NAME)
+        results["seconds"] = time.time() - started
+        atomic_write_json(results_path, jsonable(results))
+    return failed
+
+
+def demo_inputs(out_dir: Path, quick: bool, weights: str | None = None) -> DemoInputs:
+    """The demo model (``weights``: default the shipped ones) and its held-out scenes, both
+    through the library's sources (``--model demo``, ``--images builtin:scenes``)."""
+    from pullback_ext.sources.images import open_images
+    from pullback_ext.sources.models import ModelSpec, load_model
+    from pullback_ext.sources.preprocess import unit_range_preprocess
+
+    model, _ = load_model(ModelSpec("demo"), weights)
+    preprocess = unit_range_preprocess(model.image_size)
+    images = open_images("builtin:scenes")
+    scenes = images.heldout(preprocess, NUM_SCENES[quick]).load()
+    return DemoInputs(model=model, preprocess=preprocess, images=images, scenes=scenes, out_dir=Path(out_dir), quick=quick)
+
+
+def run_demo(out_dir: Path, quick: bool, weights: str | None = None) -> int:
+    """The whole demo into ``out_dir`` (results.json and the stages' files); exit code 1 when a stage failed."""
+    import json
+
+    from pullback_ext import __version__
+    from pullback_ext.demo.metrics import evaluate
+    from pullback_ext.embedded.weights_io import CARD_JSON
+
+    started = time.time()
+    inputs = demo_inputs(out_dir, quick, weights)
+    card = json.loads(CARD_JSON.read_text()).get("heldout", {}) if weights is None and CARD_JSON.is_file() else {}
+    quality = evaluate(inputs.model, inputs.scenes)
+    results = {
+        "pullback_ext": __version__,
+        "quick": quick,
+        "torch": torch.__version__,
+        "scenes": {"source": inputs.images.spec, "seed": 0, "num_images": int(inputs.scenes["labels"].shape[0])},
+        "model": {"reported_heldout": card, "this_run": quality},
+        "stages": {},
+    }
+    print(f"demo model on {quality['num_images']} held-out scenes: top-1 {quality['top1']:.3f}, "
+          f"depth AbsRel {quality['abs_rel']:.3f}, δ1 {quality['delta1']:.3f}", flush=True)
+    results_path = Path(out_dir) / "results.json"
+    atomic_write_json(results_path, jsonable(results))
+    failed = run_stages(inputs, results, results_path, started)
+    print(f"\nwrote {results_path} ({results['seconds']:.0f} s)", flush=True)
+    if failed:
+        print(f"stages failed: {', '.join(failed)}", flush=True)
+        return 1
+    return 0

@@ -1,0 +1,56 @@
+"""Hugging Face transformers models from a local folder (``hf:DIR``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pullback_ext.errors import CheckpointError, PullbackError
+from pullback_ext.sources.weights import read_state_dict
+
+# transformers model types and the class built for each (by name: transformers is imported lazily).
+HF_DEPTH_MODELS = {"dpt": "DPTForDepthEstimation", "depth_anything": "DepthAnythingForDepthEstimation"}
+HF_CLS_MODELS = {"dinov2": "Dinov2Model", "dinov2_with_registers": "Dinov2WithRegistersModel"}
+HF_MODELS = {**HF_DEPTH_MODELS, **HF_CLS_MODELS}
+
+
+def load_hf_model(folder: str, weights: Optional[str]) -> tuple[torch.nn.Module, Optional[str]]:
+    """``(model, weights path)``: the model of a local transformers folder (its ``config.json``,
+    of a model type in :data:`HF_MODELS`) in float32, eval mode, without gradients.
+
+    Weights: ``weights``, else the folder's ``model.safetensors`` / ``pytorch_model.bin``, else
+    random. They go through transformers' own loading, which renames the keys of checkpoints
+    saved in an older layout (DINOv2's ``attention.attention.query`` is ``attention.q_proj`` in
+    current transformers), and must then fit exactly: a missing, unexpected or mis-shaped tensor
+    is a CheckpointError.
+    """
+    import transformers
+
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise PullbackError(f"--model: hf:{folder} must be a local folder with a config.json")
+    config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if config.model_type not in HF_MODELS:
+        raise PullbackError(f"--model: hf model type must be one of {sorted(HF_MODELS)}, got {config.model_type!r}")
+    cls = getattr(transformers, HF_MODELS[config.model_type])
+    if weights is None:
+        found = [p for p in (path / "model.safetensors", path / "pytorch_model.bin") if p.is_file()]
+        weights = str(found[0]) if found else None
+    if weights is None:
+        model = cls(config)
+    else:
+        model, info = cls.from_pretrained(None, config=config, state_dict=read_state_dict(weights), dtype=torch.float32,
+                                          output_loading_info=True)
+        parts = [f"{len(keys)} {label} (e.g. {sorted(map(str, keys))[0]})"
+                 for label, keys in (("missing", info["missing_keys"]), ("unexpected", info["unexpected_keys"]),
+                                     ("wrong shape", info["mismatched_keys"])) if keys]
+        if parts:
+            raise CheckpointError(f"--weights: {weights!r} does not fit the {HF_MODELS[config.model_type]}: {'; '.join(parts)}")
+    return model.eval().requires_grad_(False), weights
+
+
+def is_depth_model(model: torch.nn.Module) -> bool:
+    """Whether a model from :func:`load_hf_model` is one of the depth models (else DINOv2)."""
+    return type(model).__name__ in HF_DEPTH_MODELS.values()
