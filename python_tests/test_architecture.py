@@ -185,13 +185,11 @@ def test_library_modules_never_import_an_application_package():
     assert not found, "library modules import application packages:\n" + "\n".join(found)
 
 
-@pytest.mark.xfail(strict=False, reason="long functions are being split by the ongoing refactoring")
 def test_no_function_is_longer_than_80_lines():
     found = [f for label, source in _tree_sources().items() for f in long_functions(source, label)]
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
 
 
-@pytest.mark.xfail(strict=False, reason="duplicated blocks are being merged by the ongoing refactoring")
 def test_no_duplicated_blocks_of_six_same_shape_lines():
     found = duplicate_blocks(_tree_sources())
     assert not found, f"blocks of {MIN_DUPLICATE_LINES}+ same-shape lines in two places:\n" + "\n".join(found)
