@@ -83,11 +83,14 @@ def versions() -> dict[str, Any]:
 
 
 def current_command(argv: Optional[Sequence[str]] = None) -> str:
-    """The command line that started this process, script path relative to the repository when
-    inside it (``python benchmarks/bench_x.py --quick``)."""
+    """The command line that started this process: ``pullback ...`` for the command-line entry
+    point, else the script path relative to the repository when inside it
+    (``python benchmarks/bench_x.py --quick``)."""
     argv = list(sys.argv if argv is None else argv)
     if not argv:
         raise PullbackError("argv: expected at least the script name")
+    if Path(argv[0]).name == "pullback":
+        return "pullback " + shlex.join(argv[1:])
     script = Path(argv[0]).resolve()
     if script.is_relative_to(REPO):
         argv[0] = str(script.relative_to(REPO))
@@ -217,3 +220,12 @@ def publish(
     json_path = Path(folder) / f"{name}.json"
     atomic_write_json(json_path, dict(results))
     return json_path, write_results_page(json_path, Path(folder) / f"{name}.md", title, render, note)
+
+
+def publish_command_results(results: Mapping[str, Any], page: str, title: str, render: Callable[[dict], str]) -> tuple[Path, Path]:
+    """``publish`` for a command's ``--results-page PAGE``: ``PAGE`` is a bare name (a page under
+    ``docs/results/``) or a path without suffix (``DIR/NAME``: the page goes to ``DIR``). The
+    results are stamped with the command that is running."""
+    target = Path(page)
+    folder = target.parent if str(target.parent) not in ("", ".") else RESULTS_DIR
+    return publish(dict(results, stamp=stamp(current_command())), target.name, title, render, folder=folder)

@@ -271,3 +271,14 @@ def test_cli_model_and_images_errors(image_dir, tmp_path, capsys):
         assert main(["evaluate", *argv, *out]) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert message in err[-1] and err[-1].startswith("pullback evaluate: error:"), (argv, err)
+
+
+def test_cli_publishes_a_stamped_results_page(tmp_path):
+    page = tmp_path / "pages" / "demo-eval"
+    assert main(["evaluate", "--model", "demo", "--images", "builtin:scenes", "--num-images", "2", "--seeds", "1",
+                 "--ratios", "0.5", "--stages", "4", "--strategies", "tome_score", "--no-timing", "--quiet",
+                 "--out", str(tmp_path / "o"), "--results-page", str(page)]) == 0
+    text = (tmp_path / "pages" / "demo-eval.md").read_text()
+    published = json.loads((tmp_path / "pages" / "demo-eval.json").read_text())
+    assert published["stamp"]["command"].startswith("pullback evaluate") or "evaluate" in published["stamp"]["command"]
+    assert "tome_score" in text and published["tables"] == json.loads((tmp_path / "o" / "results.json").read_text())["tables"]

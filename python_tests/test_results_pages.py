@@ -122,3 +122,7 @@ def test_benchmark_pages_render_their_json(tmp_path):
     diagnose = _bench("bench_diagnose").render(report)
     assert "## ViT-S/14 CLS, layer 10 (N = 65, D = 384)" in diagnose and "| ours_chunk8 | 1.5 | 100 | 0.0981 |" in diagnose
     assert "speed-up over the straightforward algorithm 5.00×" in diagnose
+
+
+def test_current_command_names_the_cli_entry_point():
+    assert rp.current_command(["/some/venv/bin/pullback", "bench", "--quick"]) == "pullback bench --quick"

@@ -1,6 +1,7 @@
 """``pullback bench``: the kernel microbenchmarks (fused ops vs eager and torch.compile references).
 
-Prints a table and, with ``--out FILE``, writes the JSON there and a speed-up plot next to it.
+Prints a table and, with ``--out FILE``, writes the JSON there and a speed-up plot next to it;
+``--results-page NAME`` also publishes a stamped page ``docs/results/NAME.md`` from that JSON.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile(reference) column")
     parser.add_argument("--kernels", action="store_true",
                         help="CUDA only: also profile each unchecked fused call and print its kernels and launch gaps")
+    parser.add_argument("--results-page", default=None, metavar="NAME",
+                        help="also publish the results as docs/results/NAME.json and a stamped page NAME.md (or DIR/NAME: into DIR)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,4 +38,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         for path in report.write_outputs(result, args.out):
             print(f"wrote {path}")
+    if args.results_page:
+        from pullback_ext.results_pages import publish_command_results
+
+        render = lambda r: "```\n" + report.format_table(r) + "\n```"  # noqa: E731
+        print("wrote", *publish_command_results(result, args.results_page, f"Fused-op microbenchmarks ({args.device})", render))
     return 0

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     run.add_argument("--out", required=True, help="output folder (results.json, table.md, quality.png)")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.add_argument("--results-page", default=None, metavar="NAME",
+                     help="also publish the results as docs/results/NAME.json and a stamped page NAME.md (or DIR/NAME: into DIR)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,4 +96,9 @@ def run(args: argparse.Namespace) -> int:
     plot_quality(result, out / "quality.png")
     print(tables)
     print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'quality.png'}")
+    if args.results_page:
+        from pullback_ext.results_pages import publish_command_results
+
+        render = lambda r: "\n".join(markdown_table(r, key) for key in r["tables"])  # noqa: E731
+        print("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", render))
     return 0
