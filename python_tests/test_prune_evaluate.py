@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -268,7 +269,8 @@ def test_cli_model_and_images_errors(image_dir, tmp_path, capsys):
         (["--demo", "--model", "timm:vit_tiny_patch16_224"], "--demo: conflicts with --model"),
     ]
     for argv, message in cases:
-        assert main(["evaluate", *argv, *out]) == 2, argv
+        with pytest.warns(FutureWarning) if "--demo" in argv else contextlib.nullcontext():
+            assert main(["evaluate", *argv, *out]) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert message in err[-1] and err[-1].startswith("pullback evaluate: error:"), (argv, err)
 
