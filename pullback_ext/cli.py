@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 
 # name -> (module, one-line help)
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command_line = "pullback " + shlex.join(sys.argv[1:] if argv is None else argv)  # as the user typed it
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except (PullbackError, *USER_ERRORS) as exc:

@@ -222,10 +222,11 @@ def publish(
     return json_path, write_results_page(json_path, Path(folder) / f"{name}.md", title, render, note)
 
 
-def publish_command_results(results: Mapping[str, Any], page: str, title: str, render: Callable[[dict], str]) -> tuple[Path, Path]:
+def publish_command_results(results: Mapping[str, Any], page: str, title: str, render: Callable[[dict], str],
+                            command: Optional[str] = None) -> tuple[Path, Path]:
     """``publish`` for a command's ``--results-page PAGE``: ``PAGE`` is a bare name (a page under
     ``docs/results/``) or a path without suffix (``DIR/NAME``: the page goes to ``DIR``). The
-    results are stamped with the command that is running."""
+    results are stamped with ``command`` (default: the command line of this process)."""
     target = Path(page)
     folder = target.parent if str(target.parent) not in ("", ".") else RESULTS_DIR
-    return publish(dict(results, stamp=stamp(current_command())), target.name, title, render, folder=folder)
+    return publish(dict(results, stamp=stamp(command or current_command())), target.name, title, render, folder=folder)

@@ -282,5 +282,5 @@ def test_cli_publishes_a_stamped_results_page(tmp_path):
                  "--out", str(tmp_path / "o"), "--results-page", str(page)]) == 0
     text = (tmp_path / "pages" / "demo-eval.md").read_text()
     published = json.loads((tmp_path / "pages" / "demo-eval.json").read_text())
-    assert published["stamp"]["command"].startswith("pullback evaluate") or "evaluate" in published["stamp"]["command"]
+    assert published["stamp"]["command"].startswith("pullback evaluate --model demo --images builtin:scenes")
     assert "tome_score" in text and published["tables"] == json.loads((tmp_path / "o" / "results.json").read_text())["tables"]

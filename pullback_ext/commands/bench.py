@@ -42,5 +42,7 @@ def run(args: argparse.Namespace) -> int:
         from pullback_ext.results_pages import publish_command_results
 
         render = lambda r: "```\n" + report.format_table(r) + "\n```"  # noqa: E731
-        print("wrote", *publish_command_results(result, args.results_page, f"Fused-op microbenchmarks ({args.device})", render))
+        command = getattr(args, "command_line", None)  # None when run as benchmarks/bench_ops.py
+        print("wrote", *publish_command_results(result, args.results_page, f"Fused-op microbenchmarks ({args.device})", render,
+                                                  command))
     return 0

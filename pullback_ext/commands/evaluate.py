@@ -48,8 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import shlex
-    import sys
     from pathlib import Path
 
     import torch
@@ -88,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_timing:
         timed = evaluate_plan.strategy_list(args.time_strategies, scorers) if args.time_strategies else strategies
         result["cost"] = run_cost(backbone, image_sets[0]["images"], plan, time_batches, args.time_repeats, timed, progress=not args.quiet)
-    result["command"] = "pullback " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    result["command"] = args.command_line
     result["model"] = backbone.name
     write_json(result, out / "results.json")
     tables = "\n".join(markdown_table(result, key) for key in result["tables"])
@@ -100,5 +98,6 @@ def run(args: argparse.Namespace) -> int:
         from pullback_ext.results_pages import publish_command_results
 
         render = lambda r: "\n".join(markdown_table(r, key) for key in r["tables"])  # noqa: E731
-        print("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", render))
+        print("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", render,
+                                                  args.command_line))
     return 0
