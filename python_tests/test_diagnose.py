@@ -14,7 +14,7 @@ from pullback_ext.errors import PullbackError
 from pullback_ext.linalg import subspace_alignment
 from pullback_ext.probes import from_hf_dpt, from_timm, linear_probe
 
-from diagnose_helpers import dense_diagnostics, dense_jacobian, images, tiny_dpt, tiny_timm_vit
+from helpers.diagnose import dense_diagnostics, dense_jacobian, images, tiny_dpt, tiny_timm_vit
 
 
 @pytest.fixture(scope="module")

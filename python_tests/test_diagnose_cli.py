@@ -12,7 +12,7 @@ import torch
 
 from pullback_ext.cli import main
 
-from diagnose_helpers import tiny_dpt
+from helpers.diagnose import tiny_dpt
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--rank", "3", "--power", "1", "--probes", "6", "--slq-steps", "4"]

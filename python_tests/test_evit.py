@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from block_reference import attention_half, embed, mlp_half, small_timm, unmerge
-from prune_helpers import images, tiny_vit
+from helpers.blocks import attention_half, embed, mlp_half, small_timm, unmerge
+from helpers.prune import images, tiny_vit
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import evit, timm_vit
 from pullback_ext.prune.cost import count_flops

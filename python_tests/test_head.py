@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from metric_helpers import random_features, tiny_vit
+from helpers.metric import random_features, tiny_vit
 from pullback_ext.metric import ImportanceHead, TargetConfig, TrainConfig, compute_targets, fit, parameter_count
 from pullback_ext.metric.tasks import HeadTask, evaluate_head
 

@@ -22,7 +22,7 @@ from pullback_ext.linalg import (
     token_energy,
 )
 
-from diagnose_helpers import dense_jacobian, tiny_timm_vit
+from helpers.diagnose import dense_jacobian, tiny_timm_vit
 
 
 def known_spectrum(M=60, P=200, decay=5.0, seed=0):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from metric_helpers import dense_importance, dense_jacobian, head_probe, random_features, tiny_vit
+from helpers.metric import dense_importance, dense_jacobian, head_probe, random_features, tiny_vit
 from pullback_ext.errors import CheckpointError
 from pullback_ext.metric import TargetCache, TargetConfig, compute_targets
 from pullback_ext.metric.losses import subspace_alignment
@@ -119,7 +119,7 @@ def test_demo_render_shards_are_reused_by_a_larger_run(tmp_path, vit_probe, monk
 
 def test_a_probe_with_per_image_context_is_bound_to_each_image():
     """Targets of ``Features`` use image b's context for image b, whatever was extracted since."""
-    from diagnose_helpers import images, tiny_dpt
+    from helpers.diagnose import images, tiny_dpt
     from pullback_ext.errors import PullbackError
     from pullback_ext.probes import from_hf_dpt
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops_helpers import DEVICES, TOLERANCE, compiled_dtypes, merge_inputs, metric_inputs, reinsert_inputs
+from helpers.ops import DEVICES, TOLERANCE, compiled_dtypes, merge_inputs, metric_inputs, reinsert_inputs
 from pullback_ext import ops, reference
 
 # (B, N, D, r, k): odd sizes, B = 1, k = 1, r = 1, r = P.

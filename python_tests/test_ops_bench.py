@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ops_helpers import merge_inputs, reinsert_inputs
+from helpers.ops import merge_inputs, reinsert_inputs
 from pullback_ext import cli, ops
 from pullback_ext.bench import baselines, kernel_breakdown, report, timing
 from pullback_ext.bench.ops import Row

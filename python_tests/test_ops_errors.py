@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from ops_helpers import merge_inputs, metric_inputs, reinsert_inputs
+from helpers.ops import merge_inputs, metric_inputs, reinsert_inputs
 from pullback_ext import ops
 
 PATHS = {"compiled": torch.float32, "fallback": torch.float16}

@@ -7,7 +7,7 @@ import pytest
 import scipy.linalg
 import torch
 
-from ops_helpers import DEVICES
+from helpers.ops import DEVICES
 from pullback_ext import ops, reference
 
 ORTHO_TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 1e-5, torch.bfloat16: 1e-5}

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from diagnose_helpers import tiny_depth_anything
-from prune_helpers import images, tiny_dinov2, tiny_dpt, tiny_eva, tiny_hf, tiny_vit
+from helpers.diagnose import tiny_depth_anything
+from helpers.prune import images, tiny_dinov2, tiny_dpt, tiny_eva, tiny_hf, tiny_vit
 from pullback_ext.errors import PullbackError
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from diagnose_helpers import tiny_depth_anything
-from prune_helpers import norm_prune_full_llf_reference, tiny_dinov2
+from helpers.diagnose import tiny_depth_anything
+from helpers.prune import norm_prune_full_llf_reference, tiny_dinov2
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.hf_encoders import dinov2_attention_probs, dinov2_biased_forward, find_encoder
 from pullback_ext.prune.tokens import TokenState

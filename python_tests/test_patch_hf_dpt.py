@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from prune_helpers import norm_prune_full_llf_reference, tiny_dpt
+from helpers.prune import norm_prune_full_llf_reference, tiny_dpt
 from pullback_ext.errors import PullbackError
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from prune_helpers import (attention_prune_reference, images, norm_merge_reference, norm_prune_full_llf_reference,
+from helpers.prune import (attention_prune_reference, images, norm_merge_reference, norm_prune_full_llf_reference,
                            tiny_dinov2, tiny_hf)
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.hf_encoders import attention_probs, masked_layer_forward

@@ -10,7 +10,7 @@ import json
 import pytest
 
 import pullback_ext.patch as patch
-from prune_helpers import norm_scorer, tiny_dinov2, tiny_dpt, tiny_vit
+from helpers.prune import norm_scorer, tiny_dinov2, tiny_dpt, tiny_vit
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions, with_overrides
 

@@ -8,7 +8,7 @@ import torch
 import pullback_ext.patch as patch
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.strategies import STRATEGIES
-from prune_helpers import block_inputs, images, norm_scorer, tiny_vit
+from helpers.prune import block_inputs, images, norm_scorer, tiny_vit
 
 HEADS = {"importance": norm_scorer, "oracle": norm_scorer}
 

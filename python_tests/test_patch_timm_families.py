@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from block_reference import small_timm
-from prune_helpers import attention_prune_reference, norm_merge_reference, norm_prune_full_llf_reference, tiny_eva
+from helpers.blocks import small_timm
+from helpers.prune import attention_prune_reference, norm_merge_reference, norm_prune_full_llf_reference, tiny_eva
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import timm_eva
 from pullback_ext.prune.strategies import STRATEGIES

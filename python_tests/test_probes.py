@@ -7,7 +7,7 @@ import torch
 from pullback_ext.linalg import JacobianOperator
 from pullback_ext.probes import Probe, from_callable, from_hf_dpt, from_timm, linear_probe
 
-from diagnose_helpers import dense_jacobian, images, tiny_depth_anything, tiny_dpt, tiny_timm_vit
+from helpers.diagnose import dense_jacobian, images, tiny_depth_anything, tiny_dpt, tiny_timm_vit
 
 
 def timm_variants():

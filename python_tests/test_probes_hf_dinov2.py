@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from diagnose_helpers import dense_jacobian, images
+from helpers.diagnose import dense_jacobian, images
 from pullback_ext.cli import main
 from pullback_ext.linalg import JacobianOperator
 from pullback_ext.probes import from_hf_dinov2

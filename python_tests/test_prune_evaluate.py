@@ -196,7 +196,7 @@ def _save_hf(model, folder):
 
 
 def test_cli_end_to_end_on_hugging_face_dinov2_and_depth_anything(image_dir, tmp_path):
-    from diagnose_helpers import tiny_depth_anything
+    from helpers.diagnose import tiny_depth_anything
     from transformers import Dinov2Config, Dinov2Model
 
     torch.manual_seed(0)

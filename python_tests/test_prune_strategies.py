@@ -13,7 +13,7 @@ from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.strategies import StageContext, lowest, make_strategy
 from pullback_ext.prune.tokens import TokenState, split_budget
-from prune_helpers import images, tiny_vit
+from helpers.prune import images, tiny_vit
 
 
 def _resolved(depth: int, num_prefix: int = 1, **options):

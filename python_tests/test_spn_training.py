@@ -4,7 +4,7 @@ CLS token of a real timm ViT). Held-out alignment against the exact subspace (de
 import pytest
 import torch
 
-from metric_helpers import dense_jacobian, head_probe, random_features, tiny_vit
+from helpers.metric import dense_jacobian, head_probe, random_features, tiny_vit
 from pullback_ext.metric import SPN, TargetConfig, TrainConfig, compute_targets, fit
 from pullback_ext.metric.losses import subspace_alignment
 from pullback_ext.metric.tasks import SPNTask, evaluate_spn

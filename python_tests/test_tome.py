@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from block_reference import attention_half, embed, mlp_half, small_timm, unmerge
-from prune_helpers import images, tiny_vit
+from helpers.blocks import attention_half, embed, mlp_half, small_timm, unmerge
+from helpers.prune import images, tiny_vit
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import reduction_options, timm_vit, tome
@@ -259,7 +259,7 @@ def test_invalid_tome_options_name_the_field(kwargs, match):
 
 
 def test_options_round_trip_and_other_backbones_refuse_the_original():
-    from prune_helpers import tiny_dinov2
+    from helpers.prune import tiny_dinov2
 
     options = ReductionOptions(strategy="tome", r=3, schedule="decreasing", block_range=[1, 3], prop_attn=False)
     assert options.block_range == (1, 3)

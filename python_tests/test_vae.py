@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from metric_helpers import dense_jacobian, random_features, tiny_vit
+from helpers.metric import dense_jacobian, random_features, tiny_vit
 from pullback_ext.metric import FeatureVAE, LatentProbe, TrainConfig, fit
 from pullback_ext.metric.tasks import VAETask
 
@@ -72,7 +72,7 @@ def test_latent_probe_jacobian_is_the_chain_rule(probe_and_features):
 
 
 def test_latent_probe_passes_the_base_probes_context_on():
-    from diagnose_helpers import images, tiny_dpt
+    from helpers.diagnose import images, tiny_dpt
     from pullback_ext.errors import PullbackError
     from pullback_ext.probes import from_hf_dpt
 

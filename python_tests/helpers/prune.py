@@ -80,8 +80,8 @@ def tiny_hf(family: str, attn: str = "eager", registers: int = 2, **extra):
 
 def tiny_eva(name: str = "eva02_tiny_patch14_224", img_size: int = 56, depth: int = 4):
     """A random-weight timm ``Eva`` in float64 (16 patches at the default sizes), with LayerScale
-    factors and embeddings large enough to matter (see :func:`block_reference.small_timm`)."""
-    from block_reference import small_timm
+    factors and embeddings large enough to matter (see :func:`helpers.blocks.small_timm`)."""
+    from helpers.blocks import small_timm
 
     model = small_timm(name, img_size, depth=depth)
     with torch.no_grad():
