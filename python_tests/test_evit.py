@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from helpers.blocks import attention_half, embed, mlp_half, small_timm, unmerge
+from helpers.blocks import attention_half, embed, mlp_half, small_timm, tokens_after_each_block, unmerge
 from helpers.prune import images, tiny_vit
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import evit, timm_vit
@@ -120,16 +120,6 @@ def test_default_stages_are_the_4th_7th_and_10th_of_12_blocks_scaled():
         patch.timm(tiny_vit(depth=4), strategy="evit", keep_rate=0.7)
 
 
-def _tokens_after_each_block(model, x):
-    counts = []
-    hooks = [block.mlp.register_forward_pre_hook(lambda m, args: counts.append(args[0].shape[1])) for block in model.blocks]
-    try:
-        model.forward_features(x)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return counts
-
 
 def test_token_counts_and_eta_the_fused_token_counted_as_removed():
     model = tiny_vit(reg_tokens=2, depth=6)
@@ -137,7 +127,7 @@ def test_token_counts_and_eta_the_fused_token_counted_as_removed():
     options = patch.config(model)
     counts = patch_tokens_per_block(options, model)
     assert counts == [16, 8, 4, 4, 2, 2]
-    seen = _tokens_after_each_block(model, images(2))
+    seen = tokens_after_each_block(model, images(2))
     assert seen == [3 + c + (1 if i >= 1 else 0) for i, c in enumerate(counts)]  # prefix, patches, fused token
     assert eta(options, model) == 14 / 16
     assert eta(ReductionOptions(strategy="evit", keep_rate=0.7, evit_layers=(1,)), tiny_vit()) == 4 / 16  # ceil(11.2)

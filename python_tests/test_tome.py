@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from helpers.blocks import attention_half, embed, mlp_half, small_timm, unmerge
+from helpers.blocks import attention_half, embed, mlp_half, small_timm, tokens_after_each_block, unmerge
 from helpers.prune import images, tiny_vit
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
@@ -170,17 +170,6 @@ def test_schedules():
     assert tome.block_merges(options, 6) == [0, 4, 2, 0, 0, 0]
 
 
-def _tokens_after_each_block(model, x):
-    """Tokens of every block's output, seen at the MLP (which runs after any merge)."""
-    counts = []
-    hooks = [block.mlp.register_forward_pre_hook(lambda m, args: counts.append(args[0].shape[1])) for block in model.blocks]
-    try:
-        model.forward_features(x)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return counts
-
 
 @pytest.mark.parametrize("reg_tokens,r,schedule", [(0, 4, "constant"), (1, 5, "constant"), (2, 3, "decreasing"), (0, 40, "constant")])
 def test_token_counts_and_eta_are_a_pure_function_of_the_schedule(reg_tokens, r, schedule):
@@ -188,7 +177,7 @@ def test_token_counts_and_eta_are_a_pure_function_of_the_schedule(reg_tokens, r,
     patch.timm(model, strategy="tome", r=r, schedule=schedule)
     options, p = patch.config(model), 1 + reg_tokens
     counts = patch_tokens_per_block(options, model)
-    assert [c - p for c in _tokens_after_each_block(model, images(2))] == counts
+    assert [c - p for c in tokens_after_each_block(model, images(2))] == counts
     assert eta(options, model) == 1 - counts[-1] / 16
     assert counts[-1] >= 1  # r is clipped: the prefix tokens and at least one patch token remain
     assert eta(ReductionOptions(strategy="tome", r=4), tiny_vit()) == 14 / 16  # 16 -> 12 -> 8 -> 4 -> 2

@@ -64,3 +64,15 @@ def unmerge(x: torch.Tensor, sources: list, n: int) -> torch.Tensor:
         for t in members:
             out[t] = x[row]
     return out
+
+
+def tokens_after_each_block(model, x):
+    """Tokens of every block's output, seen at the MLP (which runs after any merge)."""
+    counts = []
+    hooks = [block.mlp.register_forward_pre_hook(lambda m, args: counts.append(args[0].shape[1])) for block in model.blocks]
+    try:
+        model.forward_features(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return counts
