@@ -24,7 +24,7 @@ def test_options_are_frozen_and_normalised():
     assert ReductionOptions(head=[norm_scorer, norm_scorer], layers=(1, 2)).head == (norm_scorer, norm_scorer)
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.ratio = 0.5
-    assert hash(options) == hash(ReductionOptions(strategy="norm", ratio=(0.2, 0.3), layers=(1, 2), eps=1.0))
+    assert hash(options) == hash(ReductionOptions(strategy="norm", ratio=(0.2, 0.3), layers=(1, 2), llf="masked", eps=1.0))
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,8 @@ def test_options_are_frozen_and_normalised():
         ("layers", "1", "layers must be block indices"),
         ("mode", "drop", "mode must be one of auto, merge, prune"),
         ("strategy", 3, "strategy must be one of importance"),
-        ("llf", "partial", "llf must be True, False, 'masked' or 'full'"),
+        ("llf", "partial", "llf must be True, False, 'masked', 'full' or 'auto'"),
+        ("preset", "fast", "preset must be one of recommended, paper"),
         ("spn", 3, "spn must be None or a callable"),
         ("matching", "euclid", "matching must be one of auto, pullback, cosine"),
         ("eps", -1.0, "eps must be None or a finite float >= 0"),
@@ -122,3 +123,27 @@ def test_patch_functions_reject_unknown_keywords_and_positional_heads():
     with pytest.raises(PullbackError, match="options must be a ReductionOptions"):
         patch.timm(model, norm_scorer)
     assert patch.config(model) is None
+
+
+SHAPE = BackboneShape(depth=6, num_prefix=1, has_cls=True)
+
+
+@pytest.mark.parametrize("preset,mode,selection,llf", [
+    ("recommended", "merge", "bound", "masked"), ("recommended", "prune", "lowest", "masked"),
+    ("paper", "merge", "lowest", "full"), ("paper", "prune", "lowest", "full"),
+])
+def test_preset_chooses_the_auto_values(preset, mode, selection, llf):
+    o = ReductionOptions(head=norm_scorer, mode=mode, preset=preset, layers=(2,)).resolve(SHAPE).options
+    assert (o.selection, o.llf, o.weights) == (selection, llf, "importance")
+
+
+def test_explicit_values_win_over_the_preset():
+    o = ReductionOptions(head=norm_scorer, mode="merge", preset="paper", selection="bound", layers=(2,)).resolve(SHAPE).options
+    assert o.selection == "bound"
+    o = ReductionOptions(head=norm_scorer, mode="prune", preset="paper", llf="masked", layers=(2,)).resolve(SHAPE).options
+    assert o.llf == "masked"
+
+
+def test_the_originals_take_no_preset():
+    with pytest.raises(PullbackError, match="does not take preset"):
+        ReductionOptions(strategy="tome", r=2, preset="paper")

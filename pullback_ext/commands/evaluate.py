@@ -26,13 +26,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     red.add_argument("--ratios", default=DEFAULT_RATIOS, help=f"comma list of prune ratios (default {DEFAULT_RATIOS})")
     red.add_argument("--stages", default="4", help="stage layers for a 12-block ViT-B (e.g. 4, 4,8, 1,4,7,10, 2stage), scaled to the model's depth")
     red.add_argument("--absolute-layers", action="store_true", help="use --stages as the model's own block indices, unscaled")
-    red.add_argument("--llf", choices=tuple(LLF_CHOICES), default="on",
+    red.add_argument("--llf", choices=tuple(LLF_CHOICES), default=None,
                      help="Last-Layer Fusion in prune mode: on (masked: kept tokens do not attend to the re-inserted ones), "
-                          "full (every token attends to every token), off; both: on and off; all: all three (one table each)")
+                          "full (every token attends to every token), off; both: on and off; all: all three (one table each); "
+                          "default: on, or full with --preset paper")
+    red.add_argument("--preset", choices=("recommended", "paper"), default="recommended",
+                     help="how the auto choices are made: recommended (bound selection in merge mode, masked LLF), or paper: the "
+                          "paper's literal pipeline (lowest-importance selection, importance-weighted averages, Eq. 19 matching "
+                          "with an SPN, full LLF)")
     red.add_argument("--prop-attn", choices=("auto", "on", "off"), default="auto",
                      help="proportional attention after merges (auto: on in merge mode)")
     red.add_argument("--selection", choices=("auto", "lowest", "bound"), default="auto",
                      help="tokens importance/oracle merge away: lowest importance, or lowest imp·drift bound (auto: bound in merge mode)")
+    pareto = parser.add_argument_group("matched-cost comparison")
+    pareto.add_argument("--pareto", action="store_true",
+                        help="sweep every method over its own knob and compare quality at matched speed-ups "
+                             "(writes pareto.json, pareto.md, pareto.png)")
+    pareto.add_argument("--methods", default=None, help="with --pareto: comma list of strategies, single-stage or original "
+                        "(default: importance when --head is given, tome, evit, random)")
+    pareto.add_argument("--sweep", action="append", metavar="METHOD:FIELD=V1,V2",
+                        help="with --pareto: the values of one knob of one method, e.g. tome:r=4,8,16 or evit:keep_rate=0.7,0.5 "
+                             "(repeatable; single-stage methods sweep ratio over --ratios by default)")
     run = parser.add_argument_group("run")
     run.add_argument("--seeds", type=int, default=3, help="image sets (folder splits or scene seeds; random-strategy seeds)")
     run.add_argument("--batch-size", type=int, default=16)
@@ -69,14 +83,18 @@ def run(args: argparse.Namespace) -> int:
     ratios = comma_floats(args.ratios, "--ratios")
     time_batches = comma_ints(args.time_batches, "--time-batches")
     backbone, model = load_backbone(spec, args.weights)
+    if args.pareto:
+        return _run_pareto(args, backbone, model, images)
+    if args.methods is not None or args.sweep:
+        raise PullbackError("--methods and --sweep need --pareto")
     layers = evaluate_plan.stage_layers(args.stages, backbone.depth, absolute=args.absolute_layers)
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
     scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)
     strategies = evaluate_plan.strategy_list(args.strategies, scorers)
-    llf = LLF_CHOICES[args.llf]
+    llf = LLF_CHOICES[args.llf or ("full" if args.preset == "paper" else "on")]
     plan = Plan(task=args.task, strategies=strategies, ratios=ratios, layers=layers, mode=mode, llf=llf, scorers=scorers, spn=spn,
                 prop_attn={"auto": "auto", "on": True, "off": False}[args.prop_attn], selection=args.selection,
-                batch_size=args.batch_size)
+                batch_size=args.batch_size, preset=args.preset)
     check_plan(plan, backbone)
     image_sets = [s.load() for s in images.seed_sets(backbone.preprocess, args.num_images, args.seeds)]
 
@@ -100,4 +118,35 @@ def run(args: argparse.Namespace) -> int:
         render = lambda r: "\n".join(markdown_table(r, key) for key in r["tables"])  # noqa: E731
         print("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", render,
                                                   args.command_line))
+    return 0
+
+
+def _run_pareto(args: argparse.Namespace, backbone, model, images) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from pullback_ext.commands import evaluate_pareto
+    from pullback_ext.prune import pareto_report
+    from pullback_ext.prune.report import write_json, write_text
+
+    sets = images.seed_sets(backbone.preprocess, args.num_images, args.seeds)
+    loaded = [s.load() for s in sets]
+    pixels = torch.cat([d["images"] for d in loaded])
+    names = [name for s in sets for name in s.names()]
+    result = evaluate_pareto.run(args, backbone, model, pixels, names)
+    result |= {"command": args.command_line, "model": backbone.name, "images": images.spec}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(result, out / "pareto.json")
+    text = pareto_report.markdown(result)
+    write_text(text, out / "pareto.md")
+    pareto_report.plot(result, out / "pareto.png")
+    print(pareto_report.matched_tables(result))
+    print(f"wrote {out / 'pareto.json'}, {out / 'pareto.md'}, {out / 'pareto.png'}")
+    if args.results_page:
+        from pullback_ext.results_pages import publish_command_results
+
+        title = f"Matched-cost comparison: {backbone.name}, {args.task}, {images.spec}"
+        print("wrote", *publish_command_results(result, args.results_page, title, pareto_report.markdown, args.command_line))
     return 0

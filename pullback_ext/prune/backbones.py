@@ -13,6 +13,7 @@ import torch
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import timm_vit
+from pullback_ext.prune.eta import eta
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import Reduction
 from pullback_ext.sources.models import ModelSpec, load_model
@@ -34,6 +35,7 @@ class Backbone:
     features_dim: int
     block_tokens: Callable  # (images, layer) -> patch tokens [B, n, D] after block ``layer``, unreduced
     preprocess: Preprocess  # how its images are prepared
+    eta: Optional[Callable] = None  # ReductionOptions -> η, the fraction of patch tokens removed (None: not known)
 
 
 def demo_backbone(model) -> Backbone:
@@ -45,7 +47,7 @@ def demo_backbone(model) -> Backbone:
 
     def reduced(reduction: Reduction, images: torch.Tensor) -> dict:
         final, hooked = run_blocks(reduction, model.embed(images), bb.blocks, timm_vit.call_block, timm_vit.attention_probs,
-                                   take=set(model.hook_layers))
+                                   take=set(model.hook_layers), split=timm_vit.SPLIT)
         return model.decode(final, hooked)
 
     def block_tokens(images: torch.Tensor, layer: int) -> torch.Tensor:
@@ -54,7 +56,7 @@ def demo_backbone(model) -> Backbone:
     return Backbone(
         name="demo", depth=len(bb.blocks), num_prefix=int(bb.num_prefix_tokens), has_cls=bb.cls_token is not None,
         image_size=int(model.image_size), tasks=("cls", "depth"), full=full, reduced=reduced, features_dim=int(bb.embed_dim),
-        block_tokens=block_tokens, preprocess=unit_range_preprocess(int(model.image_size)),
+        block_tokens=block_tokens, preprocess=unit_range_preprocess(int(model.image_size)), eta=lambda options: eta(options, bb),
     )
 
 
@@ -77,7 +79,7 @@ def timm_backbone(model) -> Backbone:
         name=type(model).__name__, depth=len(model.blocks), num_prefix=int(model.num_prefix_tokens),
         has_cls=getattr(model, "cls_token", None) is not None, image_size=int(size[0] if isinstance(size, (tuple, list)) else size),
         tasks=("cls",), full=full, reduced=reduced, features_dim=int(model.embed_dim), block_tokens=block_tokens,
-        preprocess=timm_preprocess(model),
+        preprocess=timm_preprocess(model), eta=lambda options: eta(options, model),
     )
 
 

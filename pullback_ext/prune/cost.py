@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from pullback_ext.errors import PullbackError
+
 
 def count_flops(fn: Callable, *args) -> int:
     """Total FLOPs of ``fn(*args)`` as counted by ``torch.utils.flop_counter`` (no grad), with the
@@ -30,11 +32,47 @@ def _attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None,
 
 def wall_clock(fn: Callable, *args, repeats: int = 5, warmup: int = 1) -> dict:
     """Median and min seconds of ``fn(*args)`` over ``repeats`` timed runs after ``warmup``."""
-    times = []
+    return interleaved_wall_clock({"fn": lambda: fn(*args)}, repeats=repeats, warmup=warmup)["fn"]
+
+
+def interleaved_wall_clock(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,
+                           device: torch.device | str = "cpu") -> dict[str, dict]:
+    """``{name: {median_s, min_s, repeats, times_s}}`` of each ``fns[name]()``, the one timing harness
+    of ``pullback evaluate`` and ``benchmarks/bench_prune.py``.
+
+    The functions run in turn within each round (the order rotating from round to round) and each
+    round is timed whole per function, so a change of machine load during the measurement affects
+    every entry alike; ``warmup`` untimed rounds come first. On a CUDA ``device`` each call is timed
+    with CUDA events (the device is synchronised once per call, after it), elsewhere with
+    ``time.perf_counter``.
+    """
+    if not fns:
+        return {}
+    if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
+        raise PullbackError(f"repeats must be an int >= 1 and warmup an int >= 0; got {repeats!r}, {warmup!r}")
+    names = list(fns)
+    timer = _cuda_timer if torch.device(device).type == "cuda" else _host_timer
+    times: dict[str, list[float]] = {name: [] for name in names}
     with torch.no_grad():
-        for i in range(warmup + repeats):
-            start = time.perf_counter()
-            fn(*args)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats}
+        for round_ in range(warmup + repeats):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                seconds = timer(fns[name])
+                if round_ >= warmup:
+                    times[name].append(seconds)
+    return {name: {"median_s": statistics.median(t), "min_s": min(t), "repeats": repeats, "times_s": t} for name, t in times.items()}
+
+
+def _host_timer(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _cuda_timer(fn: Callable[[], object]) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / 1e3

@@ -42,12 +42,14 @@ class Plan:
     selection: str = "auto"
     batch_size: int = 16
     knn_k: int = 10
+    preset: str = "recommended"
 
     def reduction(self, backbone: Backbone, strategy: str, ratio: float, llf, seed: int) -> Reduction:
         """The reduction of one cell (``llf``: one entry of ``self.llf``)."""
         options = ReductionOptions(
             head=self.scorers.get(strategy), ratio=ratio, layers=self.layers, mode=self.mode, strategy=strategy, llf=llf,
             spn=self.spn, prop_attn=self.prop_attn, seed=seed, selection=self.selection if strategy in NEEDS_SCORER else "auto",
+            preset=self.preset,
         )
         return options.resolve(BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls))
 
@@ -68,7 +70,9 @@ def check_plan(plan: Plan, backbone: Backbone) -> None:
                 plan.reduction(backbone, strategy, ratio, llf, 0)
 
 
-def _batched(fn, images: torch.Tensor, batch_size: int, before=None) -> dict:
+def batched_outputs(fn, images: torch.Tensor, batch_size: int, before=None) -> dict:
+    """``fn`` (images -> dict of outputs) over ``images`` in chunks of ``batch_size``, outputs
+    concatenated; ``before(chunk)`` runs first on each chunk."""
     outs: dict = {}
     for start in range(0, images.shape[0], batch_size):
         chunk = images[start:start + batch_size]
@@ -94,7 +98,8 @@ def _prepare_scorers(plan: Plan, strategy: str):
     return prepare
 
 
-def _errors(task: str, reduced: dict, full: dict) -> dict:
+def output_errors(task: str, reduced: dict, full: dict) -> dict:
+    """Per-image errors ``{metric: [n]}`` of the ``reduced`` outputs against the ``full`` ones."""
     out = {"cosine_x100": quality.cosine_x100(reduced["embedding"], full["embedding"])}
     if task == "depth":
         out["silog_x100"] = quality.silog_x100(reduced["depth"], full["depth"])
@@ -125,14 +130,14 @@ def run_quality(backbone: Backbone, image_sets: list, plan: Plan, progress: bool
     with torch.no_grad():
         for seed, data in enumerate(image_sets):
             images, labels = data["images"], data.get("labels")
-            full = _batched(backbone.full, images, plan.batch_size)
+            full = batched_outputs(backbone.full, images, plan.batch_size)
             if labels is not None:
                 knn.setdefault("unpruned", []).append(
                     quality.knn_top1(full["embedding"], labels, full["embedding"], labels, plan.knn_k, exclude_self=True))
             for llf, strategy, ratio in cells:
                 reduction = plan.reduction(backbone, strategy, ratio, llf, seed)
-                reduced = _batched(lambda x: backbone.reduced(reduction, x), images, plan.batch_size, _prepare_scorers(plan, strategy))
-                for metric, values in _errors(plan.task, reduced, full).items():
+                reduced = batched_outputs(lambda x: backbone.reduced(reduction, x), images, plan.batch_size, _prepare_scorers(plan, strategy))
+                for metric, values in output_errors(plan.task, reduced, full).items():
                     per_image.setdefault((llf, strategy, ratio, metric), []).append(values)
                 if labels is not None:
                     knn.setdefault((llf, strategy, ratio), []).append(

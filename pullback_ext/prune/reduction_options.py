@@ -29,10 +29,11 @@ MODES = ("merge", "prune")
 LLF_MODES = ("masked", "full")
 WEIGHTS = ("size", "importance")
 SELECTIONS = ("lowest", "bound")
+PRESETS = ("recommended", "paper")
 CALLABLES = ("head", "spn")  # fields that hold models or functions: never in :meth:`ReductionOptions.to_dict`
 METHOD_FIELDS = {"tome": ("r", "schedule", "block_range"), "evit": ("keep_rate", "evit_layers")}  # besides strategy
 ORIGINAL_TITLES = {"tome": "ToMe (r tokens merged in every block)", "evit": "EViT (inattentive tokens fused at 3 blocks)"}
-SINGLE_STAGE_FIELDS = ("ratio", "layers", "head", "spn", "matching", "eps", "weights", "selection", "llf")
+SINGLE_STAGE_FIELDS = ("ratio", "layers", "head", "spn", "matching", "eps", "weights", "selection", "llf", "preset")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ class ReductionOptions:
     - ``strategy``: which tokens go: a single-stage criterion of
       :data:`~pullback_ext.prune.strategies.STRATEGIES`, or an original method of
       :data:`~pullback_ext.prune.strategies.ORIGINALS` (below).
-    - ``llf``: Last-Layer Fusion of prune mode: ``"masked"`` (or ``True``), ``"full"`` or ``False``.
+    - ``llf``: Last-Layer Fusion of prune mode: ``"masked"`` (or ``True``), ``"full"``, ``False`` or
+      ``auto`` (the preset's: masked for ``recommended``, full for ``paper``).
     - ``spn``: returns ``(U [B, K*D, r], lam [B, r])`` for the pullback matching of merge mode.
     - ``matching``: ``pullback`` or ``cosine`` (``auto``: pullback with ``spn``, else cosine).
     - ``eps``: isotropic floor of the pullback distance (None: the SPN's ``eps``).
@@ -60,8 +62,12 @@ class ReductionOptions:
     - ``selection``: which tokens a scorer strategy merges away: ``lowest`` importance, or the lowest
       first-order error ``bound`` ``imp(s) · ‖x_t − x_s‖`` with ``t`` the token it would merge into
       (the pullback distance when matching in the pullback metric); ``auto``: ``bound`` for merges
-      with ``importance``/``oracle``, ``lowest`` otherwise.
+      with ``importance``/``oracle``, ``lowest`` otherwise (``lowest`` always under ``preset="paper"``).
     - ``seed``: of the ``random`` strategy.
+    - ``preset``: how ``auto`` values are chosen. ``recommended`` (default): the choices above.
+      ``paper``: the paper's literal pipeline — lowest-importance selection, importance-weighted
+      averages, pullback (Eq. 19) matching when an SPN is given (``spn=``), full LLF in prune mode.
+      Values given explicitly always win over the preset.
 
     The originals (``strategy`` ``tome`` or ``evit``, see :mod:`pullback_ext.prune.tome` and
     :mod:`pullback_ext.prune.evit`) reduce inside the blocks and take only their own fields (and
@@ -79,7 +85,7 @@ class ReductionOptions:
     layers: tuple[int, ...] = (4,)
     mode: Literal["merge", "prune", "auto"] = "auto"
     strategy: StrategyName | OriginalName = "importance"
-    llf: Literal["masked", "full", False] = "masked"
+    llf: Literal["masked", "full", False, "auto"] = "auto"
     spn: Optional[Callable] = None
     matching: Literal["pullback", "cosine", "auto"] = "auto"
     eps: Optional[float] = None
@@ -92,6 +98,7 @@ class ReductionOptions:
     block_range: Optional[tuple[int, int]] = None
     keep_rate: Optional[float] = None
     evit_layers: Optional[tuple[int, ...]] = None
+    preset: Literal["recommended", "paper"] = "recommended"
 
     def __post_init__(self):
         for name, value in _normalised(self).items():
@@ -170,6 +177,7 @@ def _normalised(o: ReductionOptions) -> dict:
         selection=_one_of("selection", o.selection, SELECTIONS), seed=_seed(o.seed), r=_r(o.r),
         schedule=_one_of("schedule", o.schedule, SCHEDULES, auto=False), block_range=_block_range(o.block_range),
         keep_rate=_keep_rate(o.keep_rate), evit_layers=None if o.evit_layers is None else _layers(o.evit_layers, "evit_layers"),
+        preset=_one_of("preset", o.preset, PRESETS, auto=False),
     )
     _check_method_fields(fields)
     if strategy in ORIGINALS:
@@ -244,12 +252,13 @@ def _check_combinations(mode, strategy, layers, spn, matching, weights, selectio
 
 def _auto_choices(o: ReductionOptions, mode: str) -> dict:
     """The value of every field left at ``auto`` (besides ``mode``), for the chosen ``mode``."""
-    scorer = o.strategy in NEEDS_SCORER
+    scorer, paper = o.strategy in NEEDS_SCORER, o.preset == "paper"
     choices = {
         "matching": "pullback" if o.spn is not None else "cosine",
         "weights": "importance" if scorer else "size",
         "prop_attn": mode == "merge",
-        "selection": "bound" if (mode == "merge" and scorer) else "lowest",
+        "selection": "bound" if (mode == "merge" and scorer and not paper) else "lowest",
+        "llf": "full" if paper else "masked",
     }
     return {name: value for name, value in choices.items() if isinstance(getattr(o, name), str) and getattr(o, name) == "auto"}
 
@@ -280,12 +289,12 @@ def _ratio(ratio, num_layers: int) -> float | tuple[float, ...]:
 
 
 def _llf(llf):
-    """``True`` is the default ``masked`` fusion; returns ``masked``, ``full`` or False."""
+    """``True`` is the ``masked`` fusion; returns ``masked``, ``full``, ``auto`` or False."""
     if llf is True:
         return "masked"
-    if llf is False or (isinstance(llf, str) and llf in LLF_MODES):
+    if llf is False or (isinstance(llf, str) and llf in LLF_MODES + ("auto",)):
         return llf
-    raise PullbackError(f"llf must be True, False, 'masked' or 'full'; got {llf!r}")
+    raise PullbackError(f"llf must be True, False, 'masked', 'full' or 'auto'; got {llf!r}")
 
 
 def _layers(layers, name: str = "layers") -> tuple[int, ...]:

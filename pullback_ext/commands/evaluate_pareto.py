@@ -1,0 +1,129 @@
+"""``pullback evaluate --pareto``: every method swept over its own knob, compared at matched cost.
+
+A sweep is ``METHOD:FIELD=v1,v2`` (a :class:`~pullback_ext.prune.reduction_options.ReductionOptions`
+field and its values); a method's grid is the product of its fields' values. The defaults below
+are for the demo model's 196 patch tokens over 8 blocks and scale with nothing; ``--sweep``
+replaces one field of one method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+from pullback_ext.errors import PullbackError
+
+DEFAULT_METHODS = ("importance", "tome", "evit", "random")
+DEFAULT_SWEEPS = {
+    "tome": {"r": (1, 2, 4, 6, 8, 12, 16, 20, 24), "schedule": ("constant", "decreasing")},
+    "evit": {"keep_rate": (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)},
+}
+OURS_MERGE = {"selection": ("bound", "lowest")}  # both of our rules, side by side
+OURS_PRUNE = {"llf": ("masked", "full")}
+
+
+def parse_sweeps(texts, ratios: tuple) -> dict:
+    """``{method: {field: values}}``: the defaults (single-stage methods sweep ``ratio`` over
+    ``ratios``) with each ``METHOD:FIELD=v1,v2`` of ``texts`` replacing one field."""
+    from pullback_ext.prune.reduction_options import ReductionOptions
+
+    fields = set(ReductionOptions.__dataclass_fields__) - {"head", "spn", "strategy"}
+    given: dict = {}
+    for text in texts or ():
+        method, sep, rest = text.partition(":")
+        name, eq, values = rest.partition("=")
+        if not (sep and eq and method and values):
+            raise PullbackError(f"--sweep: expected METHOD:FIELD=v1,v2 (e.g. tome:r=4,8,16); got {text!r}")
+        if name not in fields:
+            raise PullbackError(f"--sweep {text}: {name!r} is not a reduction option; choose from {', '.join(sorted(fields))}")
+        given.setdefault(method, {})[name] = tuple(_value(v.strip()) for v in values.split(",") if v.strip())
+    return given
+
+
+def _value(text: str):
+    """A sweep value: an int, a float, ``off`` (False) or a word."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return False if text in ("off", "false") else text
+
+
+def method_grid(method: str, mode: str, ratios: tuple, given: dict) -> dict:
+    """The fields and values method ``method`` is swept over."""
+    from pullback_ext.prune.strategies import NEEDS_SCORER, ORIGINALS
+
+    if method in ORIGINALS:
+        grid = dict(DEFAULT_SWEEPS.get(method, {}))
+    else:
+        grid = {"ratio": ratios}
+        if method in NEEDS_SCORER:
+            grid |= OURS_MERGE if mode == "merge" else OURS_PRUNE
+    grid |= given.get(method, {})
+    if not grid:
+        raise PullbackError(f"--sweep: method {method!r} has no default sweep; give one with --sweep {method}:FIELD=v1,v2")
+    return grid
+
+
+def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ratios: tuple) -> list:
+    """:class:`~pullback_ext.prune.pareto.Point` s of every method's grid. ``base``: the options the
+    single-stage methods share (``layers``, ``mode``, ``preset``)."""
+    from pullback_ext.prune.pareto import Point
+    from pullback_ext.prune.reduction_options import ReductionOptions
+    from pullback_ext.prune.strategies import NEEDS_SCORER, ORIGINALS
+
+    unknown = sorted(set(given) - set(methods))
+    if unknown:
+        raise PullbackError(f"--sweep names {', '.join(unknown)}, which --methods does not include")
+    points = []
+    for method in methods:
+        if method in NEEDS_SCORER and method not in scorers:
+            raise PullbackError(f"--methods: {method!r} needs {'--head CKPT' if method == 'importance' else '--oracle'}")
+        grid = method_grid(method, base["mode"], ratios, given)
+        fixed = {} if method in ORIGINALS else dict(base)
+        if method in NEEDS_SCORER:
+            fixed["head"] = scorers[method]
+            if spn is not None and base["mode"] == "merge":
+                fixed["spn"] = spn
+        for combo in itertools.product(*grid.values()):
+            knob = dict(zip(grid, combo))
+            try:
+                options = ReductionOptions(strategy=method, **fixed, **knob)
+            except PullbackError as exc:
+                raise PullbackError(f"--sweep {method}: {exc}") from None
+            points.append(Point(options=options, knob=knob))
+    return points
+
+
+def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
+    """Quality and cost of every point on ``images [n, 3, H, W]`` (``names``: one per image) for
+    ``backbone`` (``model``: the module it wraps, which the scorer checkpoints are checked against)."""
+    from pullback_ext.commands import evaluate_plan
+    from pullback_ext.commands.arguments import comma_floats, comma_ints
+    from pullback_ext.prune import pareto
+    from pullback_ext.prune.evaluation import PRIMARY
+
+    ratios = comma_floats(args.ratios, "--ratios")
+    layers = evaluate_plan.stage_layers(args.stages, backbone.depth, absolute=args.absolute_layers)
+    mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
+    scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, False)
+    methods = tuple(m.strip() for m in (args.methods or _default_methods(scorers)).split(",") if m.strip())
+    points = build_points(methods, parse_sweeps(args.sweep, ratios), {"layers": layers, "mode": mode, "preset": args.preset},
+                          scorers, spn, ratios)
+    reductions = [pareto.resolve(p.options, backbone) for p in points]  # every point checked before any forward pass
+    labels = [pareto.row_label(r) for r in reductions]
+    metric = PRIMARY[args.task]
+    errors = [e[metric] for e in pareto.image_errors(backbone, images, points, args.task, args.batch_size, not args.quiet)]
+    batches = () if args.no_timing else comma_ints(args.time_batches, "--time-batches")
+    cost = pareto.measure_cost(backbone, images, points, batches, args.time_repeats, not args.quiet)
+    etas = [None if backbone.eta is None else backbone.eta(p.options) for p in points]
+    result = pareto.summarise(points, labels, errors, cost, etas)
+    for p in result["points"]:
+        p["error"]["worst_image_name"] = names[p["error"]["worst_image"]]
+    return result | {"metric": metric, "task": args.task, "mode": mode, "layers": list(layers), "preset": args.preset,
+                     "num_images": int(images.shape[0])}
+
+
+def _default_methods(scorers: dict) -> str:
+    return ",".join(m for m in DEFAULT_METHODS if m != "importance" or "importance" in scorers)

@@ -1,0 +1,103 @@
+"""Pareto results as people read them: the matched-speed-up tables, every point, and the
+quality-against-speed-up plot (from :func:`pullback_ext.prune.pareto.summarise`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pullback_ext.prune.pareto import STATISTICS, cost_axes, frontier
+
+AXIS_TITLES = {"flop_ratio": "FLOP ratio (unpruned / reduced FLOPs)"}
+
+
+def axis_title(axis: str) -> str:
+    return AXIS_TITLES.get(axis) or f"measured speed-up at batch {axis.removeprefix('speedup_batch')}"
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.2e}" if 0 < abs(value) < 0.01 else f"{value:.3f}"
+
+
+def _cell(entry) -> str:
+    return "–" if entry is None else ("≤ " if entry["bound"] else "") + _fmt(entry["value"])
+
+
+def matched_tables(result: dict) -> str:
+    """One table per cost axis: each row's mean / p95 / worst-image error at the matched speed-ups."""
+    targets = [f"{t:g}" for t in result["targets"]]
+    out = []
+    for axis in cost_axes(result["batches"]):
+        out.append(f"**{result['metric']} at matched {axis_title(axis)}** (mean / p95 / worst image; "
+                   "– not reachable, ≤ the row's slowest setting)\n")
+        out.append("| row | " + " | ".join(f"{t}×" for t in targets) + " | fastest reached |")
+        out.append("|---|" + "---|" * (len(targets) + 1))
+        for row in result["rows"]:
+            cells = [" / ".join(_cell(result["matched"][axis][stat][row][t]) for stat in STATISTICS) for t in targets]
+            out.append(f"| {row} | " + " | ".join(cells) + f" | {_fastest(result, row, axis)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _fastest(result: dict, row: str, axis: str) -> str:
+    mine = [p for p in result["points"] if p["row"] == row]
+    best = max(mine, key=lambda p: p["cost"][axis])
+    return f"{best['cost'][axis]:.2f}× at {_knob(best)} (mean {_fmt(best['error']['mean'])}, worst {_fmt(best['error']['worst'])})"
+
+
+def _knob(point: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in point["knob"].items()) or "default"
+
+
+def points_table(result: dict) -> str:
+    """Every point: row, knob, η, cost and its error statistics."""
+    measured = [a for a in cost_axes(result["batches"]) if a != "flop_ratio"]
+    head = ["row", "knob", "η", "FLOP ratio"] + [f"speed-up b{a.removeprefix('speedup_batch')}" for a in measured] + \
+        ["mean", "median", "p95", "worst"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in result["points"]:
+        eta = "–" if p["eta"] is None else f"{p['eta']:.3f}"
+        cells = [p["row"], _knob(p), eta, f"{p['cost']['flop_ratio']:.2f}"] + [f"{p['cost'][a]:.2f}" for a in measured] + \
+            [_fmt(p["error"][s]) for s in ("mean", "median", "p95", "worst")]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def markdown(result: dict) -> str:
+    return matched_tables(result) + "\n**Every point**\n\n" + points_table(result)
+
+
+def plot(result: dict, path: str | os.PathLike) -> Path:
+    """Mean (solid, on the row's frontier) and worst-image (dashed) error against speed-up, log y,
+    one panel per cost axis (the largest measured batch and FLOPs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pullback_ext.plots import save_figure
+
+    axes_shown = [cost_axes(result["batches"])[0], "flop_ratio"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    floor = min((p["error"]["mean"] for p in result["points"] if p["error"]["mean"] > 0), default=1e-6) / 10
+    for ax, axis in zip(axes[0], axes_shown):
+        for i, row in enumerate(result["rows"]):
+            mine = [p for p in result["points"] if p["row"] == row]
+            colour = colours[i % len(colours)]
+            for stat, style in (("mean", "-"), ("worst", "--")):
+                xs, ys = [p["cost"][axis] for p in mine], [max(p["error"][stat], floor) for p in mine]
+                ax.scatter(xs, ys, s=10, color=colour, alpha=0.5)
+                front = frontier(xs, ys)
+                ax.plot([xs[j] for j in front], [ys[j] for j in front], style, color=colour,
+                        label=row if stat == "mean" else None, lw=1.2)
+        ax.set_yscale("log")
+        ax.set_xlabel(axis_title(axis))
+        ax.set_ylabel(f"{result['metric']} (solid: mean, dashed: worst image)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=6, loc="lower right")
+    fig.suptitle(f"{result['model']}: {result['task']} error against speed-up on {result['images']}")
+    fig.tight_layout()
+    return save_figure(fig, path)
