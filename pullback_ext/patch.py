@@ -10,20 +10,21 @@
     patch.timm(model, options, mode="prune")            # options object, keywords override fields
     patch.timm(model, strategy="tome", r=16, schedule="decreasing")   # ToMe as its authors run it
     patch.timm(model, strategy="evit", keep_rate=0.7)                  # EViT as its authors run it
+    patch.timm(model, strategy="pitome", r=16)                         # PiToMe as its authors define it
     patch.config(model)             # the options in use, every "auto" chosen
     patch.unpatch(model)            # the original forward again
 
 Families and the strategies each takes. The single-stage strategies are ``importance``, ``oracle``,
 ``random``, ``tome_score``, ``norm`` (nothing needed of the model), ``evit_score``, ``cls_sim`` (a CLS
 token), ``asap`` (with ``evit_score``: the blocks' attention probabilities, which every family
-below gives); the originals ``tome`` / ``evit`` split the blocks between attention and MLP and
+below gives); the originals ``tome`` / ``evit`` / ``pitome`` split the blocks between attention and MLP and
 reorder the tokens:
 
 ====================================================  =============  ===================================  ==========
 family                                                prefix tokens  single-stage strategies              originals
 ====================================================  =============  ===================================  ==========
 timm ``VisionTransformer``, also with LayerScale      CLS, regs      all (without CLS: not                tome, evit
-(DINOv2, DeiT-III): ``timm``                                         ``evit_score``, ``cls_sim``)
+(DINOv2, DeiT-III): ``timm``                                         ``evit_score``, ``cls_sim``)     pitome
 timm ``Eva`` (EVA-02, RoPE ViTs, DINOv3): ``timm``    CLS, regs      all (as above)                       none
 HF DPT: ``hf_dpt``                                    CLS            all                                  none
 HF DINOv2 (+registers), Depth Anything:               CLS, regs      all                                  none
@@ -58,10 +59,11 @@ schedule (``ratio`` is then the total fraction, split evenly, or one fraction pe
 :func:`pullback_ext.prune.schedules.scale_layers` to map ViT-B schedules to other depths. CLS and register tokens are never merged or pruned.
 The gather, merge and re-insert steps run through the ``pullback_ext.ops`` kernels.
 
-``strategy="tome"`` and ``"evit"`` are the original methods (timm ViTs only): they reduce inside
+``strategy="tome"``, ``"evit"`` and ``"pitome"`` are the original methods (timm ViTs only): they reduce inside
 the blocks, between attention and MLP — ToMe ``r`` tokens in every block of ``block_range``
 (:mod:`pullback_ext.prune.tome`), EViT at three blocks keeping ``keep_rate`` of the patch tokens
-(:mod:`pullback_ext.prune.evit`) — and take their own options instead of ``ratio`` / ``layers`` /
+(:mod:`pullback_ext.prune.evit`), PiToMe ``r`` high-energy tokens in every block of ``block_range``
+(:mod:`pullback_ext.prune.pitome`) — and take their own options instead of ``ratio`` / ``layers`` /
 ``mode``; the single-stage criteria of the paper's controlled comparison are ``tome_score`` and
 ``evit_score``. :func:`pullback_ext.prune.eta.eta` gives the η a setting produces.
 
@@ -82,7 +84,7 @@ from typing import Optional
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions, with_overrides
-from pullback_ext.prune.strategies import ORIGINALS
+from pullback_ext.prune.strategies import ORIGINALS, STRATEGIES
 
 _ATTR = "_pullback_reduction"
 
@@ -247,8 +249,10 @@ def _patch_hf(model, encoder, options: Optional[ReductionOptions], overrides: di
     shape = BackboneShape(depth=len(encoder.layers), num_prefix=encoder.num_prefix, has_cls=encoder.has_cls, dense_neck=dense)
     reduction = with_overrides(options, **overrides).resolve(shape)
     if reduction.options.strategy in ORIGINALS:
+        score = f"{reduction.options.strategy}_score"
+        instead = f"the single-stage {score!r}" if score in STRATEGIES else "the single-stage strategies"
         raise PullbackError(f"strategy {reduction.options.strategy!r} (the original method) is available for timm ViTs "
-                            f"(patch.timm) only; Hugging Face models take the single-stage '{reduction.options.strategy}_score'")
+                            f"(patch.timm) only; Hugging Face models take {instead}")
     install(encoder, reduction)
     setattr(encoder.module, _ATTR, ("hf", reduction))
     return model

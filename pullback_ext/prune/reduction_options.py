@@ -31,8 +31,10 @@ WEIGHTS = ("size", "importance")
 SELECTIONS = ("lowest", "bound")
 PRESETS = ("recommended", "paper")
 CALLABLES = ("head", "spn")  # fields that hold models or functions: never in :meth:`ReductionOptions.to_dict`
-METHOD_FIELDS = {"tome": ("r", "schedule", "block_range"), "evit": ("keep_rate", "evit_layers")}  # besides strategy
-ORIGINAL_TITLES = {"tome": "ToMe (r tokens merged in every block)", "evit": "EViT (inattentive tokens fused at 3 blocks)"}
+METHOD_FIELDS = {"tome": ("r", "schedule", "block_range"), "evit": ("keep_rate", "evit_layers"),
+                 "pitome": ("r", "schedule", "block_range", "margin", "energy_alpha")}  # besides strategy
+ORIGINAL_TITLES = {"tome": "ToMe (r tokens merged in every block)", "evit": "EViT (inattentive tokens fused at 3 blocks)",
+                   "pitome": "PiToMe (r high-energy tokens merged in every block)"}
 SINGLE_STAGE_FIELDS = ("ratio", "layers", "head", "spn", "matching", "eps", "weights", "selection", "llf", "preset")
 
 
@@ -69,15 +71,19 @@ class ReductionOptions:
       averages, pullback (Eq. 19) matching when an SPN is given (``spn=``), full LLF in prune mode.
       Values given explicitly always win over the preset.
 
-    The originals (``strategy`` ``tome`` or ``evit``, see :mod:`pullback_ext.prune.tome` and
-    :mod:`pullback_ext.prune.evit`) reduce inside the blocks and take only their own fields (and
-    ``prop_attn`` for ToMe); the single-stage fields above keep their defaults:
+    The originals (``strategy`` ``tome``, ``evit`` or ``pitome``, see :mod:`pullback_ext.prune.tome`,
+    :mod:`pullback_ext.prune.evit` and :mod:`pullback_ext.prune.pitome`) reduce inside the blocks and
+    take only their own fields (and ``prop_attn`` for ToMe and PiToMe); the single-stage fields above
+    keep their defaults:
 
     - ``r``: ToMe: tokens merged per block (required); ``schedule``: ``constant`` or ``decreasing``
       (from 2r to 0, see :func:`~pullback_ext.prune.tome.merges_per_block`); ``block_range``:
       ``(start, stop)``, the blocks that merge (0-based, ``stop`` excluded; None: all).
     - ``keep_rate``: EViT: fraction of patch tokens each stage keeps, in (0, 1] (required);
       ``evit_layers``: the blocks that reorganise (0-based; None: EViT's 4th/7th/10th of 12, scaled).
+    - PiToMe takes ToMe's ``r`` (required), ``schedule`` and ``block_range``, and ``margin``: the
+      energy margin of the first block, in [0, 1] (block ``i`` of ``L`` uses ``margin · (1 − i/L)``);
+      ``energy_alpha``: ``α >= 0`` of the energy below the margin (see :mod:`pullback_ext.prune.pitome`).
     """
 
     head: Optional[Callable | tuple[Callable, ...]] = None
@@ -98,6 +104,8 @@ class ReductionOptions:
     block_range: Optional[tuple[int, int]] = None
     keep_rate: Optional[float] = None
     evit_layers: Optional[tuple[int, ...]] = None
+    margin: float = 0.9
+    energy_alpha: float = 1.0
     preset: Literal["recommended", "paper"] = "recommended"
 
     def __post_init__(self):
@@ -177,10 +185,11 @@ def _normalised(o: ReductionOptions) -> dict:
         selection=_one_of("selection", o.selection, SELECTIONS), seed=_seed(o.seed), r=_r(o.r),
         schedule=_one_of("schedule", o.schedule, SCHEDULES, auto=False), block_range=_block_range(o.block_range),
         keep_rate=_keep_rate(o.keep_rate), evit_layers=None if o.evit_layers is None else _layers(o.evit_layers, "evit_layers"),
+        margin=_margin(o.margin), energy_alpha=_energy_alpha(o.energy_alpha),
         preset=_one_of("preset", o.preset, PRESETS, auto=False),
     )
     _check_method_fields(fields)
-    if strategy in ORIGINALS:
+    if strategy in ("tome", "evit"):
         _note_new_meaning(strategy)
     else:
         _check_combinations(**fields)
@@ -191,22 +200,23 @@ def _check_method_fields(fields: dict) -> None:
     """The fields of one original method need that method; the originals take no single-stage field."""
     strategy = fields["strategy"]
     changed = {f.name for f in dataclasses.fields(ReductionOptions) if fields[f.name] != f.default}
-    for method, names in METHOD_FIELDS.items():
-        for name in names:
-            if name in changed and strategy != method:
-                raise PullbackError(f"{name} is an option of strategy {method!r}; got strategy {strategy!r}")
+    for name in dict.fromkeys(name for names in METHOD_FIELDS.values() for name in names):
+        methods = [method for method, names in METHOD_FIELDS.items() if name in names]
+        if name in changed and strategy not in methods:
+            raise PullbackError(f"{name} is an option of strategy {' or '.join(map(repr, methods))}; got strategy {strategy!r}")
     if strategy not in ORIGINALS:
         return
     for name in SINGLE_STAGE_FIELDS:
         if name in changed:
             raise PullbackError(f"strategy {strategy!r} does not take {name} (an option of the single-stage strategies); "
-                                f"it takes {', '.join(METHOD_FIELDS[strategy])}{' and prop_attn' if strategy == 'tome' else ''}")
+                                f"it takes {', '.join(METHOD_FIELDS[strategy])}{' and prop_attn' if strategy in ('tome', 'pitome') else ''}")
     if fields["mode"] == "prune":
         raise PullbackError(f"strategy {strategy!r} has no prune mode (full-length features always give reduced tokens "
                             f"back at their source positions); leave mode at 'auto'")
     if strategy == "evit" and fields["prop_attn"] is True:
         raise PullbackError("prop_attn applies to ToMe and the single-stage merges; EViT runs its attention unchanged")
-    required, what = {"tome": ("r", "tokens merged per block"), "evit": ("keep_rate", "fraction of patch tokens kept")}[strategy]
+    required, what = {"tome": ("r", "tokens merged per block"), "evit": ("keep_rate", "fraction of patch tokens kept"),
+                      "pitome": ("r", "tokens merged per block")}[strategy]
     if fields[required] is None:
         raise PullbackError(f"strategy {strategy!r} needs {required}= ({what})")
 
@@ -222,8 +232,8 @@ def _note_new_meaning(strategy: str) -> None:
 
 
 def _original_choices(o: ReductionOptions, depth: int) -> dict:
-    """The ``auto`` values of ToMe / EViT chosen, and their blocks checked, for a ``depth``-block model."""
-    if o.strategy == "tome":
+    """The ``auto`` values of ToMe / EViT / PiToMe chosen, and their blocks checked, for a ``depth``-block model."""
+    if o.strategy in ("tome", "pitome"):
         start, stop = o.block_range if o.block_range is not None else (0, depth)
         if stop > depth:
             raise PullbackError(f"block_range must end at or before block {depth} of this {depth}-block model; got {o.block_range}")
@@ -368,6 +378,18 @@ def _block_range(block_range) -> Optional[tuple[int, int]]:
             or not 0 <= values[0] < values[1]):
         raise PullbackError(f"block_range must be None or (start, stop) block indices with 0 <= start < stop; got {block_range!r}")
     return int(values[0]), int(values[1])
+
+
+def _margin(margin) -> float:
+    if not _is_real(margin) or not 0.0 <= float(margin) <= 1.0:
+        raise PullbackError(f"margin must be a float in [0, 1] (PiToMe's energy margin of the first block); got {margin!r}")
+    return float(margin)
+
+
+def _energy_alpha(alpha) -> float:
+    if not _is_real(alpha) or not 0.0 <= float(alpha) < float("inf"):
+        raise PullbackError(f"energy_alpha must be a finite float >= 0 (PiToMe's α below the margin); got {alpha!r}")
+    return float(alpha)
 
 
 def _keep_rate(keep_rate) -> Optional[float]:

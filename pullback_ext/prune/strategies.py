@@ -8,8 +8,8 @@ Names: ``importance`` (learned head or SPN), ``oracle`` (imp* from the diagnosti
 ``random``, ``tome_score`` (ToMe bipartite score), ``evit_score`` (CLS attention), ``norm`` (token l2
 norm), ``cls_sim`` (cosine similarity to CLS), ``asap`` (diffusion distance to the attention sink).
 
-:data:`ORIGINALS` are ToMe and EViT as their authors run them (``tome``: :mod:`pullback_ext.prune.tome`,
-``evit``: :mod:`pullback_ext.prune.evit`): they reduce inside the blocks, between attention and MLP,
+:data:`ORIGINALS` are ToMe, EViT and PiToMe as their authors run them (``tome``: :mod:`pullback_ext.prune.tome`,
+``evit``: :mod:`pullback_ext.prune.evit`, ``pitome``: :mod:`pullback_ext.prune.pitome`): they reduce inside the blocks, between attention and MLP,
 with their own block loop, so they have no keep score; :func:`make_strategy` gives them a
 :class:`BlockLoopMethod` that only names them. (Before this release ``tome`` and ``evit`` named the
 single-stage scores, now ``tome_score`` and ``evit_score``.)
@@ -28,7 +28,7 @@ from pullback_ext.prune.matching import working_precision
 
 StrategyName = Literal["importance", "random", "tome_score", "evit_score", "norm", "cls_sim", "asap", "oracle"]
 STRATEGIES = get_args(StrategyName)  # the single-stage keep-score criteria
-OriginalName = Literal["tome", "evit"]
+OriginalName = Literal["tome", "evit", "pitome"]
 ORIGINALS = get_args(OriginalName)
 NEEDS_SCORER = ("importance", "oracle")
 
@@ -189,8 +189,9 @@ class ASAPStrategy(Strategy):
 
 
 class BlockLoopMethod(Strategy):
-    """ToMe or EViT as their authors run them (``name`` in :data:`ORIGINALS`): they reduce inside the
-    blocks in their own loop (:mod:`pullback_ext.prune.tome`, :mod:`pullback_ext.prune.evit`), so
+    """ToMe, EViT or PiToMe as their authors run them (``name`` in :data:`ORIGINALS`): they reduce inside
+    the blocks in their own loop (:mod:`pullback_ext.prune.tome`, :mod:`pullback_ext.prune.evit`,
+    :mod:`pullback_ext.prune.pitome`), so
     there is no keep score to ask for."""
 
     def __init__(self, name: str):

@@ -83,6 +83,32 @@ def _positions_after_merge(order: torch.Tensor, src: torch.Tensor, dst: torch.Te
     return torch.empty_like(rank).scatter(1, order, rank)
 
 
+def key_metric(keys: torch.Tensor) -> torch.Tensor:
+    """Unit vectors ``[B, K, hd]`` of the keys ``[B, H, K, hd]`` averaged over heads: ToMe's matching metric."""
+    return torch.nn.functional.normalize(working_precision(keys.mean(dim=1)), dim=-1)
+
+
+def merge_matched(state: MergedTokens, metric: torch.Tensor, order: torch.Tensor, a_start: int, size_a: int,
+                  count: int) -> MergedTokens:
+    """Bipartite soft matching on reordered tokens. ``order [B, K]``: the current index at each
+    position of the new sequence, which ends with set A (``size_a`` positions from ``a_start``) and
+    then set B; ``metric [B, K, hd]``: unit vectors of the current tokens. Each A token finds its
+    most similar B token and the ``count`` A tokens with the highest similarity merge into their
+    match (size-weighted); returns the state with ``K - count`` tokens in the new order."""
+    ordered = torch.gather(metric, 1, order[..., None].expand(-1, -1, metric.shape[-1]))
+    set_a, set_b = ordered[:, a_start:a_start + size_a], ordered[:, a_start + size_a:]
+    best, match = (set_a @ set_b.transpose(1, 2)).max(dim=-1)  # [B, |A|]
+    src = torch.argsort(best, dim=1, descending=True, stable=True)[:, :count]  # into A
+    dst = torch.gather(match, 1, src) + a_start + size_a
+    src = src + a_start
+    b, k, _ = state.x.shape
+    sizes = torch.ones(b, k, dtype=state.x.dtype, device=state.x.device) if state.sizes is None else state.sizes
+    # index sets built from arange/argsort: valid by construction
+    grouped = ops.gather_tokens(state.x, order, check_values=False)
+    x, merged_sizes = ops.merge_tokens(grouped, torch.gather(sizes, 1, order), src, dst, check_values=False)
+    return state.regroup(x, _positions_after_merge(order, src, dst), sizes=merged_sizes)
+
+
 def bipartite_merge(state: MergedTokens, keys: torch.Tensor, r: int) -> MergedTokens:
     """One ToMe merge of ``r`` tokens (clipped, see :func:`merge_count`) of ``state.x [B, K, D]``,
     matched on ``keys [B, H, K, hd]``; returns the state with ``K - r`` tokens ``[prefix, A, B]``."""
@@ -91,24 +117,15 @@ def bipartite_merge(state: MergedTokens, keys: torch.Tensor, r: int) -> MergedTo
     if count == 0:
         return state
     a_pos, b_pos = _set_positions(p, k, state.x.device)
-    metric = torch.nn.functional.normalize(working_precision(keys.mean(dim=1)), dim=-1)  # [B, K, hd]
-    best, match = (metric[:, a_pos] @ metric[:, b_pos].transpose(1, 2)).max(dim=-1)  # [B, |A|]
-    src = torch.argsort(best, dim=1, descending=True, stable=True)[:, :count]  # into A
-    dst = torch.gather(match, 1, src)  # into B
-    prefix = torch.arange(p, device=state.x.device)
-    order = torch.cat([prefix, a_pos, b_pos]).expand(b, k)
-    sizes = torch.ones(b, k, dtype=state.x.dtype, device=state.x.device) if state.sizes is None else state.sizes
-    src, dst = src + p, dst + p + a_pos.numel()
-    # index sets built from arange/argsort: valid by construction
-    grouped = ops.gather_tokens(state.x, order, check_values=False)
-    x, merged_sizes = ops.merge_tokens(grouped, torch.gather(sizes, 1, order), src, dst, check_values=False)
-    return state.regroup(x, _positions_after_merge(order, src, dst), sizes=merged_sizes)
+    order = torch.cat([torch.arange(p, device=state.x.device), a_pos, b_pos]).expand(b, k)
+    return merge_matched(state, key_metric(keys), order, p, a_pos.numel(), count)
 
 
-def run(reduction, x: torch.Tensor, blocks, call_block, split, take=()):
-    """Run ``blocks`` on ``x [B, N, D]`` merging tokens as ToMe does (``reduction``: resolved
-    options with ``strategy="tome"``; ``split``: a :class:`~pullback_ext.prune.split_block.SplitBlock`).
-    Returns ``(final [B, N, D], {i: features after block i [B, N, D] for i in take})``, unmerged."""
+def run_merges(reduction, x: torch.Tensor, blocks, call_block, split, take, merge):
+    """The block loop of the merging originals: in every block with merges (:func:`block_merges`
+    of ``reduction.options``) ``merge(i, state, keys [B, H, K, hd], r) -> state`` runs between the
+    attention and the MLP of block ``i``; proportional attention from the first merge on when
+    ``prop_attn``. Returns ``(final [B, N, D], {i: features after block i [B, N, D] for i in take})``."""
     o = reduction.options
     merges = block_merges(o, reduction.backbone.depth)
 
@@ -117,16 +134,32 @@ def run(reduction, x: torch.Tensor, blocks, call_block, split, take=()):
         if not merges[i]:
             return state.with_x(call_block(block, state, bias))
         attended = split.attend(block, state.x, bias)
-        state = bipartite_merge(state.with_x(attended.x), attended.k, merges[i])
+        state = merge(i, state.with_x(attended.x), attended.k, merges[i])
         return state.with_x(split.feed_forward(block, state.x))
 
     return run_tracked(MergedTokens(x=x, num_prefix=reduction.backbone.num_prefix), blocks, step, take)
 
 
-def patch_tokens_per_block(options, num_prefix: int, num_patch: int, depth: int) -> list[int]:
-    """Patch tokens after each block when ToMe runs with ``options`` on ``num_patch`` patch tokens."""
+def run(reduction, x: torch.Tensor, blocks, call_block, split, take=()):
+    """Run ``blocks`` on ``x [B, N, D]`` merging tokens as ToMe does (``reduction``: resolved
+    options with ``strategy="tome"``; ``split``: a :class:`~pullback_ext.prune.split_block.SplitBlock`).
+    Returns ``(final [B, N, D], {i: features after block i [B, N, D] for i in take})``, unmerged."""
+    def merge(i: int, state: MergedTokens, keys: torch.Tensor, r: int) -> MergedTokens:
+        return bipartite_merge(state, keys, r)
+
+    return run_merges(reduction, x, blocks, call_block, split, take, merge)
+
+
+def tokens_left(merges: list[int], num_patch: int, count) -> list[int]:
+    """Patch tokens after each block when block ``i`` asks for ``merges[i]`` merges and
+    ``count(r, n)`` of the ``n`` current patch tokens merge away."""
     counts = []
-    for r in block_merges(options, depth):
-        num_patch -= merge_count(r, num_prefix, num_patch)
+    for r in merges:
+        num_patch -= count(r, num_patch)
         counts.append(num_patch)
     return counts
+
+
+def patch_tokens_per_block(options, num_prefix: int, num_patch: int, depth: int) -> list[int]:
+    """Patch tokens after each block when ToMe runs with ``options`` on ``num_patch`` patch tokens."""
+    return tokens_left(block_merges(options, depth), num_patch, lambda r, n: merge_count(r, num_prefix, n))

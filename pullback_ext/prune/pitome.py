@@ -1,0 +1,104 @@
+"""PiToMe as its authors define it (Tran et al., "Accelerating Transformers with Spectrum-Preserving
+Token Merging", NeurIPS 2024): ToMe's bipartite soft matching restricted to the tokens an *energy
+score* marks as redundant, so that isolated, informative tokens are protected from merging.
+
+In every block of ``block_range`` (default: all blocks), between attention and MLP, ``k`` tokens
+merge (``k``: ``r`` of the schedule, see :func:`~pullback_ext.prune.tome.block_merges`, clipped to
+half the current patch tokens):
+
+1. the metric is ToMe's: the cosine of the keys the block's attention used (after any ``k_norm``),
+   averaged over heads; prefix tokens (CLS, registers) take no part: never scored, never merged,
+   never merged into;
+2. the energy of patch token ``i`` over the ``n`` current patch tokens is
+   ``E_i = (1/n) Σ_j f_m(cos(k_i, k_j))`` with ``f_m(x) = x`` for ``x ≥ m`` and
+   ``α (exp(x − m) − 1)`` below the margin (an ELU-like soft floor), ``α = energy_alpha``
+   (paper: 1); the margin falls with depth, ``m = margin · (1 − i/L)`` in block ``i`` (0-based) of
+   the model's ``L`` blocks (paper: ``m = 0.9 − 0.9 · l/L``, so ``margin`` defaults to 0.9);
+3. the ``2k`` tokens of highest energy (large clusters of similar tokens) are the merge candidates;
+   the other ``n − 2k`` are protected. Ranked by energy, the candidates alternate between set A
+   (ranks 0, 2, 4, ...) and set B (ranks 1, 3, 5, ...);
+4. every A token merges into its most similar B token (``|A| = k``); merged features are
+   size-weighted averages and sizes add up.
+
+From the first merge on every block adds ``log(size)`` to its attention logits (proportional
+attention, as ToMe; ``prop_attn``). Merged tokens are given back to every source position wherever
+full-length features are read (:meth:`MergedTokens.full`).
+
+Where the paper is silent: ``j`` runs over all current patch tokens including ``i`` itself (a
+constant ``f(1) = 1`` for every token, which leaves the ranking unchanged), each counted once
+whatever its size; the margin's ``i`` counts all the model's blocks, not only those of
+``block_range``; energy ties keep the current order; the tokens continue as ``[prefix, protected
+(by descending energy), B (by rank)]``; ``r`` states the budget per block as ToMe does (the
+paper's Algorithm 1 takes the number of merges ``k``; its experiments give it as a fraction of the
+tokens kept per layer). The authors' released code differs from the paper in two details this
+module does not follow: it uses ``ELU(x − m)`` (``x − m`` above the margin) and the margin
+``0.9 − 0.8 · l/L``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pullback_ext.prune import tome
+from pullback_ext.prune.merged_tokens import MergedTokens
+
+
+def merge_count(r: int, num_patch: int) -> int:
+    """Tokens one block merges: ``r`` clipped to half the ``num_patch`` current patch tokens (the
+    ``2k`` candidates must be patch tokens)."""
+    return min(r, num_patch // 2)
+
+
+def block_margins(margin: float, depth: int) -> list[float]:
+    """The energy margin of each block ``i = 0 .. depth-1``: ``margin · (1 − i/depth)``.
+    >>> block_margins(0.9, 3)
+    [0.9, 0.6, 0.3]
+    """
+    return [margin * (depth - i) / depth for i in range(depth)]
+
+
+def energy(metric: torch.Tensor, margin: float, alpha: float) -> torch.Tensor:
+    """Energy ``[B, n]`` of ``n`` tokens with unit vectors ``metric [B, n, hd]``: the mean over all
+    ``n`` tokens of ``f_m(cos)``, ``f_m(x) = x`` for ``x ≥ margin``, else ``alpha (exp(x − margin) − 1)``."""
+    cos = metric @ metric.transpose(1, 2)
+    return torch.where(cos >= margin, cos, alpha * torch.expm1(cos - margin)).mean(dim=-1)
+
+
+def energy_merge(state: MergedTokens, keys: torch.Tensor, r: int, margin: float, alpha: float) -> MergedTokens:
+    """One PiToMe merge of ``r`` tokens (clipped, see :func:`merge_count`) of ``state.x [B, K, D]``,
+    scored and matched on ``keys [B, H, K, hd]``; returns the state with ``K - r`` tokens
+    ``[prefix, protected, B]``."""
+    p, k = state.num_prefix, state.x.shape[1]
+    count = merge_count(r, k - p)
+    if count == 0:
+        return state
+    metric = tome.key_metric(keys)
+    ranked = torch.argsort(energy(metric[:, p:], margin, alpha), dim=1, descending=True, stable=True) + p
+    return tome.merge_matched(state, metric, merge_order(ranked, p, count), k - 2 * count, count, count)
+
+
+def merge_order(ranked: torch.Tensor, num_prefix: int, count: int) -> torch.Tensor:
+    """``[B, K]`` current indices as ``[prefix, protected, A, B]``, from the patch tokens ``ranked
+    [B, n]`` by descending energy: the ``2·count`` first alternate between A and B, the rest are
+    protected."""
+    prefix = torch.arange(num_prefix, device=ranked.device).expand(ranked.shape[0], num_prefix)
+    candidates = ranked[:, :2 * count]
+    return torch.cat([prefix, ranked[:, 2 * count:], candidates[:, 0::2], candidates[:, 1::2]], dim=1)
+
+
+def run(reduction, x: torch.Tensor, blocks, call_block, split, take=()):
+    """Run ``blocks`` on ``x [B, N, D]`` merging tokens as PiToMe does (``reduction``: resolved
+    options with ``strategy="pitome"``; ``split``: a :class:`~pullback_ext.prune.split_block.SplitBlock`).
+    Returns ``(final [B, N, D], {i: features after block i [B, N, D] for i in take})``, unmerged."""
+    o = reduction.options
+    margins = block_margins(o.margin, reduction.backbone.depth)
+
+    def merge(i: int, state: MergedTokens, keys: torch.Tensor, r: int) -> MergedTokens:
+        return energy_merge(state, keys, r, margins[i], o.energy_alpha)
+
+    return tome.run_merges(reduction, x, blocks, call_block, split, take, merge)
+
+
+def patch_tokens_per_block(options, num_patch: int, depth: int) -> list[int]:
+    """Patch tokens after each block when PiToMe runs with ``options`` on ``num_patch`` patch tokens."""
+    return tome.tokens_left(tome.block_merges(options, depth), num_patch, merge_count)

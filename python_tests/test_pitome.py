@@ -1,0 +1,285 @@
+"""PiToMe as its authors define it (strategy "pitome"): against a loop-based reference written here,
+each check shown to catch a deliberately broken variant; LayerScale and register models; token
+counts, η, FLOPs, options."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+
+import pullback_ext.patch as patch
+from helpers.blocks import attention_half, embed, mlp_half, small_timm, tokens_after_each_block, unmerge
+from helpers.prune import images, tiny_vit
+from pullback_ext import ops
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune import pitome, tome
+from pullback_ext.prune.cost import count_flops
+from pullback_ext.prune.eta import eta, patch_tokens_per_block
+from pullback_ext.prune.merged_tokens import MergedTokens
+from pullback_ext.prune.reduction_options import ReductionOptions
+
+
+def _energy_merge_reference(x, keys, sizes, sources, p, r, margin, alpha):
+    """One PiToMe step on one image, with Python lists: energy over the patch tokens, the 2r
+    highest alternate between A and B, every A token merges into its most similar B token."""
+    k = x.shape[0]
+    patch_tokens = list(range(p, k))
+    r = min(r, len(patch_tokens) // 2)
+    if r == 0:
+        return x, sizes, sources
+    metric = keys.mean(dim=0)
+    unit = metric / metric.norm(dim=-1, keepdim=True)
+
+    def cos(i, j):
+        return float(unit[i] @ unit[j])
+
+    def f(c):
+        return c if c >= margin else alpha * (math.exp(c - margin) - 1.0)
+
+    energy = {i: sum(f(cos(i, j)) for j in patch_tokens) / len(patch_tokens) for i in patch_tokens}
+    ranked = sorted(patch_tokens, key=lambda i: -energy[i])
+    set_a, set_b, protected = ranked[0:2 * r:2], ranked[1:2 * r:2], ranked[2 * r:]
+    members = {j: [j] for j in range(k)}
+    for a in set_a:
+        members[max(set_b, key=lambda b: cos(a, b))].append(a)
+    rows, new_sizes, new_sources = [], [], []
+    for j in list(range(p)) + protected + set_b:
+        total = sum(sizes[m] for m in members[j])
+        rows.append(sum(sizes[m] * x[m] for m in members[j]) / total)
+        new_sizes.append(total)
+        new_sources.append([t for m in members[j] for t in sources[m]])
+    return torch.stack(rows), new_sizes, new_sources
+
+
+def pitome_reference(model, images_, merges, margin=0.9, alpha=1.0, prop_attn=True):
+    """PiToMe on each image: ``(final [B, N, D] normed, [after block i [B, N, D] for every block])``;
+    block ``i`` of ``L`` uses the margin ``margin · (1 − i/L)``."""
+    h = embed(model, images_)
+    p, n, depth = model.num_prefix_tokens, h.shape[1], len(model.blocks)
+    finals, per_block = [], []
+    for image in h:
+        x, sizes, sources, seen = image, [1.0] * n, [[t] for t in range(n)], []
+        for i, block in enumerate(model.blocks):
+            log_sizes = torch.tensor(sizes, dtype=x.dtype).log() if prop_attn else None
+            x, _, keys = attention_half(block, x, log_sizes)
+            if merges[i]:
+                x, sizes, sources = _energy_merge_reference(x, keys, sizes, sources, p, merges[i],
+                                                            margin * (1 - i / depth), alpha)
+            x = mlp_half(block, x)
+            seen.append(unmerge(x, sources, n))
+        finals.append(model.norm(seen[-1]))
+        per_block.append(torch.stack(seen))
+    return torch.stack(finals), list(torch.stack(per_block).transpose(0, 1))
+
+
+def _features_as_keys(monkeypatch):
+    merge = pitome.energy_merge
+    monkeypatch.setattr(pitome, "energy_merge", lambda state, keys, *args: merge(state, state.x[:, None], *args))
+
+
+def _energy_of_the_features(monkeypatch):
+    """Energy from the tokens' features (matching still on the keys)."""
+    merge, energy = pitome.energy_merge, pitome.energy
+
+    def merge_scoring_features(state, keys, *args):
+        unit = torch.nn.functional.normalize(state.x[:, state.num_prefix:], dim=-1)
+        monkeypatch.setattr(pitome, "energy", lambda metric, margin, alpha: energy(unit, margin, alpha))
+        return merge(state, keys, *args)
+
+    monkeypatch.setattr(pitome, "energy_merge", merge_scoring_features)
+
+
+def _no_margin(monkeypatch):
+    monkeypatch.setattr(pitome, "block_margins", lambda margin, depth: [-1.0] * depth)  # f(x) = x everywhere
+
+
+def _margin_constant_over_depth(monkeypatch):
+    monkeypatch.setattr(pitome, "block_margins", lambda margin, depth: [margin] * depth)
+
+
+def _lowest_energy_merged(monkeypatch):
+    energy = pitome.energy
+    monkeypatch.setattr(pitome, "energy", lambda *args: -energy(*args))
+
+
+def _prefix_tokens_merged(monkeypatch):
+    merge = pitome.energy_merge
+    monkeypatch.setattr(pitome, "energy_merge", lambda state, *args: merge(dataclasses.replace(state, num_prefix=0), *args))
+
+
+def _sets_as_halves(monkeypatch):
+    """A: the ``count`` highest energies, B: the next ``count`` (instead of alternating by rank)."""
+
+    def halves(ranked, num_prefix, count):
+        prefix = torch.arange(num_prefix).expand(ranked.shape[0], num_prefix)
+        return torch.cat([prefix, ranked[:, 2 * count:], ranked[:, :2 * count]], dim=1)
+
+    monkeypatch.setattr(pitome, "merge_order", halves)
+
+
+def _merges_everywhere(monkeypatch):
+    monkeypatch.setattr(tome, "block_merges", lambda options, depth: [options.r] * depth)
+
+
+def _unweighted_averages(monkeypatch):
+    merge = ops.merge_tokens
+
+    def unweighted(x, w, src, dst, **kwargs):
+        return merge(x, torch.ones_like(w), src, dst)[0], merge(x, w, src, dst)[1]
+
+    monkeypatch.setattr(ops, "merge_tokens", unweighted)
+
+
+def _no_proportional_attention(monkeypatch):
+    monkeypatch.setattr(MergedTokens, "size_bias", lambda self: None)
+
+
+BROKEN = {
+    "features_as_keys": _features_as_keys, "energy_of_the_features": _energy_of_the_features, "no_margin": _no_margin,
+    "margin_constant_over_depth": _margin_constant_over_depth, "lowest_energy_merged": _lowest_energy_merged,
+    "prefix_tokens_merged": _prefix_tokens_merged, "sets_as_halves": _sets_as_halves,
+    "merges_outside_the_range": _merges_everywhere, "no_size_weights": _unweighted_averages,
+    "no_proportional_attention": _no_proportional_attention,
+}
+
+
+def _matches(model, x, expected, expected_blocks) -> bool:
+    final, blocks = model.forward_intermediates(x, indices=list(range(len(model.blocks))), output_fmt="NLC")
+    p = model.num_prefix_tokens
+    return torch.allclose(model.forward_features(x), expected, rtol=1e-9, atol=1e-9) and all(
+        torch.allclose(got, want[:, p:], rtol=1e-9, atol=1e-9) for got, want in zip(blocks, expected_blocks))
+
+
+@pytest.mark.parametrize("broken", [None, *BROKEN])
+def test_pitome_matches_the_reference_and_the_check_catches_broken_variants(broken, monkeypatch):
+    model = tiny_vit(reg_tokens=1, depth=5).double()
+    x = images(2).double()
+    expected, expected_blocks = pitome_reference(model, x, merges=[0, 3, 3, 3, 0], margin=0.5)
+    if broken:
+        BROKEN[broken](monkeypatch)
+    patch.timm(model, strategy="pitome", r=3, block_range=(1, 4), margin=0.5)
+    assert _matches(model, x, expected, expected_blocks) == (broken is None)
+
+
+def test_the_paper_margin_alpha_and_no_proportional_attention_match_the_reference():
+    model = tiny_vit(depth=4).double()
+    x = images(2).double()
+    patch.timm(model, strategy="pitome", r=4)
+    expected, blocks = pitome_reference(model, x, merges=[4, 4, 4, 4])
+    assert _matches(model, x, expected, blocks)
+    patch.timm(model, strategy="pitome", r=4, energy_alpha=0.25, margin=0.3, prop_attn=False)
+    expected, blocks = pitome_reference(model, x, merges=[4, 4, 4, 4], margin=0.3, alpha=0.25, prop_attn=False)
+    assert _matches(model, x, expected, blocks)
+
+
+LAYER_SCALE_MODELS = [("vit_small_patch14_dinov2", 56), ("deit3_small_patch16_224", 64), ("vit_small_patch14_reg4_dinov2", 56)]
+
+
+@pytest.mark.parametrize("name,size", LAYER_SCALE_MODELS)
+def test_layer_scale_and_register_models(name, size):
+    """r = 0 is the unpatched model bit for bit; r > 0 is the reference that applies ls1 / ls2."""
+    model = small_timm(name, size)
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    plain, plain_inter = model.forward_features(x), model.forward_intermediates(x, indices=[0, 2])
+    patch.timm(model, strategy="pitome", r=0)
+    assert torch.equal(model.forward_features(x), plain)
+    final, inter = model.forward_intermediates(x, indices=[0, 2])
+    assert torch.equal(final, plain_inter[0]) and all(torch.equal(a, b) for a, b in zip(inter, plain_inter[1]))
+    patch.timm(model, strategy="pitome", r=4, schedule="decreasing")
+    expected, blocks = pitome_reference(model, x, merges=tome.merges_per_block(4, "decreasing", 3))
+    assert _matches(model, x, expected, blocks)
+    patch.unpatch(model)
+    assert torch.equal(model.forward_features(x), plain)
+
+
+@pytest.mark.parametrize("reg_tokens,r,schedule", [(0, 4, "constant"), (1, 5, "constant"), (2, 3, "decreasing"), (0, 40, "constant")])
+def test_token_counts_and_eta_are_a_pure_function_of_the_schedule(reg_tokens, r, schedule):
+    model = tiny_vit(reg_tokens=reg_tokens)
+    patch.timm(model, strategy="pitome", r=r, schedule=schedule)
+    options, p = patch.config(model), 1 + reg_tokens
+    counts = patch_tokens_per_block(options, model)
+    assert [c - p for c in tokens_after_each_block(model, images(2))] == counts
+    assert eta(options, model) == 1 - counts[-1] / 16
+    assert eta(ReductionOptions(strategy="pitome", r=40), tiny_vit()) == 15 / 16  # 16 -> 8 -> 4 -> 2 -> 1: half at most
+    assert eta(ReductionOptions(strategy="pitome", r=3), tiny_vit()) == 12 / 16
+
+
+def test_flops_of_the_patched_forward_drop_as_r_grows():
+    model = tiny_vit(reg_tokens=1)
+    x = images(1)
+    plain = count_flops(model.forward_features, x)
+    flops = []
+    for r in (0, 1, 2, 4, 6):
+        patch.timm(model, strategy="pitome", r=r)
+        flops.append(count_flops(model.forward_features, x))
+    assert flops[0] == plain
+    assert all(later < earlier for earlier, later in zip(flops, flops[1:]))
+
+
+def test_batch_rows_are_independent_and_dense_readers_get_unmerged_tokens():
+    model = tiny_vit(reg_tokens=1)
+    x = images(3)
+    patch.timm(model, strategy="pitome", r=4)
+    batched = model.forward_features(x)
+    single = torch.cat([model.forward_features(x[i:i + 1]) for i in range(3)])
+    torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
+    grid = model.forward_intermediates(x, indices=[3], intermediates_only=True)[0]
+    assert grid.shape == (3, 32, 4, 4)
+    assert len(torch.unique(grid.flatten(2).transpose(1, 2)[0], dim=0)) == 2  # 16 -> 12 -> 8 -> 4 -> 2 (half at most)
+
+
+def test_block_margins_fall_linearly_from_the_first_block():
+    assert pitome.block_margins(0.9, 3) == pytest.approx([0.9, 0.6, 0.3], abs=1e-15)
+    assert pitome.block_margins(0.9, 12)[0] == 0.9 and pitome.block_margins(0.9, 12)[-1] == pytest.approx(0.075, abs=1e-15)
+    assert pitome.merge_count(8, 17) == 8 and pitome.merge_count(9, 17) == 8 and pitome.merge_count(3, 1) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(), r"needs r= \(tokens merged per block\)"),
+        (dict(r=-1), "r must be None or an int >= 0"),
+        (dict(r=2, schedule="increasing"), "schedule must be one of constant, decreasing"),
+        (dict(r=2, block_range=(1, 5)), "block_range must end at or before block 4"),
+        (dict(r=2, margin=1.5), r"margin must be a float in \[0, 1\]"),
+        (dict(r=2, margin="0.9"), r"margin must be a float in \[0, 1\]"),
+        (dict(r=2, energy_alpha=-1.0), "energy_alpha must be a finite float >= 0"),
+        (dict(r=2, energy_alpha=float("inf")), "energy_alpha must be a finite float >= 0"),
+        (dict(r=2, ratio=0.5), "strategy 'pitome' does not take ratio .* it takes r, schedule, block_range, margin, "
+                               "energy_alpha and prop_attn"),
+        (dict(r=2, mode="prune"), "has no prune mode"),
+        (dict(r=2, keep_rate=0.5), "keep_rate is an option of strategy 'evit'"),
+    ],
+)
+def test_invalid_pitome_options_name_the_field(kwargs, match):
+    with pytest.raises(PullbackError, match=match):
+        patch.timm(tiny_vit(), strategy="pitome", **kwargs)
+
+
+def test_pitome_fields_need_pitome_and_the_shared_ones_name_both_methods():
+    with pytest.raises(PullbackError, match="margin is an option of strategy 'pitome'; got strategy 'tome'"):
+        ReductionOptions(strategy="tome", r=2, margin=0.5)
+    with pytest.raises(PullbackError, match="energy_alpha is an option of strategy 'pitome'; got strategy 'norm'"):
+        ReductionOptions(strategy="norm", energy_alpha=0.5)
+    with pytest.raises(PullbackError, match="r is an option of strategy 'tome' or 'pitome'; got strategy 'evit'"):
+        ReductionOptions(strategy="evit", keep_rate=0.5, r=2)
+
+
+def test_options_round_trip_no_renaming_note_and_other_backbones_refuse_the_original():
+    from helpers.prune import tiny_dinov2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pitome is new: no note that its meaning changed
+        options = ReductionOptions(strategy="pitome", r=3, schedule="decreasing", block_range=[1, 3], margin=0.7,
+                                   energy_alpha=0.5, prop_attn=False)
+    assert options.block_range == (1, 3)
+    assert ReductionOptions.from_dict(options.to_dict()) == options
+    resolved = patch.config(patch.timm(tiny_vit(), strategy="pitome", r=3))
+    assert (resolved.block_range, resolved.prop_attn, resolved.mode, resolved.margin, resolved.energy_alpha) == (
+        (0, 4), True, "merge", 0.9, 1.0)
+    with pytest.raises(PullbackError, match="timm ViTs .* take the single-stage strategies$"):
+        patch.hf_dinov2(tiny_dinov2(), strategy="pitome", r=2)
