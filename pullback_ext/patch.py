@@ -11,6 +11,7 @@
     patch.timm(model, strategy="tome", r=16, schedule="decreasing")   # ToMe as its authors run it
     patch.timm(model, strategy="evit", keep_rate=0.7)                  # EViT as its authors run it
     patch.timm(model, strategy="pitome", r=16)                         # PiToMe as its authors define it
+    patch.timm(model, strategy="expedite", cluster_grid=(8, 8))        # Expedite (clusters, reconstructs)
     patch.config(model)             # the options in use, every "auto" chosen
     patch.unpatch(model)            # the original forward again
 
@@ -18,13 +19,13 @@ Families and the strategies each takes. The single-stage strategies are ``import
 ``random``, ``tome_score``, ``norm`` (nothing needed of the model), ``evit_score``, ``cls_sim`` (a CLS
 token), ``asap`` (with ``evit_score``: the blocks' attention probabilities, which every family
 below gives); the originals ``tome`` / ``evit`` / ``pitome`` split the blocks between attention and MLP and
-reorder the tokens:
+reorder the tokens, ``expedite`` clusters them between two blocks:
 
 ====================================================  =============  ===================================  ==========
 family                                                prefix tokens  single-stage strategies              originals
 ====================================================  =============  ===================================  ==========
-timm ``VisionTransformer``, also with LayerScale      CLS, regs      all (without CLS: not                tome, evit
-(DINOv2, DeiT-III): ``timm``                                         ``evit_score``, ``cls_sim``)     pitome
+timm ``VisionTransformer``, also with LayerScale      CLS, regs      all (without CLS: not                tome, evit,
+(DINOv2, DeiT-III): ``timm``                                         ``evit_score``, ``cls_sim``)         pitome, expedite
 timm ``Eva`` (EVA-02, RoPE ViTs, DINOv3): ``timm``    CLS, regs      all (as above)                       none
 HF DPT: ``hf_dpt``                                    CLS            all                                  none
 HF DINOv2 (+registers), Depth Anything:               CLS, regs      all                                  none
@@ -65,7 +66,9 @@ the blocks, between attention and MLP — ToMe ``r`` tokens in every block of ``
 (:mod:`pullback_ext.prune.evit`), PiToMe ``r`` high-energy tokens in every block of ``block_range``
 (:mod:`pullback_ext.prune.pitome`) — and take their own options instead of ``ratio`` / ``layers`` /
 ``mode``; the single-stage criteria of the paper's controlled comparison are ``tome_score`` and
-``evit_score``. :func:`pullback_ext.prune.eta.eta` gives the η a setting produces.
+``evit_score``. ``strategy="expedite"`` (timm ViTs only) clusters the patch tokens into a
+``cluster_grid`` before block ``cluster_layer`` and rebuilds full-resolution tokens wherever they
+are read (:mod:`pullback_ext.prune.expedite`). :func:`pullback_ext.prune.eta.eta` gives the η a setting produces.
 
 Every option is a field of :class:`~pullback_ext.prune.reduction_options.ReductionOptions`, which
 documents and validates them once. Each patch function is ``fn(model, options=None, /, **overrides)``

@@ -3,9 +3,10 @@ count alone (no forward pass): what every run records next to its FLOPs
 (:func:`pullback_ext.prune.cost.count_flops` of the patched forward).
 
 η is the fraction of the model's patch tokens removed by the end of the last block (prefix tokens
-never count; EViT's fused token counts as removed). ToMe's, EViT's and PiToMe's counts do not depend on
-the image. For the single-stage strategies η is the total the stages remove (``ratio`` rounded to
-whole tokens); the re-insertion of Last-Layer Fusion before the last block does not undo it.
+never count; EViT's fused token counts as removed; Expedite's ``h·w`` cluster tokens count as
+kept). ToMe's, EViT's, PiToMe's and Expedite's counts do not depend on the image. For the
+single-stage strategies η is the total the stages remove (``ratio`` rounded to whole tokens); the
+re-insertion of Last-Layer Fusion before the last block does not undo it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune import evit, pitome, timm_vit, tome
+from pullback_ext.prune import evit, expedite, pitome, timm_vit, tome
 from pullback_ext.prune.pipeline import stage_budgets
 from pullback_ext.prune.reduction_options import ReductionOptions
 from pullback_ext.prune.strategies import ORIGINALS
@@ -33,6 +34,8 @@ def patch_tokens_per_block(options: ReductionOptions, model, num_patches: Option
         return evit.patch_tokens_per_block(o, n, shape.depth)
     if o.strategy == "pitome":
         return pitome.patch_tokens_per_block(o, n, shape.depth)
+    if o.strategy == "expedite":
+        return expedite.patch_tokens_per_block(o, n, shape.depth)
     budgets = stage_budgets(reduction, n)
     counts = [n - sum(r for layer, r in budgets.items() if layer <= i) for i in range(shape.depth)]
     if o.mode == "prune" and o.llf and budgets:

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune import evit, pitome, tome
+from pullback_ext.prune import evit, expedite, pitome, tome
 from pullback_ext.prune.matching import merge_drift, nearest_destinations, patch_distances, select_with_partners
 from pullback_ext.prune.reduction_options import Reduction
 from pullback_ext.prune.split_block import SplitBlock
@@ -92,14 +92,15 @@ def run_blocks(
     ``call_block(block, state, bias)`` runs one block on ``state.x`` and returns the new current
     tokens (``bias``: additive attention mask or None); ``attention_probs(block, x, bias)`` gives
     its head-averaged attention ``[B, K, K]``; ``split`` runs a block in two halves, which the
-    originals ``tome``, ``evit`` and ``pitome`` need (they reduce between attention and MLP, in their own loop).
+    originals ``tome``, ``evit`` and ``pitome`` need (they reduce between attention and MLP, in their own loop;
+    ``expedite`` clusters between two blocks in its own loop and needs no ``split``).
     Returns ``(final [B, N, D], {i: features after block i [B, N, D] for i in take})``.
     """
     if reduction.strategy.name in ORIGINALS:
-        if split is None:
+        if split is None and reduction.strategy.name != "expedite":
             raise PullbackError(f"strategy {reduction.strategy.name!r} reduces between attention and MLP, and this "
                                 f"backbone's adapter cannot split its blocks (timm ViTs can: pullback_ext.patch.timm)")
-        method = {"tome": tome, "evit": evit, "pitome": pitome}[reduction.strategy.name]
+        method = {"tome": tome, "evit": evit, "pitome": pitome, "expedite": expedite}[reduction.strategy.name]
         return method.run(reduction, x, blocks, call_block, split, take)
     o = reduction.options
     state = TokenState.start(x, reduction.backbone.num_prefix)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune import evit
+from pullback_ext.prune import evit, expedite
 from pullback_ext.prune.matching import MATCHINGS
 from pullback_ext.prune.strategies import (
     NEEDS_CLS, NEEDS_SCORER, ORIGINALS, STRATEGIES, OriginalName, Strategy, StrategyName, attention_needed, check_scorer,
@@ -32,9 +33,12 @@ SELECTIONS = ("lowest", "bound")
 PRESETS = ("recommended", "paper")
 CALLABLES = ("head", "spn")  # fields that hold models or functions: never in :meth:`ReductionOptions.to_dict`
 METHOD_FIELDS = {"tome": ("r", "schedule", "block_range"), "evit": ("keep_rate", "evit_layers"),
-                 "pitome": ("r", "schedule", "block_range", "margin", "energy_alpha")}  # besides strategy
+                 "pitome": ("r", "schedule", "block_range", "margin", "energy_alpha"),
+                 "expedite": ("cluster_grid", "cluster_layer", "cluster_iters", "cluster_window", "cluster_tau",
+                              "reconstruct_k")}  # besides strategy
 ORIGINAL_TITLES = {"tome": "ToMe (r tokens merged in every block)", "evit": "EViT (inattentive tokens fused at 3 blocks)",
-                   "pitome": "PiToMe (r high-energy tokens merged in every block)"}
+                   "pitome": "PiToMe (r high-energy tokens merged in every block)",
+                   "expedite": "Expedite (tokens clustered after layer alpha, reconstructed for the dense head)"}
 SINGLE_STAGE_FIELDS = ("ratio", "layers", "head", "spn", "matching", "eps", "weights", "selection", "llf", "preset")
 
 
@@ -84,6 +88,11 @@ class ReductionOptions:
     - PiToMe takes ToMe's ``r`` (required), ``schedule`` and ``block_range``, and ``margin``: the
       energy margin of the first block, in [0, 1] (block ``i`` of ``L`` uses ``margin · (1 − i/L)``);
       ``energy_alpha``: ``α >= 0`` of the energy below the margin (see :mod:`pullback_ext.prune.pitome`).
+    - ``cluster_grid``: Expedite (:mod:`pullback_ext.prune.expedite`): the ``(h, w)`` grid of cluster
+      tokens, or their count (a square number; required); ``cluster_layer``: α, the block whose input
+      is clustered (0-based; None: layer 10 of 24, scaled); ``cluster_iters``: κ (>= 0);
+      ``cluster_window``: λ, odd, the λ×λ centres a token considers; ``cluster_tau``: τ (> 0) of the
+      assignment and the reconstruction; ``reconstruct_k``: centres each token is rebuilt from.
     """
 
     head: Optional[Callable | tuple[Callable, ...]] = None
@@ -106,6 +115,12 @@ class ReductionOptions:
     evit_layers: Optional[tuple[int, ...]] = None
     margin: float = 0.9
     energy_alpha: float = 1.0
+    cluster_grid: Optional[int | tuple[int, int]] = None
+    cluster_layer: Optional[int] = None
+    cluster_iters: int = 5
+    cluster_window: int = 5
+    cluster_tau: float = 10.0
+    reconstruct_k: int = 20
     preset: Literal["recommended", "paper"] = "recommended"
 
     def __post_init__(self):
@@ -187,6 +202,7 @@ def _normalised(o: ReductionOptions) -> dict:
         keep_rate=_keep_rate(o.keep_rate), evit_layers=None if o.evit_layers is None else _layers(o.evit_layers, "evit_layers"),
         margin=_margin(o.margin), energy_alpha=_energy_alpha(o.energy_alpha),
         preset=_one_of("preset", o.preset, PRESETS, auto=False),
+        **_expedite_fields(o),
     )
     _check_method_fields(fields)
     if strategy in ("tome", "evit"):
@@ -215,8 +231,11 @@ def _check_method_fields(fields: dict) -> None:
                             f"back at their source positions); leave mode at 'auto'")
     if strategy == "evit" and fields["prop_attn"] is True:
         raise PullbackError("prop_attn applies to ToMe and the single-stage merges; EViT runs its attention unchanged")
+    if strategy == "expedite" and fields["prop_attn"] is True:
+        raise PullbackError("prop_attn applies to ToMe and the single-stage merges; Expedite runs its attention unchanged")
     required, what = {"tome": ("r", "tokens merged per block"), "evit": ("keep_rate", "fraction of patch tokens kept"),
-                      "pitome": ("r", "tokens merged per block")}[strategy]
+                      "pitome": ("r", "tokens merged per block"),
+                      "expedite": ("cluster_grid", "the (h, w) grid of cluster tokens, or their count")}[strategy]
     if fields[required] is None:
         raise PullbackError(f"strategy {strategy!r} needs {required}= ({what})")
 
@@ -238,6 +257,10 @@ def _original_choices(o: ReductionOptions, depth: int) -> dict:
         if stop > depth:
             raise PullbackError(f"block_range must end at or before block {depth} of this {depth}-block model; got {o.block_range}")
         return {"mode": "merge", "prop_attn": o.prop_attn if isinstance(o.prop_attn, bool) else True, "block_range": (start, stop)}
+    if o.strategy == "expedite":
+        layer = expedite.default_layer(depth) if o.cluster_layer is None else o.cluster_layer
+        _check_layer_range((layer,), depth, False, "cluster_layer")
+        return {"mode": "merge", "prop_attn": False, "cluster_layer": layer}
     layers = o.evit_layers
     if layers is None:
         try:
@@ -396,6 +419,48 @@ def _keep_rate(keep_rate) -> Optional[float]:
     if keep_rate is not None and (not _is_real(keep_rate) or not 0.0 < float(keep_rate) <= 1.0):
         raise PullbackError(f"keep_rate must be None or a float in (0, 1]; got {keep_rate!r}")
     return None if keep_rate is None else float(keep_rate)
+
+
+def _expedite_fields(o: ReductionOptions) -> dict:
+    """Expedite's fields checked; a cluster count becomes its square grid."""
+    return dict(cluster_grid=_cluster_grid(o.cluster_grid), cluster_layer=_count("cluster_layer", o.cluster_layer, 0, True),
+                cluster_iters=_count("cluster_iters", o.cluster_iters, 0), cluster_window=_cluster_window(o.cluster_window),
+                cluster_tau=_cluster_tau(o.cluster_tau), reconstruct_k=_count("reconstruct_k", o.reconstruct_k, 1))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _count(name: str, value, least: int, optional: bool = False) -> Optional[int]:
+    if optional and value is None:
+        return None
+    if not _is_int(value) or value < least:
+        raise PullbackError(f"{name} must be {'None or ' if optional else ''}an int >= {least}; got {value!r}")
+    return int(value)
+
+
+def _cluster_grid(grid) -> Optional[tuple[int, int]]:
+    if grid is None:
+        return None
+    if _is_int(grid) and grid >= 1 and math.isqrt(grid) ** 2 == grid:
+        return math.isqrt(grid), math.isqrt(grid)
+    values = tuple(grid) if isinstance(grid, (list, tuple)) else ()
+    if len(values) != 2 or not all(_is_int(v) and v >= 1 for v in values):
+        raise PullbackError(f"cluster_grid must be None, (h, w) ints >= 1, or a square number of clusters; got {grid!r}")
+    return int(values[0]), int(values[1])
+
+
+def _cluster_window(window) -> int:
+    if not _is_int(window) or window < 1 or window % 2 == 0:
+        raise PullbackError(f"cluster_window must be an odd int >= 1 (the λ×λ centres a token considers); got {window!r}")
+    return int(window)
+
+
+def _cluster_tau(tau) -> float:
+    if not _is_real(tau) or not 0.0 < float(tau) < float("inf"):
+        raise PullbackError(f"cluster_tau must be a finite float > 0; got {tau!r}")
+    return float(tau)
 
 
 def _seed(seed) -> Optional[int]:

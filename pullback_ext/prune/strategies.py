@@ -10,7 +10,8 @@ norm), ``cls_sim`` (cosine similarity to CLS), ``asap`` (diffusion distance to t
 
 :data:`ORIGINALS` are ToMe, EViT and PiToMe as their authors run them (``tome``: :mod:`pullback_ext.prune.tome`,
 ``evit``: :mod:`pullback_ext.prune.evit`, ``pitome``: :mod:`pullback_ext.prune.pitome`): they reduce inside the blocks, between attention and MLP,
-with their own block loop, so they have no keep score; :func:`make_strategy` gives them a
+with their own block loop, so they have no keep score; so does Expedite (``expedite``:
+:mod:`pullback_ext.prune.expedite`), which clusters the tokens between two blocks; :func:`make_strategy` gives them a
 :class:`BlockLoopMethod` that only names them. (Before this release ``tome`` and ``evit`` named the
 single-stage scores, now ``tome_score`` and ``evit_score``.)
 """
@@ -28,7 +29,7 @@ from pullback_ext.prune.matching import working_precision
 
 StrategyName = Literal["importance", "random", "tome_score", "evit_score", "norm", "cls_sim", "asap", "oracle"]
 STRATEGIES = get_args(StrategyName)  # the single-stage keep-score criteria
-OriginalName = Literal["tome", "evit", "pitome"]
+OriginalName = Literal["tome", "evit", "pitome", "expedite"]
 ORIGINALS = get_args(OriginalName)
 NEEDS_SCORER = ("importance", "oracle")
 
