@@ -1,11 +1,14 @@
 """Where models and images come from: the model grammar and the image sources (folders, built-in sets)."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from pullback_ext.errors import DataError, PullbackError
-from pullback_ext.sources.images import BUILTIN_SETS, open_images
+from pullback_ext.sources.images import BUILTIN_SETS, BuiltinSet, builtin_help, open_images
 from pullback_ext.sources.models import ModelSpec, parse_model
 from pullback_ext.sources.preprocess import Preprocess, unit_range_preprocess
 from pullback_ext.sources.scenes import HeldoutScenes, SceneSource, TrainingScenes
@@ -30,8 +33,8 @@ def test_model_grammar():
 
 def test_image_source_names(tmp_path):
     assert isinstance(open_images("builtin:scenes"), SceneSource) and open_images("builtin:scenes").spec == "builtin:scenes"
-    with pytest.raises(PullbackError, match="one of builtin:scenes"):
-        open_images("builtin:photos")
+    with pytest.raises(PullbackError, match="no built-in image set 'builtin:nothing'; expected a folder or one of builtin:scenes, builtin:photos"):
+        open_images("builtin:nothing")
     with pytest.raises(DataError, match=f"--images: folder '{tmp_path / 'nope'}' does not exist"):
         open_images(str(tmp_path / "nope"))
     (tmp_path / "file.png").write_text("x")
@@ -51,9 +54,17 @@ def test_a_builtin_set_is_one_registration(tmp_path, monkeypatch):
         def __init__(self):
             super().__init__(tmp_path)
 
-    monkeypatch.setitem(BUILTIN_SETS, "photos", Photos)
-    images = open_images("builtin:photos").heldout(unit_range_preprocess(16), 1)
+    monkeypatch.setitem(BUILTIN_SETS, "pictures", BuiltinSet("test pictures", Photos))
+    images = open_images("builtin:pictures").heldout(unit_range_preprocess(16), 1)
     assert images.names() == ["0.png"] and images.load()["images"].shape == (1, 3, 16, 16)
+    assert "builtin:pictures (test pictures)" in builtin_help()
+
+
+def test_reading_the_registry_loads_no_source():
+    """``pullback --help`` lists the sets from the registry: that must not import torch or a set."""
+    code = ("import sys; from pullback_ext.sources.images import builtin_help; builtin_help(); "
+            "assert not {'torch', 'pullback_ext.sources.scenes', 'pullback_ext.sources.photos'} & set(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_folder_training_heldout_and_seed_sets(tmp_path):

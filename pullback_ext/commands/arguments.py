@@ -9,9 +9,11 @@ import argparse
 import warnings
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.sources.images import builtin_help, builtin_names
 
 MODEL_HELP = "demo (the embedded demo model), timm:NAME (random weights unless --weights) or hf:DIR (a local transformers folder)"
-IMAGES_HELP = "a folder of images, or builtin:scenes (rendered demo scenes; the default with --model demo)"
+BUILTIN_HELP = f"{builtin_help()}; builtin:scenes is the default with --model demo"
+IMAGES_HELP = f"a folder of images, or a built-in set: {BUILTIN_HELP}"
 DEMO_SPELLING = "--model demo --images builtin:scenes"
 
 
@@ -66,7 +68,7 @@ def image_source(args: argparse.Namespace, model):
     if args.images is not None:
         return open_images(args.images)
     if model is None or model.kind != "demo":
-        raise PullbackError(f"--images: required with --model {model} (a folder, or builtin:scenes)")
+        raise PullbackError(f"--images: required with --model {model} (a folder, or one of {', '.join(builtin_names())})")
     return open_images("builtin:scenes")
 
 

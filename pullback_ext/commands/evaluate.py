@@ -9,13 +9,12 @@ LLF_CHOICES = {"on": (True,), "full": ("full",), "off": (False,), "both": (True,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pullback_ext.commands.arguments import add_source_arguments
+    from pullback_ext.commands.arguments import BUILTIN_HELP, add_source_arguments
 
     add_source_arguments(parser, 32, "images per seed",
                          model_help="demo (cls and depth tasks), timm:NAME (random weights unless --weights; cls task) or hf:DIR, "
                                     "a local transformers folder (DINOv2: cls; DPT / Depth Anything: depth)",
-                         images_help="a folder of images (class subfolders give k-NN labels) or builtin:scenes "
-                                     "(rendered demo scenes, the default with --model demo)")
+                         images_help=f"a folder of images (class subfolders give k-NN labels) or a built-in set: {BUILTIN_HELP}")
     red = parser.add_argument_group("reduction")
     red.add_argument("--task", choices=("cls", "depth"), default="cls")
     red.add_argument("--mode", choices=("auto", "merge", "prune"), default="auto", help="auto: merge for cls, prune for depth")

@@ -13,11 +13,11 @@ import argparse
 
 def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, images and probe definition (shared with ``pullback eval-head``)."""
-    from pullback_ext.commands.arguments import add_source_arguments, positive_int
+    from pullback_ext.commands.arguments import BUILTIN_HELP, add_source_arguments, positive_int
 
     add_source_arguments(parser, 256, "training images",
-                         images_help="a folder of images (training images first, then held-out) or builtin:scenes "
-                                     "(rendered demo scenes; the default with --model demo)", img_size=True)
+                         images_help=f"a folder of images (training images first, then held-out) or a built-in set: {BUILTIN_HELP}",
+                         img_size=True)
     parser.add_argument("--layer", type=int, default=None, help="probe layer ℓ (0-based block index; F is its output)")
     parser.add_argument("--decoder", default=None, help="cls | embedding (demo) | tokens | pooled | depth | depth-multi | linear:FILE")
     parser.add_argument("--output-size", type=positive_int, default=None, help="resize dense outputs to S×S (M = S²)")
@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("kind", choices=["spn", "head", "vae"], help="what to train")
     add_probe_arguments(parser)
+    parser.add_argument("--eval-images", metavar="PATH|builtin:NAME", default=None,
+                        help="take the --heldout images from this source (its first ones) instead of the --images after the "
+                             "training ones, e.g. train on builtin:scenes and evaluate on builtin:photos")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder (checkpoint, metrics, results)")
     targets = parser.add_argument_group("targets (spn, head)")
     targets.add_argument("--rank", type=positive_int, default=20, help="rank r of the SPN / of imp*")
@@ -85,6 +88,7 @@ def run_config(args: argparse.Namespace):
     from pullback_ext.commands.arguments import image_source, model_spec
     from pullback_ext.metric.training import TrainConfig
     from pullback_ext.metric.training_run import TrainingRunConfig
+    from pullback_ext.sources.images import open_images
 
     model = model_spec(args)
     spec = probe_spec(args, model)
@@ -93,6 +97,7 @@ def run_config(args: argparse.Namespace):
                         checkpoint_every=args.checkpoint_every, ema_decay=args.ema)
     return TrainingRunConfig(
         kind=args.kind, probe=spec, images=image_source(args, model), out=Path(args.out), train=train,
+        eval_images=None if args.eval_images is None else open_images(args.eval_images, "--eval-images"),
         num_images=args.num_images, num_heldout=args.heldout, dtype=args.dtype, rank=args.rank, targets=args.targets,
         power=args.power, oversample=args.oversample, on_the_fly=args.on_the_fly,
         cache=None if args.cache is None else Path(args.cache), target=args.target, w_rank=args.w_rank,

@@ -56,7 +56,8 @@ def plot_training(metrics_file: Path, out_file: Path, rho: list[float] | None = 
 @dataclass(frozen=True)
 class TrainingRunConfig:
     """Everything one run needs. ``kind``: spn | head | vae; ``probe``: what is trained on;
-    ``images``: training images (``num_images``) and then held-out ones (``num_heldout``);
+    ``images``: training images (``num_images``) and then held-out ones (``num_heldout``), or the
+    held-out ones from the start of ``eval_images`` when given;
     ``out``: the output folder; ``train``: the optimisation (its ``seed`` seeds everything).
 
     Targets (spn, head): ``targets`` randnla | exact at ``rank`` (``power``, ``oversample``),
@@ -90,6 +91,7 @@ class TrainingRunConfig:
     latent_dim: int = 32
     beta: float = 1e-3
     diagnose_images: int = 2
+    eval_images: Optional[ImageSource] = None
     resume: bool = False
     progress: bool = True
 
@@ -186,7 +188,8 @@ class TrainingRun:
         torch.manual_seed(c.train.seed)
         probe, preprocess = build_probe(self.spec, self.dtype)
         train_src = c.images.training(preprocess, c.num_images)
-        held_src = c.images.heldout(preprocess, c.num_heldout, after=c.num_images)
+        held_src = (c.images.heldout(preprocess, c.num_heldout, after=c.num_images) if c.eval_images is None
+                    else c.eval_images.heldout(preprocess, c.num_heldout))
         P = probe.num_tokens * probe.dim
         if c.rank > P:
             raise PullbackError(f"--rank: expected r <= P = N·D = {P}, got {c.rank}")
@@ -204,7 +207,7 @@ class TrainingRun:
             return {}
         heldout = self._evaluate(c.kind, model, probe, held_src)
         results = {"kind": c.kind, "probe": self.spec.to_dict(), "train": asdict(c.train), "num_train_images": len(train_src),
-                   "heldout": heldout, "checkpoint": str(self.out)}
+                   "heldout": heldout, "heldout_images": dict(held_src.describe(), count=len(held_src)), "checkpoint": str(self.out)}
         if at_init is not None:
             results["heldout_at_init"] = {k: v for k, v in at_init.items() if k != "per_image"}
         if c.kind == "head":

@@ -13,6 +13,7 @@ preprocessing its images need.
 
 Images (:mod:`pullback_ext.sources.images`) come from an :class:`~pullback_ext.sources.image_sets.ImageSource`:
 a folder (a plain path is always a folder) or a built-in set ``builtin:NAME`` (``builtin:scenes``:
-rendered demo scenes). Every source hands out the same :class:`~pullback_ext.sources.image_sets.ImageSet`
+rendered demo scenes; ``builtin:photos``: crops of the photographs bundled with scikit-image and
+scikit-learn). Every source hands out the same :class:`~pullback_ext.sources.image_sets.ImageSet`
 (indexed, model-ready images), prepared by :mod:`pullback_ext.sources.preprocess`.
 """
