@@ -10,20 +10,21 @@
     patch.timm(model, options, mode="prune")            # options object, keywords override fields
     patch.timm(model, strategy="tome", r=16, schedule="decreasing")   # ToMe as its authors run it
     patch.timm(model, strategy="evit", keep_rate=0.7)                  # EViT as its authors run it
+    patch.timm(model, strategy="asap", ratio=0.5, layers=(4,), rings=4)  # ASAP, reconstructed
     patch.config(model)             # the options in use, every "auto" chosen
     patch.unpatch(model)            # the original forward again
 
 Families and the strategies each takes. The single-stage strategies are ``importance``, ``oracle``,
 ``random``, ``tome_score``, ``norm`` (nothing needed of the model), ``evit_score``, ``cls_sim`` (a CLS
-token), ``asap`` (with ``evit_score``: the blocks' attention probabilities, which every family
+token), ``asap_score`` (with ``evit_score``: the blocks' attention probabilities, which every family
 below gives); the originals ``tome`` / ``evit`` split the blocks between attention and MLP and
-reorder the tokens:
+reorder the tokens, and ``asap`` runs its own block loop:
 
 ====================================================  =============  ===================================  ==========
 family                                                prefix tokens  single-stage strategies              originals
 ====================================================  =============  ===================================  ==========
-timm ``VisionTransformer``, also with LayerScale      CLS, regs      all (without CLS: not                tome, evit
-(DINOv2, DeiT-III): ``timm``                                         ``evit_score``, ``cls_sim``)
+timm ``VisionTransformer``, also with LayerScale      CLS, regs      all (without CLS: not                tome, evit,
+(DINOv2, DeiT-III): ``timm``                                         ``evit_score``, ``cls_sim``)         asap
 timm ``Eva`` (EVA-02, RoPE ViTs, DINOv3): ``timm``    CLS, regs      all (as above)                       none
 HF DPT: ``hf_dpt``                                    CLS            all                                  none
 HF DINOv2 (+registers), Depth Anything:               CLS, regs      all                                  none
@@ -63,7 +64,11 @@ the blocks, between attention and MLP — ToMe ``r`` tokens in every block of ``
 (:mod:`pullback_ext.prune.tome`), EViT at three blocks keeping ``keep_rate`` of the patch tokens
 (:mod:`pullback_ext.prune.evit`) — and take their own options instead of ``ratio`` / ``layers`` /
 ``mode``; the single-stage criteria of the paper's controlled comparison are ``tome_score`` and
-``evit_score``. :func:`pullback_ext.prune.eta.eta` gives the η a setting produces.
+``evit_score``. ``strategy="asap"`` is ASAP reconstructed from its abstract (timm ViTs only,
+:mod:`pullback_ext.prune.asap`): one stage at ``layers`` (one block) that never removes its
+attention sink and pools the background per diffusion ring (merge) or prunes it (prune, with
+``llf``); its single-stage criterion is ``asap_score``. :func:`pullback_ext.prune.eta.eta` gives the
+η a setting produces.
 
 Every option is a field of :class:`~pullback_ext.prune.reduction_options.ReductionOptions`, which
 documents and validates them once. Each patch function is ``fn(model, options=None, /, **overrides)``

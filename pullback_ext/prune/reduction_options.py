@@ -30,8 +30,10 @@ LLF_MODES = ("masked", "full")
 WEIGHTS = ("size", "importance")
 SELECTIONS = ("lowest", "bound")
 CALLABLES = ("head", "spn")  # fields that hold models or functions: never in :meth:`ReductionOptions.to_dict`
-METHOD_FIELDS = {"tome": ("r", "schedule", "block_range"), "evit": ("keep_rate", "evit_layers")}  # besides strategy
-ORIGINAL_TITLES = {"tome": "ToMe (r tokens merged in every block)", "evit": "EViT (inattentive tokens fused at 3 blocks)"}
+METHOD_FIELDS = {"tome": ("r", "schedule", "block_range"), "evit": ("keep_rate", "evit_layers"), "asap": ("rings",)}  # besides strategy
+ORIGINAL_TITLES = {"tome": "ToMe (r tokens merged in every block)", "evit": "EViT (inattentive tokens fused at 3 blocks)",
+                   "asap": "ASAP (the sink-anchored method of its abstract, reconstructed: background pooled per ring or pruned in one shot)"}
+ASAP_TAKES = ("ratio", "layers", "mode", "llf", "prop_attn", "rings")  # one stage of the single-stage path
 SINGLE_STAGE_FIELDS = ("ratio", "layers", "head", "spn", "matching", "eps", "weights", "selection", "llf")
 
 
@@ -72,6 +74,14 @@ class ReductionOptions:
       ``(start, stop)``, the blocks that merge (0-based, ``stop`` excluded; None: all).
     - ``keep_rate``: EViT: fraction of patch tokens each stage keeps, in (0, 1] (required);
       ``evit_layers``: the blocks that reorganise (0-based; None: EViT's 4th/7th/10th of 12, scaled).
+
+    ASAP (``strategy="asap"``, :mod:`pullback_ext.prune.asap`, a reconstruction) reduces once, at
+    the input of block ``layers`` (one block, 1 or later), and takes ``ratio`` (one float: the
+    fraction of patch tokens removed, net), ``mode`` (merge: background pooled per ring; prune:
+    background pruned, with ``llf``), ``prop_attn`` and its own field:
+
+    - ``rings``: ASAP: how many rings of background tokens merge mode pools into one token each
+      (an int >= 1; no effect in prune mode).
     """
 
     head: Optional[Callable | tuple[Callable, ...]] = None
@@ -92,6 +102,7 @@ class ReductionOptions:
     block_range: Optional[tuple[int, int]] = None
     keep_rate: Optional[float] = None
     evit_layers: Optional[tuple[int, ...]] = None
+    rings: int = 4
 
     def __post_init__(self):
         for name, value in _normalised(self).items():
@@ -101,7 +112,9 @@ class ReductionOptions:
         """Check the options against ``backbone``, choose every ``auto`` value and build the strategy."""
         if self.strategy in NEEDS_CLS and not backbone.has_cls:
             raise PullbackError(f"strategy {self.strategy!r} needs a class token; this model has none")
-        if self.strategy in ORIGINALS:
+        if self.strategy == "asap":
+            resolved = dataclasses.replace(self, **_asap_choices(self, backbone))
+        elif self.strategy in ORIGINALS:
             resolved = dataclasses.replace(self, **_original_choices(self, backbone.depth))
         else:
             mode = self.mode if self.mode != "auto" else ("prune" if backbone.dense_neck else "merge")
@@ -170,6 +183,7 @@ def _normalised(o: ReductionOptions) -> dict:
         selection=_one_of("selection", o.selection, SELECTIONS), seed=_seed(o.seed), r=_r(o.r),
         schedule=_one_of("schedule", o.schedule, SCHEDULES, auto=False), block_range=_block_range(o.block_range),
         keep_rate=_keep_rate(o.keep_rate), evit_layers=None if o.evit_layers is None else _layers(o.evit_layers, "evit_layers"),
+        rings=_rings(o.rings),
     )
     _check_method_fields(fields)
     if strategy in ORIGINALS:
@@ -189,6 +203,8 @@ def _check_method_fields(fields: dict) -> None:
                 raise PullbackError(f"{name} is an option of strategy {method!r}; got strategy {strategy!r}")
     if strategy not in ORIGINALS:
         return
+    if strategy == "asap":
+        return _check_asap(fields, changed)
     for name in SINGLE_STAGE_FIELDS:
         if name in changed:
             raise PullbackError(f"strategy {strategy!r} does not take {name} (an option of the single-stage strategies); "
@@ -203,9 +219,22 @@ def _check_method_fields(fields: dict) -> None:
         raise PullbackError(f"strategy {strategy!r} needs {required}= ({what})")
 
 
+def _check_asap(fields: dict, changed: set) -> None:
+    """ASAP takes the fields of one single-stage stage (:data:`ASAP_TAKES`), at a layer whose walk
+    has blocks before it."""
+    refused = sorted(changed & (set(SINGLE_STAGE_FIELDS) - set(ASAP_TAKES)))
+    if refused:
+        raise PullbackError(f"strategy 'asap' does not take {refused[0]}; it takes {', '.join(ASAP_TAKES)}")
+    layers = fields["layers"]
+    if len(layers) != 1:
+        raise PullbackError(f"strategy 'asap' reduces in a single shot: layers must name one block; got {layers}")
+    if layers[0] == 0:
+        raise PullbackError("strategy 'asap' walks the attention of the blocks before its stage, so layers must be 1 or later; got 0")
+
+
 @functools.lru_cache(maxsize=None)
 def _note_new_meaning(strategy: str) -> None:
-    """Say once per process that ``tome`` / ``evit`` changed meaning in this release."""
+    """Say once per process that ``tome`` / ``evit`` / ``asap`` changed meaning in this release."""
     warnings.warn(
         f"strategy {strategy!r} now means {ORIGINAL_TITLES[strategy]} as its authors run it (new in this release); the "
         f"single-stage score that {strategy!r} named before is strategy '{strategy}_score'",
@@ -229,6 +258,14 @@ def _original_choices(o: ReductionOptions, depth: int) -> dict:
                                 f"give evit_layers=") from None
     _check_layer_range(layers, depth, False, "evit_layers")
     return {"mode": "merge", "prop_attn": False, "evit_layers": layers}
+
+
+def _asap_choices(o: ReductionOptions, backbone: BackboneShape) -> dict:
+    """ASAP's ``mode`` (``auto``: prune for a dense neck) and ``prop_attn`` (``auto``: in merge mode),
+    its layer checked for the ``backbone``."""
+    mode = o.mode if o.mode != "auto" else ("prune" if backbone.dense_neck else "merge")
+    _check_layer_range(o.layers, backbone.depth, mode == "prune" and bool(o.llf))
+    return {"mode": mode, "prop_attn": o.prop_attn if isinstance(o.prop_attn, bool) else mode == "merge"}
 
 
 def _check_combinations(mode, strategy, layers, spn, matching, weights, selection, **_) -> None:
@@ -365,6 +402,12 @@ def _keep_rate(keep_rate) -> Optional[float]:
     if keep_rate is not None and (not _is_real(keep_rate) or not 0.0 < float(keep_rate) <= 1.0):
         raise PullbackError(f"keep_rate must be None or a float in (0, 1]; got {keep_rate!r}")
     return None if keep_rate is None else float(keep_rate)
+
+
+def _rings(rings) -> int:
+    if not isinstance(rings, numbers.Integral) or isinstance(rings, bool) or rings < 1:
+        raise PullbackError(f"rings must be an int >= 1 (rings of background tokens ASAP pools); got {rings!r}")
+    return int(rings)
 
 
 def _seed(seed) -> Optional[int]:
