@@ -12,20 +12,21 @@
     patch.timm(model, strategy="evit", keep_rate=0.7)                  # EViT as its authors run it
     patch.timm(model, strategy="pitome", r=16)                         # PiToMe as its authors define it
     patch.timm(model, strategy="expedite", cluster_grid=(8, 8))        # Expedite (clusters, reconstructs)
+    patch.timm(model, strategy="asap", ratio=0.5, layers=(4,), rings=4)  # ASAP, reconstructed
     patch.config(model)             # the options in use, every "auto" chosen
     patch.unpatch(model)            # the original forward again
 
 Families and the strategies each takes. The single-stage strategies are ``importance``, ``oracle``,
 ``random``, ``tome_score``, ``norm`` (nothing needed of the model), ``evit_score``, ``cls_sim`` (a CLS
-token), ``asap`` (with ``evit_score``: the blocks' attention probabilities, which every family
+token), ``asap_score`` (with ``evit_score``: the blocks' attention probabilities, which every family
 below gives); the originals ``tome`` / ``evit`` / ``pitome`` split the blocks between attention and MLP and
-reorder the tokens, ``expedite`` clusters them between two blocks:
+reorder the tokens, ``expedite`` clusters them between two blocks, and ``asap`` runs its own block loop:
 
 ====================================================  =============  ===================================  ==========
 family                                                prefix tokens  single-stage strategies              originals
 ====================================================  =============  ===================================  ==========
 timm ``VisionTransformer``, also with LayerScale      CLS, regs      all (without CLS: not                tome, evit,
-(DINOv2, DeiT-III): ``timm``                                         ``evit_score``, ``cls_sim``)         pitome, expedite
+(DINOv2, DeiT-III): ``timm``                                         ``evit_score``, ``cls_sim``)         pitome, expedite, asap
 timm ``Eva`` (EVA-02, RoPE ViTs, DINOv3): ``timm``    CLS, regs      all (as above)                       none
 HF DPT: ``hf_dpt``                                    CLS            all                                  none
 HF DINOv2 (+registers), Depth Anything:               CLS, regs      all                                  none
@@ -68,7 +69,11 @@ the blocks, between attention and MLP — ToMe ``r`` tokens in every block of ``
 ``mode``; the single-stage criteria of the paper's controlled comparison are ``tome_score`` and
 ``evit_score``. ``strategy="expedite"`` (timm ViTs only) clusters the patch tokens into a
 ``cluster_grid`` before block ``cluster_layer`` and rebuilds full-resolution tokens wherever they
-are read (:mod:`pullback_ext.prune.expedite`). :func:`pullback_ext.prune.eta.eta` gives the η a setting produces.
+are read (:mod:`pullback_ext.prune.expedite`). ``strategy="asap"`` is ASAP reconstructed from its abstract (timm ViTs only,
+:mod:`pullback_ext.prune.asap`): one stage at ``layers`` (one block) that never removes its
+attention sink and pools the background per diffusion ring (merge) or prunes it (prune, with
+``llf``); its single-stage criterion is ``asap_score``. :func:`pullback_ext.prune.eta.eta` gives the
+η a setting produces.
 
 Every option is a field of :class:`~pullback_ext.prune.reduction_options.ReductionOptions`, which
 documents and validates them once. Each patch function is ``fn(model, options=None, /, **overrides)``

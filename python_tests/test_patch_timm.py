@@ -172,7 +172,7 @@ def test_proportional_attention_equals_attending_to_duplicates():
 
 
 @pytest.mark.parametrize("mode", ["merge", "prune"])
-@pytest.mark.parametrize("strategy", ["importance", "tome_score", "evit_score", "norm", "cls_sim", "asap"])
+@pytest.mark.parametrize("strategy", ["importance", "tome_score", "evit_score", "norm", "cls_sim", "asap_score"])
 def test_batch_rows_are_independent(strategy, mode):
     model = tiny_vit(reg_tokens=1)
     x = images(3)

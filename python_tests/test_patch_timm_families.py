@@ -45,7 +45,7 @@ def test_zero_ratio_is_exact_and_unpatch_restores(name, size):
     model = tiny_eva(name, size) if (name, size) in EVAS else small_timm(name, size, depth=4)
     x = pixels(size)
     ref, (ref_final, ref_inter) = model.forward_features(x), model.forward_intermediates(x, indices=[1, 3])
-    for strategy in ("tome_score", "evit_score", "asap"):
+    for strategy in ("tome_score", "evit_score", "asap_score"):
         patch.timm(model, ratio=0.0, layers=(1, 2), strategy=strategy)
         final, inter = model.forward_intermediates(x, indices=[1, 3])
         assert torch.equal(model.forward_features(x), ref) and torch.equal(final, ref_final)

@@ -57,11 +57,13 @@ def test_evit_uses_head_averaged_cls_attention_of_the_block_before_the_stage():
     torch.testing.assert_close(make_strategy("evit_score").keep_scores(ctx), captured[0].mean(1)[:, 0, 1:])
 
 
-def test_asap_matches_a_numpy_reference():
+def test_asap_score_matches_a_numpy_reference():
     g = torch.Generator().manual_seed(3)
     attn = [torch.softmax(torch.randn(2, 9, 9, generator=g) * 2, dim=-1) for _ in range(3)]
     x = torch.randn(2, 9, 4, generator=g)
-    got = make_strategy("asap").keep_scores(StageContext(x=x, num_prefix=1, has_cls=True, attentions=attn))
+    got = make_strategy("asap_score").keep_scores(StageContext(x=x, num_prefix=1, has_cls=True, attentions=attn))
+    removed = lowest(got, 7, 1)  # all patch tokens but one
+    sinks = []
     for b in range(2):
         T = np.eye(9)
         for a in attn:
@@ -70,7 +72,11 @@ def test_asap_matches_a_numpy_reference():
         s = int(mass.argmax())
         pi = mass / 9
         d = np.sqrt((((T - T[s]) / np.sqrt(pi)) ** 2).sum(1))
+        d[s] = np.inf  # the sink is the anchor: never removed before every other patch token
         np.testing.assert_allclose(got[b].numpy(), d[1:], rtol=1e-5, atol=1e-6)
+        assert s not in removed[b].tolist()
+        sinks.append(s)
+    assert any(s >= 1 for s in sinks)  # a patch-token sink was protected
 
 
 def test_norm_and_cls_similarity_scores():

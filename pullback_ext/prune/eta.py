@@ -5,8 +5,9 @@ count alone (no forward pass): what every run records next to its FLOPs
 η is the fraction of the model's patch tokens removed by the end of the last block (prefix tokens
 never count; EViT's fused token counts as removed; Expedite's ``h·w`` cluster tokens count as
 kept). ToMe's, EViT's, PiToMe's and Expedite's counts do not depend on the image. For the
-single-stage strategies η is the total the stages remove (``ratio`` rounded to whole tokens); the
-re-insertion of Last-Layer Fusion before the last block does not undo it.
+single-stage strategies and ASAP η is the total the stages remove (``ratio`` rounded to whole
+tokens; ASAP's pooled ring tokens count as kept); the re-insertion of Last-Layer Fusion before the
+last block does not undo it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def eta(options: ReductionOptions, model, num_patches: Optional[int] = None) -> 
     ``options`` remove on the timm ``model`` (see the module docstring)."""
     timm_vit.check_model(model)
     n = _num_patches(model, num_patches)
-    if options.strategy in ORIGINALS:
+    if options.strategy in ORIGINALS and options.strategy != "asap":  # ASAP: one stage of ratio
         return 1.0 - patch_tokens_per_block(options, model, n)[-1] / n
     return sum(stage_budgets(options.resolve(timm_vit.backbone_shape(model)), n).values()) / n
 

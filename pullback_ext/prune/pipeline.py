@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune import evit, expedite, pitome, tome
+from pullback_ext.prune import asap, evit, expedite, pitome, tome
 from pullback_ext.prune.matching import merge_drift, nearest_destinations, patch_distances, select_with_partners
 from pullback_ext.prune.reduction_options import Reduction
 from pullback_ext.prune.split_block import SplitBlock
@@ -30,6 +30,8 @@ def stage_budgets(reduction: Reduction, num_patch: int) -> dict:
     o = reduction.options
     budget = split_budget(num_patch, o.ratio, len(o.layers))
     room = num_patch - 1 if o.mode == "merge" else num_patch
+    if o.strategy == "asap":
+        room -= 1  # the sink stays, and a merge pools into at least one ring token
     if sum(budget) > room:
         raise PullbackError(f"ratio {o.ratio} removes {sum(budget)} of {num_patch} patch tokens; at most {room} can go")
     return {layer: r for layer, r in zip(o.layers, budget) if r > 0}
@@ -93,9 +95,13 @@ def run_blocks(
     tokens (``bias``: additive attention mask or None); ``attention_probs(block, x, bias)`` gives
     its head-averaged attention ``[B, K, K]``; ``split`` runs a block in two halves, which the
     originals ``tome``, ``evit`` and ``pitome`` need (they reduce between attention and MLP, in their own loop;
-    ``expedite`` clusters between two blocks in its own loop and needs no ``split``).
+    ``expedite`` clusters between two blocks in its own loop and needs no ``split``; the original
+    ``asap`` reduces once, at a block input, in its own loop too).
     Returns ``(final [B, N, D], {i: features after block i [B, N, D] for i in take})``.
     """
+    if reduction.strategy.name == "asap":
+        budgets = stage_budgets(reduction, x.shape[1] - reduction.backbone.num_prefix)
+        return asap.run(reduction, x, blocks, call_block, attention_probs, take, budgets.get(reduction.options.layers[0], 0))
     if reduction.strategy.name in ORIGINALS:
         if split is None and reduction.strategy.name != "expedite":
             raise PullbackError(f"strategy {reduction.strategy.name!r} reduces between attention and MLP, and this "

@@ -32,13 +32,15 @@ WEIGHTS = ("size", "importance")
 SELECTIONS = ("lowest", "bound")
 PRESETS = ("recommended", "paper")
 CALLABLES = ("head", "spn")  # fields that hold models or functions: never in :meth:`ReductionOptions.to_dict`
-METHOD_FIELDS = {"tome": ("r", "schedule", "block_range"), "evit": ("keep_rate", "evit_layers"),
+METHOD_FIELDS = {"tome": ("r", "schedule", "block_range"), "evit": ("keep_rate", "evit_layers"), "asap": ("rings",),
                  "pitome": ("r", "schedule", "block_range", "margin", "energy_alpha"),
                  "expedite": ("cluster_grid", "cluster_layer", "cluster_iters", "cluster_window", "cluster_tau",
                               "reconstruct_k")}  # besides strategy
 ORIGINAL_TITLES = {"tome": "ToMe (r tokens merged in every block)", "evit": "EViT (inattentive tokens fused at 3 blocks)",
+                   "asap": "ASAP (the sink-anchored method of its abstract, reconstructed: background pooled per ring or pruned in one shot)",
                    "pitome": "PiToMe (r high-energy tokens merged in every block)",
                    "expedite": "Expedite (tokens clustered after layer alpha, reconstructed for the dense head)"}
+ASAP_TAKES = ("ratio", "layers", "mode", "llf", "prop_attn", "rings")  # one stage of the single-stage path
 SINGLE_STAGE_FIELDS = ("ratio", "layers", "head", "spn", "matching", "eps", "weights", "selection", "llf", "preset")
 
 
@@ -93,6 +95,14 @@ class ReductionOptions:
       is clustered (0-based; None: layer 10 of 24, scaled); ``cluster_iters``: κ (>= 0);
       ``cluster_window``: λ, odd, the λ×λ centres a token considers; ``cluster_tau``: τ (> 0) of the
       assignment and the reconstruction; ``reconstruct_k``: centres each token is rebuilt from.
+
+    ASAP (``strategy="asap"``, :mod:`pullback_ext.prune.asap`, a reconstruction) reduces once, at
+    the input of block ``layers`` (one block, 1 or later), and takes ``ratio`` (one float: the
+    fraction of patch tokens removed, net), ``mode`` (merge: background pooled per ring; prune:
+    background pruned, with ``llf``), ``prop_attn`` and its own field:
+
+    - ``rings``: ASAP: how many rings of background tokens merge mode pools into one token each
+      (an int >= 1; no effect in prune mode).
     """
 
     head: Optional[Callable | tuple[Callable, ...]] = None
@@ -121,6 +131,7 @@ class ReductionOptions:
     cluster_window: int = 5
     cluster_tau: float = 10.0
     reconstruct_k: int = 20
+    rings: int = 4
     preset: Literal["recommended", "paper"] = "recommended"
 
     def __post_init__(self):
@@ -131,7 +142,9 @@ class ReductionOptions:
         """Check the options against ``backbone``, choose every ``auto`` value and build the strategy."""
         if self.strategy in NEEDS_CLS and not backbone.has_cls:
             raise PullbackError(f"strategy {self.strategy!r} needs a class token; this model has none")
-        if self.strategy in ORIGINALS:
+        if self.strategy == "asap":
+            resolved = dataclasses.replace(self, **_asap_choices(self, backbone))
+        elif self.strategy in ORIGINALS:
             resolved = dataclasses.replace(self, **_original_choices(self, backbone.depth))
         else:
             mode = self.mode if self.mode != "auto" else ("prune" if backbone.dense_neck else "merge")
@@ -203,9 +216,10 @@ def _normalised(o: ReductionOptions) -> dict:
         margin=_margin(o.margin), energy_alpha=_energy_alpha(o.energy_alpha),
         preset=_one_of("preset", o.preset, PRESETS, auto=False),
         **_expedite_fields(o),
+        rings=_rings(o.rings),
     )
     _check_method_fields(fields)
-    if strategy in ("tome", "evit"):
+    if strategy in ("tome", "evit", "asap"):
         _note_new_meaning(strategy)
     else:
         _check_combinations(**fields)
@@ -222,6 +236,8 @@ def _check_method_fields(fields: dict) -> None:
             raise PullbackError(f"{name} is an option of strategy {' or '.join(map(repr, methods))}; got strategy {strategy!r}")
     if strategy not in ORIGINALS:
         return
+    if strategy == "asap":
+        return _check_asap(fields, changed)
     for name in SINGLE_STAGE_FIELDS:
         if name in changed:
             raise PullbackError(f"strategy {strategy!r} does not take {name} (an option of the single-stage strategies); "
@@ -240,9 +256,22 @@ def _check_method_fields(fields: dict) -> None:
         raise PullbackError(f"strategy {strategy!r} needs {required}= ({what})")
 
 
+def _check_asap(fields: dict, changed: set) -> None:
+    """ASAP takes the fields of one single-stage stage (:data:`ASAP_TAKES`), at a layer whose walk
+    has blocks before it."""
+    refused = sorted(changed & (set(SINGLE_STAGE_FIELDS) - set(ASAP_TAKES)))
+    if refused:
+        raise PullbackError(f"strategy 'asap' does not take {refused[0]}; it takes {', '.join(ASAP_TAKES)}")
+    layers = fields["layers"]
+    if len(layers) != 1:
+        raise PullbackError(f"strategy 'asap' reduces in a single shot: layers must name one block; got {layers}")
+    if layers[0] == 0:
+        raise PullbackError("strategy 'asap' walks the attention of the blocks before its stage, so layers must be 1 or later; got 0")
+
+
 @functools.lru_cache(maxsize=None)
 def _note_new_meaning(strategy: str) -> None:
-    """Say once per process that ``tome`` / ``evit`` changed meaning in this release."""
+    """Say once per process that ``tome`` / ``evit`` / ``asap`` changed meaning in this release."""
     warnings.warn(
         f"strategy {strategy!r} now means {ORIGINAL_TITLES[strategy]} as its authors run it (new in this release); the "
         f"single-stage score that {strategy!r} named before is strategy '{strategy}_score'",
@@ -270,6 +299,15 @@ def _original_choices(o: ReductionOptions, depth: int) -> dict:
                                 f"give evit_layers=") from None
     _check_layer_range(layers, depth, False, "evit_layers")
     return {"mode": "merge", "prop_attn": False, "evit_layers": layers}
+
+
+def _asap_choices(o: ReductionOptions, backbone: BackboneShape) -> dict:
+    """ASAP's ``mode`` (``auto``: prune for a dense neck) and ``prop_attn`` (``auto``: in merge mode),
+    its layer checked for the ``backbone``."""
+    mode = o.mode if o.mode != "auto" else ("prune" if backbone.dense_neck else "merge")
+    _check_layer_range(o.layers, backbone.depth, mode == "prune" and bool(o.llf))
+    return {"mode": mode, "prop_attn": o.prop_attn if isinstance(o.prop_attn, bool) else mode == "merge",
+            "llf": "masked" if o.llf == "auto" else o.llf}
 
 
 def _check_combinations(mode, strategy, layers, spn, matching, weights, selection, **_) -> None:
@@ -461,6 +499,12 @@ def _cluster_tau(tau) -> float:
     if not _is_real(tau) or not 0.0 < float(tau) < float("inf"):
         raise PullbackError(f"cluster_tau must be a finite float > 0; got {tau!r}")
     return float(tau)
+
+
+def _rings(rings) -> int:
+    if not isinstance(rings, numbers.Integral) or isinstance(rings, bool) or rings < 1:
+        raise PullbackError(f"rings must be an int >= 1 (rings of background tokens ASAP pools); got {rings!r}")
+    return int(rings)
 
 
 def _seed(seed) -> Optional[int]:

@@ -7,7 +7,7 @@ rotated). Once tokens are reduced, each current token keeps the row of its own o
 its destination, which keeps its place; a pruned token re-inserted by LLF is back at its own
 position). :class:`RotaryRows` gathers those rows once per token state.
 
-:class:`DeferredAttention` serves the strategies that read attention (``evit_score``, ``asap``):
+:class:`DeferredAttention` serves the strategies that read attention (``evit_score``, ``asap_score``):
 the block loop asks for a block's attention before it runs the block and passes only the tokens,
 so the rows are not known yet; the block's runner, which knows them, fills the requested tensor
 when it runs the block, before any stage reads it.

@@ -6,14 +6,17 @@ the lowest scores, so every strategy removes exactly ``R`` tokens through the sa
 
 Names: ``importance`` (learned head or SPN), ``oracle`` (imp* from the diagnostic, any callable),
 ``random``, ``tome_score`` (ToMe bipartite score), ``evit_score`` (CLS attention), ``norm`` (token l2
-norm), ``cls_sim`` (cosine similarity to CLS), ``asap`` (diffusion distance to the attention sink).
+norm), ``cls_sim`` (cosine similarity to CLS), ``asap_score`` (diffusion distance to the attention sink).
 
-:data:`ORIGINALS` are ToMe, EViT and PiToMe as their authors run them (``tome``: :mod:`pullback_ext.prune.tome`,
-``evit``: :mod:`pullback_ext.prune.evit`, ``pitome``: :mod:`pullback_ext.prune.pitome`): they reduce inside the blocks, between attention and MLP,
-with their own block loop, so they have no keep score; so does Expedite (``expedite``:
-:mod:`pullback_ext.prune.expedite`), which clusters the tokens between two blocks; :func:`make_strategy` gives them a
-:class:`BlockLoopMethod` that only names them. (Before this release ``tome`` and ``evit`` named the
-single-stage scores, now ``tome_score`` and ``evit_score``.)
+:data:`ORIGINALS` are the methods as their authors run them: ToMe, EViT and PiToMe (``tome``:
+:mod:`pullback_ext.prune.tome`, ``evit``: :mod:`pullback_ext.prune.evit`, ``pitome``:
+:mod:`pullback_ext.prune.pitome`) reduce inside the blocks, between attention and MLP, with their
+own block loop; Expedite (``expedite``: :mod:`pullback_ext.prune.expedite`) clusters the tokens
+between two blocks and rebuilds them for full-length reads; ASAP (``asap``:
+:mod:`pullback_ext.prune.asap`, reconstructed from its abstract) pools or prunes the background
+around its attention sink in one shot. They have no keep score; :func:`make_strategy` gives them a
+:class:`BlockLoopMethod` that only names them. (Before this release ``tome``, ``evit`` and
+``asap`` named the single-stage scores, now ``tome_score``, ``evit_score`` and ``asap_score``.)
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import torch
 
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
+from pullback_ext.prune import asap
 from pullback_ext.prune.matching import working_precision
 
-StrategyName = Literal["importance", "random", "tome_score", "evit_score", "norm", "cls_sim", "asap", "oracle"]
+StrategyName = Literal["importance", "random", "tome_score", "evit_score", "norm", "cls_sim", "asap_score", "oracle"]
 STRATEGIES = get_args(StrategyName)  # the single-stage keep-score criteria
-OriginalName = Literal["tome", "evit", "pitome", "expedite"]
+OriginalName = Literal["tome", "evit", "asap", "pitome", "expedite"]
 ORIGINALS = get_args(OriginalName)
 NEEDS_SCORER = ("importance", "oracle")
 
@@ -159,47 +163,41 @@ class ClsSimilarityStrategy(Strategy):
         return torch.nn.functional.cosine_similarity(x[:, ctx.num_prefix:], x[:, :1], dim=-1)
 
 
-class ASAPStrategy(Strategy):
-    """ASAP (reconstruction): lazy random walk over the attention since the previous stage.
+class ASAPScoreStrategy(Strategy):
+    """Single-stage ASAP score (the reconstructed method is ``asap``, :mod:`pullback_ext.prune.asap`):
+    lazy random walk over the attention since the previous stage.
 
     ``P_l = α I + (1-α) A_l``, ``T = P_last ⋯ P_first``; the sink is the token with the largest
     column mass; ``d_i = ‖(T_i· − T_s·)/sqrt(π)‖`` with ``π`` = column mass / K is the diffusion
-    distance to the sink. Tokens nearest the sink are background and go first. Radial rings of
-    ``d`` order tokens exactly as ``d`` itself does, so with an exact budget the rings need not be
-    materialised.
+    distance to the sink. Tokens nearest the sink are background and go first; the sink itself
+    (distance 0) is the anchor and scores +inf, so it goes only when every patch token goes.
+    Radial rings of ``d`` order tokens exactly as ``d`` itself does, so with an exact budget the
+    rings need not be materialised.
     """
 
-    name = "asap"
+    name = "asap_score"
     attention = "all"
 
-    def __init__(self, alpha: float = 0.5):
+    def __init__(self, alpha: float = asap.ALPHA):
         self.alpha = alpha
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
-        a0 = ctx.attentions[0].double()
-        eye = torch.eye(a0.shape[-1], dtype=a0.dtype, device=a0.device)
-        t = eye.expand_as(a0)
-        for a in ctx.attentions:
-            t = (self.alpha * eye + (1.0 - self.alpha) * a.double()) @ t
-        mass = t.sum(dim=1)  # [B, K]
-        sink = mass.argmax(dim=1)
-        pi = (mass / t.shape[-1]).clamp_min(1e-12)
-        t_sink = t[torch.arange(t.shape[0], device=t.device), sink]  # [B, K]
-        d = ((t - t_sink[:, None, :]) / pi.sqrt()[:, None, :]).norm(dim=-1)
+        sink, d = asap.sink_distances(asap.lazy_walk(ctx.attentions, self.alpha))
+        d = d.scatter(1, sink[:, None], float("inf"))
         return d[:, ctx.num_prefix:].to(ctx.x.dtype)
 
 
 class BlockLoopMethod(Strategy):
-    """ToMe, EViT or PiToMe as their authors run them (``name`` in :data:`ORIGINALS`): they reduce inside
-    the blocks in their own loop (:mod:`pullback_ext.prune.tome`, :mod:`pullback_ext.prune.evit`,
-    :mod:`pullback_ext.prune.pitome`), so
-    there is no keep score to ask for."""
+    """One of the :data:`ORIGINALS` as their authors run them: they reduce in their own block loop
+    (:mod:`pullback_ext.prune.tome`, :mod:`~pullback_ext.prune.evit`, :mod:`~pullback_ext.prune.pitome`,
+    :mod:`~pullback_ext.prune.expedite`, :mod:`~pullback_ext.prune.asap`), so there is no keep score
+    to ask for."""
 
     def __init__(self, name: str):
         self.name = name
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
-        raise PullbackError(f"strategy {self.name!r} reduces inside the blocks and has no single-stage keep score")
+        raise PullbackError(f"strategy {self.name!r} reduces in its own block loop and has no single-stage keep score")
 
 
 _TRAINING_FREE_CLASSES = {
@@ -208,7 +206,7 @@ _TRAINING_FREE_CLASSES = {
     "evit_score": EViTScoreStrategy,
     "norm": NormStrategy,
     "cls_sim": ClsSimilarityStrategy,
-    "asap": ASAPStrategy,
+    "asap_score": ASAPScoreStrategy,
 }
 TRAINING_FREE = tuple(_TRAINING_FREE_CLASSES)
 NEEDS_CLS = ("evit_score", "cls_sim", "evit")
