@@ -16,8 +16,11 @@ from pullback_ext.errors import PullbackError
 DEFAULT_METHODS = ("importance", "tome", "evit", "random")
 DEFAULT_SWEEPS = {
     "tome": {"r": (1, 2, 4, 6, 8, 12, 16, 20, 24), "schedule": ("constant", "decreasing")},
+    "pitome": {"r": (1, 2, 4, 6, 8, 12, 16, 20, 24)},
     "evit": {"keep_rate": (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)},
+    "expedite": {"cluster_grid": (144, 121, 100, 81, 64, 49, 36, 25)},
 }
+STAGED_ORIGINALS = ("asap",)  # originals that reduce at the single-stage ``layers`` and sweep ``ratio``
 OURS_MERGE = {"selection": ("bound", "lowest")}  # both of our rules, side by side
 OURS_PRUNE = {"llf": ("masked", "full")}
 
@@ -54,7 +57,7 @@ def method_grid(method: str, mode: str, ratios: tuple, given: dict) -> dict:
     """The fields and values method ``method`` is swept over."""
     from pullback_ext.prune.strategies import NEEDS_SCORER, ORIGINALS
 
-    if method in ORIGINALS:
+    if method in ORIGINALS and method not in STAGED_ORIGINALS:
         grid = dict(DEFAULT_SWEEPS.get(method, {}))
     else:
         grid = {"ratio": ratios}
@@ -81,7 +84,8 @@ def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ra
         if method in NEEDS_SCORER and method not in scorers:
             raise PullbackError(f"--methods: {method!r} needs {'--head CKPT' if method == 'importance' else '--oracle'}")
         grid = method_grid(method, base["mode"], ratios, given)
-        fixed = {} if method in ORIGINALS else dict(base)
+        fixed = {"layers": base["layers"][:1], "mode": base["mode"]} if method in STAGED_ORIGINALS else \
+            {} if method in ORIGINALS else dict(base)
         if method in NEEDS_SCORER:
             fixed["head"] = scorers[method]
             if spn is not None and base["mode"] == "merge":

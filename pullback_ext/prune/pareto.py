@@ -32,9 +32,15 @@ from pullback_ext.prune.strategies import NEEDS_SCORER
 
 MATCHED_SPEEDUPS = (1.1, 1.25, 1.5, 2.0)
 STATISTICS = ("mean", "p95", "worst")
+PRUNED = {"masked": "pruned, masked LLF", "full": "pruned, full LLF", False: "pruned, no LLF"}
 ORIGINAL_RULES = {
     "tome": ("ToMe bipartite matching on head-mean keys, r per block (authors' rule)", "size-weighted, proportional attention"),
     "evit": ("top CLS attention at three blocks (authors' rule)", "inattentive tokens fused into one, attention-weighted"),
+    "pitome": ("PiToMe: the 2r highest-energy tokens matched bipartitely on head-mean keys, per block (authors' rule)",
+               "size-weighted, proportional attention"),
+    "expedite": ("Expedite: local soft k-means into a grid of clusters at one block (authors' rule)",
+                 "cluster means; full-resolution tokens rebuilt from the k nearest clusters"),
+    "asap": ("ASAP (reconstruction): tokens nearest the attention sink in diffusion distance", "pooled per ring ∝ T_is"),
 }
 
 
@@ -59,16 +65,18 @@ def describe(reduction: Reduction) -> dict:
     o = reduction.options
     if o.strategy in ORIGINAL_RULES:
         selection, averaging = ORIGINAL_RULES[o.strategy]
+        if o.strategy == "asap" and o.mode == "prune":
+            averaging = PRUNED[o.llf]
     else:
         scored = o.strategy in NEEDS_SCORER
         if o.mode == "prune":
             selection = "lowest importance" if scored else _score_rule(o.strategy)
-            averaging = {"masked": "pruned, masked LLF", "full": "pruned, full LLF", False: "pruned, no LLF"}[o.llf]
+            averaging = PRUNED[o.llf]
         else:
             selection = ("bound imp·drift" if o.selection == "bound" else "lowest importance") if scored else _score_rule(o.strategy)
             matching = "pullback (Eq. 19)" if o.matching == "pullback" else "cosine"
             averaging = f"{o.weights}-weighted into the {matching} nearest"
-    stages = "" if o.strategy in ORIGINAL_RULES or len(o.layers) == 1 else f", {len(o.layers)} stages {list(o.layers)}"
+    stages = "" if len(o.layers) == 1 else f", {len(o.layers)} stages {list(o.layers)}"  # the originals keep one
     return {"method": o.strategy + stages, "selection": selection, "averaging": averaging}
 
 
