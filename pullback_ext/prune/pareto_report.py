@@ -9,6 +9,7 @@ from pathlib import Path
 from pullback_ext.prune.pareto import STATISTICS, cost_axes, frontier
 
 AXIS_TITLES = {"flop_ratio": "FLOP ratio (unpruned / reduced FLOPs)"}
+METRIC_TITLES = {"cosine_x100": "100·(1 − cos) of the CLS embedding", "silog_x100": "added SILog ×100 of the depth map"}
 
 
 def axis_title(axis: str) -> str:
@@ -95,9 +96,10 @@ def plot(result: dict, path: str | os.PathLike) -> Path:
                         label=row if stat == "mean" else None, lw=1.2)
         ax.set_yscale("log")
         ax.set_xlabel(axis_title(axis))
-        ax.set_ylabel(f"{result['metric']} (solid: mean, dashed: worst image)")
+        ax.set_ylabel(f"{METRIC_TITLES.get(result['metric'], result['metric'])} (solid: mean, dashed: worst image)")
         ax.grid(alpha=0.3, which="both")
-    axes[0][0].legend(fontsize=6, loc="lower right")
+    handles, labels = axes[0][0].get_legend_handles_labels()
     fig.suptitle(f"{result['model']}: {result['task']} error against speed-up on {result['images']}")
     fig.tight_layout()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=7, frameon=False)  # below the data
     return save_figure(fig, path)
