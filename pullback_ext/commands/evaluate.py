@@ -18,12 +18,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     red = parser.add_argument_group("reduction")
     red.add_argument("--task", choices=("cls", "depth"), default="cls")
     red.add_argument("--mode", choices=("auto", "merge", "prune"), default="auto", help="auto: merge for cls, prune for depth")
-    red.add_argument("--head", help="importance head or SPN checkpoint (enables strategy 'importance'); a comma list gives one per stage")
+    red.add_argument("--head", help="importance head or SPN checkpoint (enables strategy 'importance'); a comma list gives one per stage, "
+                                    "a schedule folder (pullback train head --stages) one per stage at its layers")
     red.add_argument("--spn", help="SPN checkpoint for pullback-distance matching in merge mode (default: --head if it is an SPN)")
     red.add_argument("--strategies", default=None, help="comma list (default: importance when --head is given, oracle with --oracle, and every training-free rule)")
     red.add_argument("--oracle", action="store_true", help="add the imp* oracle (--model demo only; slow: a randomized SVD per image)")
     red.add_argument("--ratios", default=DEFAULT_RATIOS, help=f"comma list of prune ratios (default {DEFAULT_RATIOS})")
-    red.add_argument("--stages", default="4", help="stage layers for a 12-block ViT-B (e.g. 4, 4,8, 1,4,7,10, 2stage), scaled to the model's depth")
+    red.add_argument("--stages", default=None, help="stage layers for a 12-block ViT-B (e.g. 4, 4,8, 1,4,7,10, 2stage), scaled to the "
+                                                      "model's depth (default 4, or the layers of a --head schedule folder)")
     red.add_argument("--absolute-layers", action="store_true", help="use --stages as the model's own block indices, unscaled")
     red.add_argument("--llf", choices=tuple(LLF_CHOICES), default=None,
                      help="Last-Layer Fusion in prune mode: on (masked: kept tokens do not attend to the re-inserted ones), "
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_pareto(args, backbone, model, images)
     if args.methods is not None or args.sweep:
         raise PullbackError("--methods and --sweep need --pareto")
-    layers = evaluate_plan.stage_layers(args.stages, backbone.depth, absolute=args.absolute_layers)
+    layers = evaluate_plan.stage_layers(args.stages, backbone.depth, args.absolute_layers, args.head)
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
     scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)
     strategies = evaluate_plan.strategy_list(args.strategies, scorers)

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     from pullback_ext.prune.evaluation import PRIMARY
 
     ratios = comma_floats(args.ratios, "--ratios")
-    layers = evaluate_plan.stage_layers(args.stages, backbone.depth, absolute=args.absolute_layers)
+    layers = evaluate_plan.stage_layers(args.stages, backbone.depth, args.absolute_layers, args.head)
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
     scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, False)
     methods = tuple(m.strip() for m in (args.methods or _default_methods(scorers)).split(",") if m.strip())

@@ -1,5 +1,5 @@
 """The reduction options of ``pullback evaluate`` as the parts of a plan: stage layers, the scorer
-checkpoints (importance head, SPN, oracle) and the strategies."""
+checkpoints (importance head, SPN, head schedule folder, oracle) and the strategies."""
 
 from __future__ import annotations
 
@@ -7,17 +7,39 @@ import sys
 from typing import Optional
 
 from pullback_ext.errors import CheckpointError, PullbackError
+from pullback_ext.metric.schedule import is_schedule, read_schedule
 from pullback_ext.prune.backbones import Backbone
 from pullback_ext.prune.schedules import parse_layers, scale_layers
 from pullback_ext.prune.strategies import STRATEGIES, TRAINING_FREE
 
+DEFAULT_STAGES = "4"
 
-def stage_layers(text: str, depth: int, absolute: bool = False) -> tuple:
-    """Stage layers from ``--stages`` (ViT-B numbering scaled to ``depth`` unless ``absolute``)."""
-    layers = parse_layers(text)
+
+def schedule_folder(head: Optional[str]) -> Optional[str]:
+    """``head`` when it names a head-schedule folder (one holding schedule.json), else None."""
+    paths = [h.strip() for h in (head or "").split(",") if h.strip()]
+    if any(is_schedule(p) for p in paths) and len(paths) > 1:
+        raise PullbackError(f"--head: a schedule folder holds one head per stage and must be the only --head; got {head!r}")
+    return paths[0] if paths and is_schedule(paths[0]) else None
+
+
+def stage_layers(text: Optional[str], depth: int, absolute: bool = False, head: Optional[str] = None) -> tuple:
+    """Stage layers from ``--stages`` (ViT-B numbering scaled to ``depth`` unless ``absolute``;
+    default 4). With ``head`` a schedule folder they are its layers, as given, and ``--stages``
+    (when given) must resolve to the same."""
+    folder = schedule_folder(head)
+    scheduled = None if folder is None else read_schedule(folder)[1]
+    if scheduled is not None and text is None:
+        return scheduled
+    layers = parse_layers(DEFAULT_STAGES if text is None else text)
     if not layers:
         raise PullbackError("--stages must name at least one layer")
-    return tuple(layers) if absolute else scale_layers(layers, depth)
+    layers = tuple(layers) if absolute else scale_layers(layers, depth)
+    if scheduled is not None and layers != scheduled:
+        how = "" if absolute else f" (scaled to this {depth}-block model; --absolute-layers takes them as given)"
+        raise PullbackError(f"--stages {text} gives layers {list(layers)}{how}, but the head schedule {folder} has stages "
+                            f"{list(scheduled)}; leave --stages out to use the schedule's")
+    return layers
 
 
 def load_metric(path: str, expected_dim: int):
@@ -38,7 +60,9 @@ def load_scorers(head: Optional[str], spn: Optional[str], model, backbone: Backb
     scorers: dict = {}
     spn_model = None
     if head is not None:
-        paths = [h.strip() for h in head.split(",") if h.strip()]
+        folder = schedule_folder(head)
+        paths = [h.strip() for h in head.split(",") if h.strip()] if folder is None else \
+            [str(p) for p in read_schedule(folder)[0]]
         if len(paths) not in (1, len(layers)):
             raise PullbackError(f"--head: give one checkpoint or one per stage ({len(layers)} for layers {list(layers)}); got {len(paths)}")
         loaded = [load_metric(path, backbone.features_dim) for path in paths]

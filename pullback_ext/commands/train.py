@@ -1,7 +1,8 @@
 """``pullback train spn|head|vae``: learn the task metric of a backbone–decoder pair.
 
 Writes OUT/model.safetensors + OUT/config.json (with the exact probe definition), the resume state,
-OUT/metrics.jsonl, OUT/results.json (held-out figures) and OUT/training.png. Runs under
+OUT/metrics.jsonl, OUT/results.json (held-out figures) and OUT/training.png; ``train head
+--stages`` writes one such folder per stage and OUT/schedule.json (``train_schedule``). Runs under
 ``torchrun --nproc_per_node=N -m pullback_ext train ...`` (DDP, gloo on CPU): target shards are
 split over ranks and every rank trains on its slice of the global batch.
 """
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("kind", choices=["spn", "head", "vae"], help="what to train")
     add_probe_arguments(parser)
+    parser.add_argument("--stages", default=None, metavar="L1,L2,...",
+                        help="head: one head per stage of a schedule instead of --layer: the stage at layer ℓ (0-based block, "
+                             ">= 1) gets a head on the output of block ℓ-1, in OUT/stage-ℓ, and OUT/schedule.json names them")
     parser.add_argument("--eval-images", metavar="PATH|builtin:NAME", default=None,
                         help="take the --heldout images from this source (its first ones) instead of the --images after the "
                              "training ones, e.g. train on builtin:scenes and evaluate on builtin:photos")
@@ -76,7 +80,7 @@ def probe_spec(args: argparse.Namespace, model):
     from pullback_ext.metric.probe_spec import ProbeSpec
 
     if args.layer is None:
-        raise PullbackError("--layer: required (the probe layer ℓ)")
+        raise PullbackError("--layer: required (the probe layer ℓ; or --stages for one head per stage)")
     return ProbeSpec(model=str(model), layer=args.layer, decoder=args.decoder or "cls", weights=args.weights,
                      output_size=args.output_size, img_size=args.img_size, vae=args.vae)
 
@@ -131,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.metric.training_run import TrainingRun
 
     _check(args)
+    if args.stages is not None:
+        from pullback_ext.commands import train_schedule
+
+        return train_schedule.run(args)
     config = run_config(args)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -143,13 +151,18 @@ def run(args: argparse.Namespace) -> int:
     finally:
         distributed.shutdown(info)
     if info.is_main:
-        held = results["heldout"]
-        if args.kind == "vae":
-            print(f"held-out relative reconstruction error: {held['relative_reconstruction_error']:.4f} ({held['count']} images)")
-        else:
-            label = "subspace alignment" if args.kind == "spn" else "Spearman rho vs imp*"
-            init = results.get("heldout_at_init", {}).get("mean")
-            print(f"held-out {label}: {held['mean']:.4f} ± {held['std']:.4f} over {held['count']} images"
-                  + (f" (at initialisation: {init:.4f})" if init is not None else ""))
-        print(f"wrote {out / 'results.json'}")
+        print_results(args.kind, results, out)
     return 0
+
+
+def print_results(kind: str, results: dict, out) -> None:
+    """The held-out figures of a finished run of ``kind`` and where they were written."""
+    held = results["heldout"]
+    if kind == "vae":
+        print(f"held-out relative reconstruction error: {held['relative_reconstruction_error']:.4f} ({held['count']} images)")
+    else:
+        label = "subspace alignment" if kind == "spn" else "Spearman rho vs imp*"
+        init = results.get("heldout_at_init", {}).get("mean")
+        print(f"held-out {label}: {held['mean']:.4f} ± {held['std']:.4f} over {held['count']} images"
+              + (f" (at initialisation: {init:.4f})" if init is not None else ""))
+    print(f"wrote {out / 'results.json'}")
