@@ -122,3 +122,10 @@ def test_unpruned_reference_is_in_every_timing_round():
     rounds = [seen[k:k + 4] for k in range(0, len(seen), 4)]
     assert all(sorted(map(str, r)) == ["0", "1", "2", "u"] for r in rounds)
     assert list(itertools.chain(*rounds)) == seen
+
+
+def test_paper_preset_in_evaluate_chooses_full_llf(tmp_path):
+    out = tmp_path / "paper"
+    assert main(["evaluate", "--model", "demo", "--task", "depth", "--preset", "paper", "--strategies", "random", "--ratios", "0.2",
+                 "--num-images", "2", "--seeds", "1", "--no-timing", "--out", str(out), "--quiet"]) == 0
+    assert set(json.loads((out / "results.json").read_text())["tables"]) == {"llf_full"}
