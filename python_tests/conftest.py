@@ -71,6 +71,7 @@ SLOW: tuple[str, ...] = (
     "test_diagnose_io.py::test_model_preprocessing_sizes",
     "test_diagnose_io.py::test_plots_are_written_atomically",
     "test_fixtures.py::test_slow_list_marks_modules_tests_and_parametrizations",
+    "test_docs_snippets.py::test_snippet_runs_as_written",  # every Python block of the docs: about a minute
     "test_head.py::test_head_learns_imp_star_of_a_cls_probe",
     "test_linalg.py::test_rsvd_agrees_with_scipy_svds_on_a_jacobian_operator",
     "test_linalg.py::test_jacobian_operator_matches_dense_jacobian_for_any_chunk_size",
