@@ -71,6 +71,7 @@ SLOW: tuple[str, ...] = (
     "test_diagnose_io.py::test_model_preprocessing_sizes",
     "test_diagnose_io.py::test_plots_are_written_atomically",
     "test_fixtures.py::test_slow_list_marks_modules_tests_and_parametrizations",
+    "test_docs_snippets.py::test_snippet_runs_as_written",  # every Python block of the docs: about a minute
     "test_head.py::test_head_learns_imp_star_of_a_cls_probe",
     "test_head_schedule.py::test_trains_one_head_per_stage_on_the_block_before_it",
     "test_head_schedule.py::test_evaluate_runs_the_trained_schedule_at_its_layers",

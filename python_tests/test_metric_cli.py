@@ -40,7 +40,7 @@ def test_train_head_then_eval_head(tmp_path, image_dir, capsys):
     assert (tmp_path / "head" / "training.png").stat().st_size > 0
     assert len((tmp_path / "head" / "metrics.jsonl").read_text().splitlines()) == 1
     out = tmp_path / "eval.json"
-    assert main(["eval-head", "--checkpoint", str(tmp_path / "head"), "--images", str(image_dir), "--num-images", "8",
+    assert main(["eval-head", "--head", str(tmp_path / "head"), "--images", str(image_dir), "--num-images", "8",
                  "--heldout", "4", "--rank", "4", "--out", str(out)]) == 0
     evaluated = json.loads(out.read_text())
     assert evaluated["per_image"] == pytest.approx(results["heldout"]["per_image"], abs=1e-6)
@@ -81,7 +81,7 @@ def test_train_vae_then_spn_at_its_latent(tmp_path, image_dir):
         (["train", "head", *MODEL, "--layer", "1", "--images", "IMAGES", "--num-images", "12", "--heldout", "4", "--out", "OUT"], "at least 16 images"),
         (["train", "head", *MODEL, "--layer", "1", "--images", "IMAGES", "--target", "oracle", "--out", "OUT"], "--target"),
         (["train", "spn", "--layer", "1", "--images", "IMAGES", "--out", "OUT"], "--model: required"),
-        (["eval-head", "--checkpoint", "/nonexistent/ckpt", "--images", "IMAGES"], "checkpoint file not found"),
+        (["eval-head", "--head", "/nonexistent/ckpt", "--images", "IMAGES"], "checkpoint file not found"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_one_line_message(tmp_path, image_dir, capsys, argv, message):
@@ -102,5 +102,5 @@ def test_train_head_on_the_demo_model_defaults_to_rendered_scenes(tmp_path):
         assert main([a for a in argv if a not in ("--model", "demo")] + ["--demo", "--out", str(tmp_path / "old")]) == 0
     new, old = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("new", "old"))
     assert new["heldout"]["per_image"] == old["heldout"]["per_image"]
-    assert main(["eval-head", "--checkpoint", str(tmp_path / "new"), "--heldout", "2", "--rank", "2", "--out", str(tmp_path / "e.json")]) == 0
-    assert json.loads((tmp_path / "e.json").read_text())["per_image"] == pytest.approx(new["heldout"]["per_image"], abs=1e-6)
+    assert main(["eval-head", "--head", str(tmp_path / "new"), "--heldout", "2", "--rank", "2", "--out", str(tmp_path / "e")]) == 0
+    assert json.loads((tmp_path / "e" / "results.json").read_text())["per_image"] == pytest.approx(new["heldout"]["per_image"], abs=1e-6)

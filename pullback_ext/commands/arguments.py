@@ -1,12 +1,14 @@
 """Command-line arguments shared by the commands: where the model and the images come from
 (``--model demo|timm:NAME|hf:DIR``, ``--weights``, ``--img-size``, ``--images PATH|builtin:NAME``,
-``--num-images`` and the deprecated ``--demo``), and comma-separated numeric values validated
-with the option named in errors."""
+``--num-images`` and the deprecated ``--demo``), the output folder ``--out``, renamed options whose
+old spelling still works for one release, and comma-separated numeric values validated with the
+option named in errors. The vocabulary every command shares is the table of docs/cli.md."""
 
 from __future__ import annotations
 
 import argparse
 import warnings
+from pathlib import Path
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.sources.images import builtin_help, builtin_names
@@ -70,6 +72,36 @@ def image_source(args: argparse.Namespace, model):
     if model is None or model.kind != "demo":
         raise PullbackError(f"--images: required with --model {model} (a folder, or one of {', '.join(builtin_names())})")
     return open_images("builtin:scenes")
+
+
+def output_folder(path: str, flag: str = "--out") -> Path:
+    """``path`` as an output folder, checked before any work is done: an existing file is refused
+    (an output folder never replaces a file)."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise PullbackError(f"{flag}: {path!r} is an existing file; expected a folder (it is never overwritten)")
+    return folder
+
+
+def _old_dest(old: str) -> str:
+    return "deprecated_" + old.lstrip("-").replace("-", "_")
+
+
+def add_renamed(parser, old: str, new: str, **kwargs) -> None:
+    """``old`` as the deprecated spelling of the option ``new`` (same ``kwargs``, default None);
+    read both back with :func:`renamed`."""
+    parser.add_argument(old, dest=_old_dest(old), default=None, help=f"deprecated spelling of {new}", **kwargs)
+
+
+def renamed(args: argparse.Namespace, old: str, new: str):
+    """The value of ``new``, or of its deprecated spelling ``old`` (with a FutureWarning)."""
+    value, old_value = getattr(args, new.lstrip("-").replace("-", "_")), getattr(args, _old_dest(old))
+    if old_value is None:
+        return value
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; write {new}", FutureWarning, stacklevel=2)
+    if value is not None and value != old_value:
+        raise PullbackError(f"{old}: conflicts with {new} {value!r}")
+    return old_value
 
 
 def comma_floats(text: str, name: str) -> tuple:

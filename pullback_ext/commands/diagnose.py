@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-size", type=_positive, default=None, help="resize dense outputs to S×S (M = S²)")
     parser.add_argument("--rank", type=int, default=20, help="r: captured subspace for κ_cap(r), CV, importance")
     parser.add_argument("--oversample", type=int, default=10, help="randomized-SVD oversampling p (sketch r + p)")
-    parser.add_argument("--power", type=int, default=2, help="q power rounds")
+    parser.add_argument("--power", type=int, default=2, help="q power rounds (2, the spec's default for diagnosis)")
     parser.add_argument("--adaptive-tol", type=float, default=None, help="stop power rounds when the subspace defect is below this")
     parser.add_argument("--probes", type=int, default=100, help="m Rademacher probes (Hutchinson / Hutch++ / SLQ)")
     parser.add_argument("--slq-steps", type=int, default=30, help="Lanczos steps for r_eff^SLQ (0 skips it)")
@@ -92,12 +92,12 @@ def probe_and_images(args: argparse.Namespace, dtype):
 def run(args: argparse.Namespace) -> int:
     import json
     import sys
-    from pathlib import Path
 
     import torch
     from tqdm.auto import tqdm
 
     from pullback_ext import distributed
+    from pullback_ext.commands.arguments import output_folder
     from pullback_ext.diagnostics import Diagnosis, diagnose
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_text
@@ -106,9 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if args.layer is None and args.decoder != "depth-multi":
         raise PullbackError("--layer: required (the probe layer ℓ) unless --decoder depth-multi")
     config = diagnose_config(args)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise PullbackError(f"--out: {str(out)!r} exists and is not a folder")
+    out = output_folder(args.out)
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     setup, source, image_set = probe_and_images(args, dtype)
     names = image_set.names()

@@ -11,14 +11,17 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pullback_ext.commands.arguments import add_renamed
     from pullback_ext.commands.train import add_probe_arguments
 
-    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a head trained with `pullback train head`")
+    parser.add_argument("--head", metavar="DIR", help="required: a head trained with `pullback train head` (its --out folder)")
+    add_renamed(parser, "--checkpoint", "--head", metavar="DIR")
     add_probe_arguments(parser)
     parser.add_argument("--rank", type=int, default=20, help="rank of imp*")
-    parser.add_argument("--power", type=int, default=4, help="power rounds when imp* needs a randomized SVD")
+    parser.add_argument("--power", type=int, default=4, help="power rounds when imp* needs a randomized SVD (4, more than training targets get: imp* is the reference the head is scored against)")
     parser.add_argument("--target", default="imp", choices=["imp", "block-norm"], help="compare with imp* or the plain block norms")
-    parser.add_argument("--out", default=None, metavar="FILE", help="write the result as JSON here")
+    parser.add_argument("--out", default=None, metavar="DIR", help="write the result to DIR/results.json (a FILE.json: "
+                        "deprecated, written as before)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pullback_ext import distributed
-    from pullback_ext.commands.arguments import image_source, model_spec
+    from pullback_ext.commands.arguments import image_source, model_spec, renamed
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_json
     from pullback_ext.metric.checkpoint import load_model
@@ -38,11 +41,15 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.metric.training_run import reference_targets
     from pullback_ext.sources.models import parse_model
 
+    args.head = renamed(args, "--checkpoint", "--head")
+    if args.head is None:
+        raise PullbackError("--head: required (a head trained with `pullback train head`)")
+    out = _result_file(args.out) if args.out else None
     if args.rank < 1 or args.power < 0:
         raise PullbackError(f"--rank/--power: expected rank >= 1 and power >= 0, got {args.rank}, {args.power}")
-    head, config = load_model(args.checkpoint, kind="head")
+    head, config = load_model(args.head, kind="head")
     if "probe" not in config:
-        raise PullbackError(f"--checkpoint: {args.checkpoint!r} has no probe definition; pass --model/--layer/--decoder")
+        raise PullbackError(f"--head: {args.head!r} has no probe definition; pass --model/--layer/--decoder")
     spec = ProbeSpec.from_dict(config["probe"])
     overrides = {k: getattr(args, k) for k in ("weights", "layer", "decoder", "output_size", "img_size", "vae") if getattr(args, k) is not None}
     model = model_spec(args, required=False)
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     probe, preprocess = build_probe(spec, dtype)
     if head.dim != probe.dim:
-        raise PullbackError(f"--checkpoint: the head reads D={head.dim} features, the probe gives D={probe.dim}")
+        raise PullbackError(f"--head: the head reads D={head.dim} features, the probe gives D={probe.dim}")
     head = head.to(dtype)
     held = images.heldout(preprocess, args.heldout, after=args.num_images)
     reference = replace(reference_targets(probe, args.rank, args.power, args.seed), block_norms=args.target == "block-norm", keep_basis=False)
@@ -75,11 +82,27 @@ def run(args: argparse.Namespace) -> int:
     if not info.is_main:
         return 0
     rho = torch.tensor([r for _, r in gathered], dtype=torch.float64)
-    result = {"checkpoint": str(Path(args.checkpoint)), "probe": spec.to_dict(), "images": held.describe(),
+    result = {"checkpoint": str(Path(args.head)), "probe": spec.to_dict(), "images": held.describe(),
               "reference": asdict(reference), "target": args.target, "spearman": summarize(rho), "per_image": rho.tolist()}
     s = result["spearman"]
     print(f"Spearman rho vs {'imp*' if args.target == 'imp' else 'block norms'}: {s['mean']:.4f} ± {s['std']:.4f} "
           f"(min {s['min']:.4f}, {s['count']} images)")
-    if args.out:
-        atomic_write_json(args.out, result)
+    if out is not None:
+        atomic_write_json(out, result)
+        print(f"wrote {out}")
     return 0
+
+
+def _result_file(out: str):
+    """``--out DIR`` -> DIR/results.json; a ``FILE.json`` (the spelling of the last release) is
+    written as before, with a FutureWarning."""
+    import warnings
+    from pathlib import Path
+
+    from pullback_ext.commands.arguments import output_folder
+
+    if out.endswith(".json") and not Path(out).is_dir():
+        warnings.warn(f"--out {out}: a file is deprecated and will be refused in the next release; name a folder "
+                      "(the result goes to FOLDER/results.json)", FutureWarning, stacklevel=2)
+        return Path(out)
+    return output_folder(out) / "results.json"

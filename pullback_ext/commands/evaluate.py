@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pullback_ext.commands import evaluate_plan
-    from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec
+    from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec, output_folder
     from pullback_ext.errors import PullbackError
     from pullback_ext.prune.backbones import load_backbone
     from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     spec = model_spec(args)
+    output_folder(args.out)
     images = image_source(args, spec)
     for name in ("seeds", "batch_size", "time_repeats"):
         if getattr(args, name) < 1:

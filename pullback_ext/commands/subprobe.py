@@ -54,24 +54,23 @@ def subspace_report(probe: str, model, backbone, layer: int, ks: tuple, data: di
 
 def run(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     import torch
 
-    from pullback_ext.commands.arguments import comma_ints, image_source, model_spec
+    from pullback_ext.commands.arguments import comma_ints, image_source, model_spec, output_folder
     from pullback_ext.prune.backbones import load_backbone
     from pullback_ext.prune.report import write_json
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     spec = model_spec(args)
+    out = output_folder(args.out)
     images = image_source(args, spec)
     ks = comma_ints(args.k, "--k")
     backbone, model = load_backbone(spec, args.weights)
     layer = backbone.depth // 2 if args.layer is None else args.layer
     data = images.seed_sets(backbone.preprocess, args.num_images, 1)[0].load()
     result = subspace_report(args.probe, model, backbone, layer, ks, data)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(result, out / "subspace.json")
     print(json.dumps(result["results"], indent=1))

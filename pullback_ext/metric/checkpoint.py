@@ -98,7 +98,36 @@ def _load(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict]:
         config = json.loads(metadata["config"])
     except (KeyError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{weights}: checkpoint metadata has no readable config ({exc})") from exc
+    _check_readable_config(weights, config)
     return tensors, config
+
+
+def _check_readable_config(weights: Path, config: dict) -> None:
+    """``config.json`` next to ``weights`` must say what their metadata says: the model is built
+    from the metadata, so an edited config.json would otherwise be ignored without a word."""
+    readable = weights.parent / CONFIG_FILE
+    if not readable.is_file():
+        return  # the weights file is self-contained
+    try:
+        stated = json.loads(readable.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{readable}: not valid JSON ({exc})") from None
+    if isinstance(stated, dict):
+        stated = {k: v for k, v in stated.items() if k != "weights_sha256"}
+    if stated != config:
+        raise CheckpointError(f"{readable}: disagrees with the config stored in {weights.name} ({_difference(stated, config)}); "
+                              "the model is built from the stored one: restore config.json, or retrain to change the model")
+
+
+def _difference(stated: Any, stored: Any, where: str = "") -> str:
+    """Where two JSON values first differ, e.g. ``probe.layer: 5 in config.json, 1 stored``."""
+    if isinstance(stated, dict) and isinstance(stored, dict):
+        missing = object()
+        for key in sorted(set(stated) | set(stored)):
+            a, b = stated.get(key, missing), stored.get(key, missing)
+            if a != b:
+                return _difference(None if a is missing else a, None if b is missing else b, f"{where}.{key}" if where else key)
+    return f"{where or 'the config'}: {stated!r} in config.json, {stored!r} stored"
 
 
 def load_model(path: str | os.PathLike, kind: str | None = None, dtype: torch.dtype | None = None) -> tuple[nn.Module, dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
@@ -31,7 +32,7 @@ def load_hf_model(folder: str, weights: Optional[str]) -> tuple[torch.nn.Module,
     path = Path(folder)
     if not (path / "config.json").is_file():
         raise PullbackError(f"--model: hf:{folder} must be a local folder with a config.json")
-    config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    config = _read_config(path)
     if config.model_type not in HF_MODELS:
         raise PullbackError(f"--model: hf model type must be one of {sorted(HF_MODELS)}, got {config.model_type!r}")
     cls = getattr(transformers, HF_MODELS[config.model_type])
@@ -41,14 +42,53 @@ def load_hf_model(folder: str, weights: Optional[str]) -> tuple[torch.nn.Module,
     if weights is None:
         model = cls(config)
     else:
-        model, info = cls.from_pretrained(None, config=config, state_dict=read_state_dict(weights), dtype=torch.float32,
-                                          output_loading_info=True)
+        with _quiet_loading():
+            model, info = cls.from_pretrained(None, config=config, state_dict=read_state_dict(weights), dtype=torch.float32,
+                                              output_loading_info=True)
         parts = [f"{len(keys)} {label} (e.g. {sorted(map(str, keys))[0]})"
                  for label, keys in (("missing", info["missing_keys"]), ("unexpected", info["unexpected_keys"]),
                                      ("wrong shape", info["mismatched_keys"])) if keys]
         if parts:
             raise CheckpointError(f"--weights: {weights!r} does not fit the {HF_MODELS[config.model_type]}: {'; '.join(parts)}")
     return model.eval().requires_grad_(False), weights
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """Without transformers' progress bar for the (local, sub-second) weight loading, so that the
+    console keeps to the command's own lines."""
+    from transformers.utils import logging
+
+    enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            logging.enable_progress_bar()
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What transformers raises for an unreadable or ill-typed config.json (invalid JSON is an
+    OSError; a field of the wrong type a TypeError / ValueError, or huggingface_hub's strict
+    dataclass validation error)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: no strict validation
+        return OSError, TypeError, ValueError
+    return OSError, TypeError, ValueError, StrictDataclassError
+
+
+def _read_config(path: Path):
+    """The transformers config of ``path/config.json``; a file that does not parse or has a field
+    of the wrong type is a CheckpointError naming it and the first line of transformers' reason."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except _config_errors() as exc:
+        reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise CheckpointError(f"--model: {path / 'config.json'} is not a usable transformers config: {reason}") from None
 
 
 def is_depth_model(model: torch.nn.Module) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -52,15 +53,24 @@ def check_readable(paths: Sequence[Path], flag: str = "--images") -> None:
 
 
 def load_images(paths: Sequence[Path], preprocess: Callable, dtype: torch.dtype = torch.float32, flag: str = "--images") -> Tensor:
-    """Decode and preprocess ``paths`` into images[B,3,H,W]; an unreadable file is a DataError naming it."""
+    """Decode and preprocess ``paths`` into images[B,3,H,W]; an unreadable file is a DataError
+    naming it, and images smaller than the preprocessing's ``resize`` side get one warning (they
+    are upscaled)."""
     from PIL import Image, UnidentifiedImageError
 
-    out = []
+    out, small = [], []
     for path in paths:
         try:
             with Image.open(path) as image:
                 image.load()
-                out.append(preprocess(image))
+                decoded = image.copy()
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise DataError(f"{flag}: cannot read image {str(path)!r} ({exc.__class__.__name__}: {exc})") from exc
+        if min(decoded.size) < getattr(preprocess, "resize", 0):
+            small.append((path, decoded.size))
+        out.append(preprocess(decoded))  # outside the try: a preprocessing error is not this file's
+    if small:
+        path, (w, h) = small[0]
+        warnings.warn(f"{flag}: {len(small)} of {len(paths)} images are smaller than the model's input and are upscaled "
+                      f"(e.g. {str(path)!r}, {w}×{h} to a shorter side of {preprocess.resize} px)", stacklevel=2)
     return torch.stack(out).to(dtype)

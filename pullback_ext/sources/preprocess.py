@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from pullback_ext.errors import PullbackError
+from pullback_ext.errors import CheckpointError, PullbackError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -69,18 +69,37 @@ def timm_preprocess(model: torch.nn.Module) -> Preprocess:
     )
 
 
+def processor_config(config_dir: Optional[str | Path]) -> tuple[dict, Optional[Path]]:
+    """``(settings, file)`` of the image processor's ``config_dir/preprocessor_config.json``
+    (``({}, None)`` when there is none); a file that is not a JSON object is a CheckpointError
+    naming it, before any image is read."""
+    import json
+
+    cfg_file = Path(config_dir) / "preprocessor_config.json" if config_dir is not None else None
+    if cfg_file is None or not cfg_file.is_file():
+        return {}, None
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg, cfg_file
+
+
+def _channel_values(cfg: dict, key: str, default: tuple, cfg_file: Optional[Path]) -> tuple:
+    value = cfg.get(key, default)
+    if not (isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value)):
+        raise CheckpointError(f"{cfg_file}: {key} must be 3 numbers (one per RGB channel), got {value!r}")
+    return tuple(float(v) for v in value)
+
+
 def hf_preprocess(image_size: Sequence[int], config_dir: Optional[str | Path] = None) -> Preprocess:
     """Resize to ``image_size`` and normalise with the image processor's mean/std found in
     ``config_dir/preprocessor_config.json`` (DPT's 0.5/0.5 when there is none)."""
-    import json
-
-    mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
-    if config_dir is not None:
-        cfg_file = Path(config_dir) / "preprocessor_config.json"
-        if cfg_file.is_file():
-            cfg = json.loads(cfg_file.read_text())
-            mean = tuple(cfg.get("image_mean", mean))
-            std = tuple(cfg.get("image_std", std))
+    cfg, cfg_file = processor_config(config_dir)
+    mean = _channel_values(cfg, "image_mean", (0.5, 0.5, 0.5), cfg_file)
+    std = _channel_values(cfg, "image_std", (0.5, 0.5, 0.5), cfg_file)
     size = (int(image_size[0]), int(image_size[1]))
     return Preprocess(size=size, resize=min(size), mean=mean, std=std, interpolation="bicubic")
 
@@ -89,16 +108,16 @@ def hf_crop_preprocess(default_size: Sequence[int], config_dir: Optional[str | P
     """The resize-and-centre-crop of an image processor that crops (DINOv2's: shorter side to 256,
     crop 224), read from ``config_dir/preprocessor_config.json``; :func:`hf_preprocess` at
     ``default_size`` when there is no such file or it does not crop."""
-    import json
-
-    cfg_file = Path(config_dir) / "preprocessor_config.json" if config_dir is not None else None
-    cfg = json.loads(cfg_file.read_text()) if cfg_file is not None and cfg_file.is_file() else {}
+    cfg, cfg_file = processor_config(config_dir)
     crop = cfg.get("crop_size") if cfg.get("do_center_crop") else None
     if not crop:
         return hf_preprocess(default_size, config_dir)
-    size = (int(crop["height"]), int(crop["width"])) if isinstance(crop, dict) else (int(crop), int(crop))
-    shortest = cfg.get("size", {})
-    resize = int(shortest.get("shortest_edge", min(size))) if isinstance(shortest, dict) else int(shortest)
+    try:
+        size = (int(crop["height"]), int(crop["width"])) if isinstance(crop, dict) else (int(crop), int(crop))
+        shortest = cfg.get("size", {})
+        resize = int(shortest.get("shortest_edge", min(size))) if isinstance(shortest, dict) else int(shortest)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{cfg_file}: crop_size / size must be sizes in pixels ({type(exc).__name__}: {exc})") from None
     base = hf_preprocess(size, config_dir)
     return Preprocess(size=size, resize=resize, mean=base.mean, std=base.std, interpolation="bicubic")
 

@@ -1,0 +1,152 @@
+"""Careless inputs a new user gives the command line: each is exit code 2 and exactly one stderr
+line that names the flag or the file at fault, never a traceback; what the command changes on its
+own (a tiny image upscaled) is said in a warning."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pullback_ext.cli import main
+
+
+def _fail(argv, capsys, *names):
+    """Run ``argv``: exit 2, one stderr line naming each of ``names``; returns that line."""
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for name in names:
+        assert str(name) in err, f"{name!r} not named in: {err}"
+    return err
+
+
+@pytest.fixture
+def timm_args(timm_weights):
+    name, weights = timm_weights
+    return ["--model", f"timm:{name}", "--weights", weights, "--img-size", "32", "--layer", "10", "--decoder", "cls",
+            "--rank", "2", "--probes", "4", "--slq-steps", "0"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny random DINOv2 saved as a transformers folder (config.json + weights)."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("hf") / "dinov2"
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                          image_size=32, patch_size=8)
+    Dinov2Model(config).save_pretrained(folder)
+    return folder
+
+
+def _copy_hf(hf_dir, tmp_path, edit):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(hf_dir, folder)
+    edit(folder)
+    return folder
+
+
+def _diagnose_hf(folder, images, out):
+    return ["diagnose", "--model", f"hf:{folder}", "--layer", "0", "--decoder", "cls", "--images", images,
+            "--num-images", "1", "--rank", "2", "--probes", "4", "--slq-steps", "0", "--out", out]
+
+
+def test_hf_config_that_is_not_json(hf_dir, tmp_path, image_folder, capsys):
+    folder = _copy_hf(hf_dir, tmp_path, lambda f: (f / "config.json").write_text('{"model_type": "dinov2",'))
+    _fail(_diagnose_hf(folder, image_folder(), tmp_path / "out"), capsys, "config.json")
+
+
+def test_hf_config_with_a_wrong_typed_field(hf_dir, tmp_path, image_folder, capsys):
+    def edit(f):
+        config = json.loads((f / "config.json").read_text())
+        (f / "config.json").write_text(json.dumps(dict(config, hidden_size="thirty-two")))
+
+    folder = _copy_hf(hf_dir, tmp_path, edit)
+    _fail(_diagnose_hf(folder, image_folder(), tmp_path / "out"), capsys, "config.json")
+
+
+def test_bad_preprocessor_config_is_blamed_on_that_file(hf_dir, tmp_path, image_folder, capsys):
+    folder = _copy_hf(hf_dir, tmp_path, lambda f: (f / "preprocessor_config.json").write_text("{not json"))
+    err = _fail(_diagnose_hf(folder, image_folder(), tmp_path / "out"), capsys, "preprocessor_config.json")
+    assert "img0" not in err
+
+
+def test_evaluate_out_naming_an_existing_file(tmp_path, capsys):
+    existing = tmp_path / "results.json"
+    existing.write_text("{}")
+    _fail(["evaluate", "--model", "demo", "--num-images", "2", "--seeds", "1", "--out", existing], capsys, "--out", existing)
+    assert existing.read_text() == "{}"
+
+
+def test_rank_larger_than_the_output_space_is_capped_with_a_warning_and_recorded(timm_args, image_folder, out_dir):
+    """ψ = the CLS embedding of a 192-wide ViT: M = 192, so --rank 500 is capped at 192."""
+    args = list(map(str, timm_args))
+    args[args.index("--rank") + 1] = "500"
+    with pytest.warns(UserWarning, match="rank"):
+        assert main(["diagnose", *args, "--images", str(image_folder(2)), "--num-images", "1", "--out", str(out_dir)]) == 0
+    settings = json.loads((out_dir / "diagnosis.json").read_text())["settings"]
+    assert settings["rank"] == 192 and settings["rank_requested"] == 500
+
+
+@pytest.mark.parametrize("num_images", ["0", "-3"])
+def test_num_images_below_one(timm_args, image_folder, out_dir, capsys, num_images):
+    _fail(["diagnose", *timm_args, "--images", image_folder(), "--num-images", num_images, "--out", out_dir], capsys, "--num-images")
+
+
+def test_missing_images_folder(timm_args, tmp_path, out_dir, capsys):
+    _fail(["diagnose", *timm_args, "--images", tmp_path / "nowhere", "--out", out_dir], capsys, "nowhere")
+    assert not out_dir.exists()
+
+
+def test_empty_images_folder(timm_args, tmp_path, out_dir, capsys):
+    (tmp_path / "empty").mkdir()
+    _fail(["diagnose", *timm_args, "--images", tmp_path / "empty", "--out", out_dir], capsys, "empty")
+    assert not out_dir.exists()
+
+
+def test_a_non_image_file_in_the_folder(timm_args, tmp_path, out_dir, capsys):
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(folder / "a.png")
+    (folder / "b.png").write_text("not an image")
+    _fail(["diagnose", *timm_args, "--images", folder, "--num-images", "2", "--out", out_dir], capsys, "b.png")
+
+
+def _head_checkpoint(tmp_path):
+    from pullback_ext.metric.checkpoint import save_model
+    from pullback_ext.metric.head import ImportanceHead
+
+    probe = {"model": "demo", "layer": 1, "decoder": "embedding", "weights": None, "output_size": None, "img_size": None, "vae": None}
+    return save_model(tmp_path / "head", "head", ImportanceHead(192, hidden=8, heads=2), {"probe": probe})
+
+
+def test_corrupt_checkpoint(tmp_path, capsys):
+    head = _head_checkpoint(tmp_path)
+    (head / "model.safetensors").write_bytes(b"\x00" * 64)
+    _fail(["eval-head", "--head", head, "--heldout", "1", "--out", tmp_path / "eval"], capsys, "model.safetensors")
+
+
+def test_checkpoint_config_that_disagrees_with_its_weights(tmp_path, capsys):
+    head = _head_checkpoint(tmp_path)
+    config = json.loads((head / "config.json").read_text())
+    config["probe"]["layer"] = 5
+    (head / "config.json").write_text(json.dumps(config))
+    _fail(["eval-head", "--head", head, "--heldout", "1", "--out", tmp_path / "eval"], capsys, "config.json", "layer")
+
+
+def test_a_tiny_image_is_upscaled_with_a_warning(timm_args, tmp_path, out_dir):
+    from PIL import Image
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    Image.fromarray(np.full((7, 7, 3), 128, np.uint8)).save(folder / "dot.png")
+    with pytest.warns(UserWarning, match=r"dot\.png.*7.7"):
+        assert main(["diagnose", *map(str, timm_args), "--images", str(folder), "--num-images", "1", "--out", str(out_dir)]) == 0
