@@ -91,7 +91,7 @@ class ScorerStrategy(Strategy):
         out = method(x) if callable(method) else scorer(x)
         if isinstance(out, (tuple, list)):
             u, lam = out[0], out[1]
-            out = ops.token_importance(u, lam, x.shape[1])
+            out = ops.token_importance(u, lam, x.shape[1], check_values=False)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape[:2]):
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise PullbackError(f"{self.name} scorer must return scores of shape {tuple(x.shape[:2])}, got {got}")
