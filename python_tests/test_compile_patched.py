@@ -22,13 +22,13 @@ import pullback_ext.patch as patch
 from helpers.host_sync import NoHostSync, assert_detects_sync
 from helpers.prune import images, norm_scorer, tiny_dinov2, tiny_vit
 
-MERGE = dict(strategy="importance", head=norm_scorer, ratio=0.5, layers=(1,), mode="merge")  # selection "bound"
+MERGE = dict(strategy="importance", head=norm_scorer, ratio=0.25, layers=(1,), mode="merge")  # selection "bound"
 TIMM_CASES = {
     "merge": MERGE,
     "merge_lowest": dict(MERGE, selection="lowest", weights="importance"),
     "prune_llf_masked": dict(MERGE, mode="prune", llf=True),
     "prune_llf_full": dict(MERGE, mode="prune", llf="full"),
-    "three_stages": dict(MERGE, ratio=0.6, layers=(0, 1, 2)),
+    "three_stages": dict(MERGE, ratio=0.5, layers=(0, 1, 2)),
     "tome": dict(strategy="tome", r=3),
     "evit": dict(strategy="evit", keep_rate=0.7, evit_layers=(0, 1)),
     "pitome": dict(strategy="pitome", r=3),
