@@ -97,6 +97,36 @@ def test_the_guard_fails_on_the_early_exit_the_partner_selection_had():
         bool((torch.zeros(2) >= 3).all())
 
 
+def _early_exit_selection(cost, nearest, count: int, num_prefix: int) -> list[list[int]]:
+    """The greedy partner selection written per image with the early exit on the budget."""
+    picks = []
+    for c, partners in zip(cost.tolist(), (nearest - num_prefix).tolist()):
+        order = sorted(range(len(c)), key=lambda j: (c[j], j))
+        chosen, protected = [], set()
+        for j in order:
+            if len(chosen) == count:
+                break
+            if j not in protected:
+                chosen.append(j)
+                protected.add(partners[j])
+        chosen += [j for j in order if j not in chosen][: count - len(chosen)]
+        picks.append(sorted(t + num_prefix for t in chosen))
+    return picks
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_shape_bounded_partner_selection_selects_what_the_early_exit_did(seed):
+    from pullback_ext.prune import matching
+
+    g = torch.Generator().manual_seed(seed)
+    n, num_prefix = 12, 2
+    cost = torch.randint(0, 5, (3, n), generator=g).double()  # ties: the order must stay stable
+    nearest = torch.randint(num_prefix, n + num_prefix, (3, n), generator=g)
+    for count in range(1, n + 1):  # 2·count > n needs the fill-up
+        got = matching.select_with_partners(cost, nearest, count, num_prefix)
+        assert got.tolist() == _early_exit_selection(cost, nearest, count, num_prefix), count
+
+
 def test_inductor_compiles_the_patched_merge():
     forward, x = patched_forward("merge"), images()
     expected = forward(x)
