@@ -59,7 +59,9 @@ token attend to every token (Token Cropr's fusion, meant for a backbone trained 
 ``layers`` are 0-based block indices whose *input* is reduced; several layers form a multi-stage
 schedule (``ratio`` is then the total fraction, split evenly, or one fraction per layer) — see
 :func:`pullback_ext.prune.schedules.scale_layers` to map ViT-B schedules to other depths. CLS and register tokens are never merged or pruned.
-The gather, merge and re-insert steps run through the ``pullback_ext.ops`` kernels.
+The gather, merge and re-insert steps run through the ``pullback_ext.ops`` kernels. Every patched
+forward but ``strategy="random"`` (its generator) compiles whole (``torch.compile(..., fullgraph=True)``)
+and reads no tensor value on the host: every shape follows from the ratio, never from the values.
 
 ``strategy="tome"``, ``"evit"`` and ``"pitome"`` are the original methods (timm ViTs only): they reduce inside
 the blocks, between attention and MLP — ToMe ``r`` tokens in every block of ``block_range``

@@ -141,17 +141,18 @@ def select_with_partners(cost: torch.Tensor, nearest: torch.Tensor, count: int, 
     protected = torch.zeros_like(chosen)
     taken = torch.zeros(b, dtype=torch.long, device=cost.device)
     rows = torch.arange(b, device=cost.device)
-    for j in range(n):
-        if bool((taken >= count).all()):
-            break
+    # Each selected token protects one partner, so at most as many candidates are skipped as are
+    # selected: 2·count candidates always fill the budget. A loop bounded by the shapes (no early
+    # exit on the values, which would wait on the device) gives the same selection.
+    for j in range(min(n, 2 * count)):
         candidate = order[:, j]
         ok = ~protected[rows, candidate] & (taken < count)
         chosen[rows, candidate] |= ok
         protected[rows, partner[:, j]] |= ok
         taken += ok.long()
-    missing = count - taken  # [B]
-    if bool((missing > 0).any()):
-        spare = (~torch.gather(chosen, 1, order)).long()
-        fill = spare.bool() & (spare.cumsum(1) <= missing[:, None])
-        chosen |= torch.zeros_like(chosen).scatter(1, order, fill)
-    return torch.nonzero(chosen)[:, 1].view(b, count) + num_prefix
+    missing = count - taken  # [B], 0 unless the candidates ran out (2·count > n)
+    spare = (~torch.gather(chosen, 1, order)).long()
+    fill = spare.bool() & (spare.cumsum(1) <= missing[:, None])
+    chosen |= torch.zeros_like(chosen).scatter(1, order, fill)
+    # exactly count per row: their indices in increasing order
+    return torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)[:, :count] + num_prefix

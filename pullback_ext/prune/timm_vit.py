@@ -106,19 +106,32 @@ def attend(block, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Attended:
 
 def attention_with_qk(attn, *args, **kwargs):
     """``attn(*args, **kwargs)`` and the queries and keys ``[B, H, K, hd]`` it computed, caught at
-    its ``q_norm`` / ``k_norm`` (before any rotary embedding)."""
-    seen = {}
+    its ``q_norm`` / ``k_norm`` (before any rotary embedding).
 
-    def keep(name):
-        return lambda module, inputs, out: seen.__setitem__(name, out)
+    The attention's own ``forward`` runs on a stand-in that records what the two norms return
+    (rather than forward hooks, whose registration ``torch.compile`` cannot trace)."""
+    recorder = _QKRecorder(attn)
+    out = type(attn).forward(recorder, *args, **kwargs)
+    return out, recorder.seen["q"], recorder.seen["k"]
 
-    hooks = [attn.q_norm.register_forward_hook(keep("q")), attn.k_norm.register_forward_hook(keep("k"))]
-    try:
-        out = attn(*args, **kwargs)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return out, seen["q"], seen["k"]
+
+class _QKRecorder:
+    """``attn`` with its ``q_norm`` / ``k_norm`` outputs recorded in ``seen``; every other attribute is ``attn``'s."""
+
+    def __init__(self, attn):
+        self._attn = attn
+        self.seen = {}
+
+    def __getattr__(self, name):
+        return getattr(self._attn, name)
+
+    def q_norm(self, q: torch.Tensor) -> torch.Tensor:
+        self.seen["q"] = self._attn.q_norm(q)
+        return self.seen["q"]
+
+    def k_norm(self, k: torch.Tensor) -> torch.Tensor:
+        self.seen["k"] = self._attn.k_norm(k)
+        return self.seen["k"]
 
 
 def feed_forward(block, x: torch.Tensor) -> torch.Tensor:

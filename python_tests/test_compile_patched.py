@@ -1,0 +1,210 @@
+"""The patched forward of every method compiles whole and never waits on the device.
+
+CPU: ``torch.compile(..., fullgraph=True)`` (``aot_eager``, one ``inductor`` case) traces the
+patched forward in one graph equal to eager, ``torch._dynamo.explain`` finds no graph break, and
+the eager forward runs no operator that reads tensor values on the host (:mod:`helpers.host_sync`).
+A full graph with dynamo's defaults (``capture_scalar_outputs=False``,
+``capture_dynamic_output_shape_ops=False``) proves that the traced Python reads no tensor value
+(``.item()``, ``bool(t)``, ``int(t)``) and sizes nothing from values (``nonzero``, mask indexing);
+what the CPU cannot prove is what a CUDA kernel or the CUDA caching allocator does underneath (a
+kernel that copies to the host, a pinned-memory wait), which the CUDA tests at the end check with
+``torch.cuda.set_sync_debug_mode("error")`` and CUDA graphs (``mode="reduce-overhead"``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import pullback_ext.patch as patch
+from helpers.host_sync import NoHostSync, assert_detects_sync
+from helpers.prune import images, norm_scorer, tiny_dinov2, tiny_vit
+
+MERGE = dict(strategy="importance", head=norm_scorer, ratio=0.25, layers=(1,), mode="merge")  # selection "bound"
+TIMM_CASES = {
+    "merge": MERGE,
+    "merge_lowest": dict(MERGE, selection="lowest", weights="importance"),
+    "prune_llf_masked": dict(MERGE, mode="prune", llf=True),
+    "prune_llf_full": dict(MERGE, mode="prune", llf="full"),
+    "three_stages": dict(MERGE, ratio=0.5, layers=(0, 1, 2)),
+    "tome": dict(strategy="tome", r=3),
+    "evit": dict(strategy="evit", keep_rate=0.7, evit_layers=(0, 1)),
+    "pitome": dict(strategy="pitome", r=3),
+}
+HF_CASES = {
+    "hf_dinov2_merge": dict(MERGE),
+    "hf_dinov2_registers_prune_llf": dict(MERGE, mode="prune", llf=True),
+}
+CASES = tuple(TIMM_CASES) + tuple(HF_CASES)
+
+
+def patched_forward(case: str, device: str = "cpu"):
+    """``forward(images) -> features`` of a tiny random model patched as ``case`` says."""
+    if case in TIMM_CASES:
+        model = patch.timm(tiny_vit(reg_tokens=1, depth=3).to(device), **TIMM_CASES[case])
+        return model.forward_features
+    model = tiny_dinov2(attn="sdpa", registers=2 if "registers" in case else 0).to(device)
+    patch.auto(model, **HF_CASES[case])
+    return lambda x: model(pixel_values=x).last_hidden_state
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fullgraph_compile_equals_eager(case):
+    forward, x = patched_forward(case), images()
+    expected = forward(x)
+    with torch._dynamo.config.patch(capture_scalar_outputs=False, capture_dynamic_output_shape_ops=False):
+        compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(compiled, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_explain_finds_no_graph_break(case):
+    explanation = torch._dynamo.explain(patched_forward(case))(images())
+    assert explanation.graph_break_count == 0, [str(r.reason)[:200] for r in explanation.break_reasons]
+    assert explanation.graph_count == 1
+
+
+def test_the_host_sync_guard_catches_host_reads():
+    assert_detects_sync()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_eager_forward_reads_no_tensor_value_on_the_host(case):
+    forward, x = patched_forward(case), images()
+    with NoHostSync():
+        forward(x)
+
+
+def test_the_guard_fails_on_the_early_exit_the_partner_selection_had():
+    """The selection loop used to stop once every image had its budget (``bool(... .all())``):
+    the guard must catch that, or the eager test above proves nothing for it."""
+    from pullback_ext.prune import matching
+
+    cost = torch.rand(2, 8)
+    nearest = torch.randint(1, 9, (2, 8))
+    with NoHostSync():
+        matching.select_with_partners(cost, nearest, 3, num_prefix=1)
+    with pytest.raises(AssertionError, match="_local_scalar_dense"), NoHostSync():
+        bool((torch.zeros(2) >= 3).all())
+
+
+def _early_exit_selection(cost, nearest, count: int, num_prefix: int) -> list[list[int]]:
+    """The greedy partner selection written per image with the early exit on the budget."""
+    picks = []
+    for c, partners in zip(cost.tolist(), (nearest - num_prefix).tolist()):
+        order = sorted(range(len(c)), key=lambda j: (c[j], j))
+        chosen, protected = [], set()
+        for j in order:
+            if len(chosen) == count:
+                break
+            if j not in protected:
+                chosen.append(j)
+                protected.add(partners[j])
+        chosen += [j for j in order if j not in chosen][: count - len(chosen)]
+        picks.append(sorted(t + num_prefix for t in chosen))
+    return picks
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_shape_bounded_partner_selection_selects_what_the_early_exit_did(seed):
+    from pullback_ext.prune import matching
+
+    g = torch.Generator().manual_seed(seed)
+    n, num_prefix = 12, 2
+    cost = torch.randint(0, 5, (3, n), generator=g).double()  # ties: the order must stay stable
+    nearest = torch.randint(num_prefix, n + num_prefix, (3, n), generator=g)
+    for count in range(1, n + 1):  # 2·count > n needs the fill-up
+        got = matching.select_with_partners(cost, nearest, count, num_prefix)
+        assert got.tolist() == _early_exit_selection(cost, nearest, count, num_prefix), count
+
+
+def test_inductor_compiles_the_patched_merge():
+    forward, x = patched_forward("merge"), images()
+    expected = forward(x)
+    compiled = torch.compile(forward, fullgraph=True, backend="inductor")(x)
+    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)
+
+
+# --- proportional attention folded into the dot product -------------------------------------------
+
+
+def folded_size_attention(q, k, v, log_sizes, scale: float, multiple: int = 8):
+    """Proportional attention without a mask: ``softmax(scale·q kᵀ + log s) v`` as one maskless SDPA
+    call on one extra head channel, ``q̃ = [q, 1]``, ``k̃ = [k, log s / scale]`` (so that
+    ``scale · q̃·k̃ = scale · q·k + log s``), ``ṽ = [v, 0]``, zero-padded to a head dim that is a
+    multiple of ``multiple`` and the output sliced back. ``q, k, v [B, H, K, d]``, ``log_sizes [B, K]``."""
+    b, h, n, d = q.shape
+    width = math.ceil((d + 1) / multiple) * multiple
+    pad = torch.nn.functional.pad
+    q_t = pad(torch.cat([q, torch.ones_like(q[..., :1])], dim=-1), (0, width - d - 1))
+    k_t = pad(torch.cat([k, (log_sizes / scale)[:, None, :, None].expand(b, h, n, 1).to(k.dtype)], dim=-1),
+              (0, width - d - 1))
+    v_t = pad(v, (0, width - d))
+    out = torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, scale=scale)
+    return out[..., :d]
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 7])
+def test_folded_proportional_attention_equals_the_log_size_mask(head_dim):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 11, head_dim, generator=g, dtype=torch.float64) for _ in range(3))
+    sizes = torch.randint(1, 9, (2, 11), generator=g).double()
+    scale = head_dim ** -0.5
+    masked = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=sizes.log()[:, None, None, :])
+    torch.testing.assert_close(folded_size_attention(q, k, v, sizes.log(), scale), masked, rtol=1e-12, atol=1e-12)
+    # the scale must be the original one: SDPA's default for the padded width is another
+    wrong = folded_size_attention(q, k, v, sizes.log(), (head_dim + 1) ** -0.5)
+    assert not torch.allclose(wrong, masked, atol=1e-6)
+
+
+def test_masked_llf_equals_two_maskless_attention_calls():
+    """The masked-LLF mask (kept queries do not see stale keys) as two maskless calls: kept queries
+    over the kept keys, stale queries over every key."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    stale = torch.zeros(9, dtype=torch.bool)
+    stale[[2, 5, 6]] = True
+    mask = torch.zeros(9, 9, dtype=torch.float64).masked_fill(~stale[:, None] & stale[None, :], float("-inf"))
+    masked = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    kept = (~stale).nonzero()[:, 0]
+    split = torch.empty_like(masked)
+    split[:, :, kept] = torch.nn.functional.scaled_dot_product_attention(q[:, :, kept], k[:, :, kept], v[:, :, kept])
+    split[:, :, stale] = torch.nn.functional.scaled_dot_product_attention(q[:, :, stale], k, v)
+    torch.testing.assert_close(split, masked, rtol=1e-12, atol=1e-12)
+
+
+# --- CUDA: a GPU run picks these up -------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_patched_forward_never_synchronises(case):
+    forward, x = patched_forward(case, "cuda"), images().cuda()
+    forward(x)  # first call: lazy initialisation (cuBLAS handles, kernels) may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forward(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@cuda
+@pytest.mark.parametrize("case", ["merge", "prune_llf_masked", "three_stages", "tome", "hf_dinov2_merge"])
+def test_cuda_graphs_replay_the_patched_forward(case):
+    forward = patched_forward(case, "cuda")
+    compiled = torch.compile(forward, fullgraph=True, mode="reduce-overhead")
+    for seed in (1, 2, 3):  # warm-up and recording, then replays on new inputs of the same shape
+        x = images(seed=seed).cuda()
+        torch.testing.assert_close(compiled(x).clone(), forward(x), rtol=1e-4, atol=1e-4)
