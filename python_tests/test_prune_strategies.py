@@ -306,3 +306,14 @@ def test_oracle_scorer_gives_the_closed_form_imp_star_and_drives_selection():
     plain = model.blocks[0](model.norm_pre(model._pos_embed(model.patch_embed(images(1)))))
     kept = [t for t in range(17) if t == 0 or t not in (torch.argsort(a[1:])[:4] + 1).tolist()]
     torch.testing.assert_close(seen[0], plain[:, kept])
+
+
+def test_an_spn_scorer_with_negative_energies_is_refused_in_eager_forwards():
+    from pullback_ext.prune.strategies import ScorerStrategy
+
+    def bad_spn(x):
+        b, k, d = x.shape
+        return torch.ones(b, k * d, 2, dtype=x.dtype), -torch.ones(b, 2, dtype=x.dtype)
+
+    with pytest.raises(Exception, match="lam"):
+        ScorerStrategy("importance", bad_spn).importance(torch.rand(1, 5, 3, dtype=torch.float64))

@@ -76,8 +76,9 @@ class ScorerStrategy(Strategy):
     ``scorer.importance(F [B, K, D]) -> [B, K]`` (the importance head) when the scorer has that
     method, else ``scorer(F) -> [B, K]`` non-negative importance for every current token; an SPN
     returning ``(U [B, K*D, r], lam [B, r])`` is reduced to ``imp_θ`` with the
-    ``token_importance`` kernel, without its value checks (a host read on every forward; ``lam``
-    must be >= 0, as the SPN's softplus energy is). ``scorer`` may also be a sequence with one
+    ``token_importance`` kernel: eager forwards check its values (``lam >= 0``, finite; one host
+    read), compiled ones skip the check so that the graph has no break (the project's SPN gives a
+    softplus ``lam``, never negative). ``scorer`` may also be a sequence with one
     scorer per stage of the schedule (e.g. heads trained at each stage's layer).
     """
 
@@ -92,7 +93,7 @@ class ScorerStrategy(Strategy):
         out = method(x) if callable(method) else scorer(x)
         if isinstance(out, (tuple, list)):
             u, lam = out[0], out[1]
-            out = ops.token_importance(u, lam, x.shape[1], check_values=False)
+            out = ops.token_importance(u, lam, x.shape[1], check_values=not torch.compiler.is_compiling())
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape[:2]):
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise PullbackError(f"{self.name} scorer must return scores of shape {tuple(x.shape[:2])}, got {got}")
