@@ -222,11 +222,16 @@ def publish(
     return json_path, write_results_page(json_path, Path(folder) / f"{name}.md", title, render, note)
 
 
+def page_location(page: str) -> tuple[Path, str]:
+    """``(folder, name)`` of a command's ``--results-page PAGE``: a bare name is a page under
+    ``docs/results/``, a path without suffix (``DIR/NAME``) a page in ``DIR``."""
+    target = Path(page)
+    return (target.parent if str(target.parent) not in ("", ".") else RESULTS_DIR), target.name
+
+
 def publish_command_results(results: Mapping[str, Any], page: str, title: str, render: Callable[[dict], str],
                             command: Optional[str] = None) -> tuple[Path, Path]:
-    """``publish`` for a command's ``--results-page PAGE``: ``PAGE`` is a bare name (a page under
-    ``docs/results/``) or a path without suffix (``DIR/NAME``: the page goes to ``DIR``). The
-    results are stamped with ``command`` (default: the command line of this process)."""
-    target = Path(page)
-    folder = target.parent if str(target.parent) not in ("", ".") else RESULTS_DIR
-    return publish(dict(results, stamp=stamp(command or current_command())), target.name, title, render, folder=folder)
+    """``publish`` for a command's ``--results-page PAGE`` (see :func:`page_location`). The results
+    are stamped with ``command`` (default: the command line of this process)."""
+    folder, name = page_location(page)
+    return publish(dict(results, stamp=stamp(command or current_command())), name, title, render, folder=folder)

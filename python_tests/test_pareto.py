@@ -91,8 +91,12 @@ def test_pareto_command_end_to_end(tmp_path, capsys):
     out = tmp_path / "pareto"
     code = main(["evaluate", "--model", "demo", "--pareto", "--methods", "tome,random", "--sweep", "tome:r=2,16",
                  "--sweep", "tome:schedule=constant", "--ratios", "0.1,0.5", "--num-images", "3", "--seeds", "2",
-                 "--time-batches", "1,2", "--time-repeats", "1", "--out", str(out), "--quiet"])
+                 "--time-batches", "1,2", "--time-repeats", "1", "--out", str(out), "--quiet",
+                 "--results-page", str(tmp_path / "pages" / "pareto-test")])
     assert code == 0
+    page = (tmp_path / "pages" / "pareto-test.md").read_text()
+    assert "![error against speed-up](pareto-test.png)" in page and (tmp_path / "pages" / "pareto-test.png").stat().st_size > 0
+    assert json.loads((tmp_path / "pages" / "pareto-test.json").read_text())["stamp"]["command"].startswith("pullback evaluate")
     result = json.loads((out / "pareto.json").read_text())
     assert (out / "pareto.md").exists() and (out / "pareto.png").stat().st_size > 0
     assert result["num_images"] == 6 and result["command"].startswith("pullback evaluate --model demo --pareto")

@@ -147,8 +147,11 @@ def _run_pareto(args: argparse.Namespace, backbone, model, images) -> int:
     print(pareto_report.matched_tables(result))
     print(f"wrote {out / 'pareto.json'}, {out / 'pareto.md'}, {out / 'pareto.png'}")
     if args.results_page:
-        from pullback_ext.results_pages import publish_command_results
+        from pullback_ext.results_pages import page_location, publish_command_results
 
+        folder, name = page_location(args.results_page)
+        plot = pareto_report.plot(result, Path(folder) / f"{name}.png")
         title = f"Matched-cost comparison: {backbone.name}, {args.task}, {images.spec}"
-        print("wrote", *publish_command_results(result, args.results_page, title, pareto_report.markdown, args.command_line))
+        print("wrote", plot, *publish_command_results(result, args.results_page, title, pareto_report.page_renderer(plot.name),
+                                                        args.command_line))
     return 0

@@ -70,6 +70,11 @@ def markdown(result: dict) -> str:
     return matched_tables(result) + "\n**Every point**\n\n" + points_table(result)
 
 
+def page_renderer(plot_name: str):
+    """The results-page body: :func:`markdown` after the plot ``plot_name`` (next to the page)."""
+    return lambda result: f"![error against speed-up]({plot_name})\n\n" + markdown(result)
+
+
 def plot(result: dict, path: str | os.PathLike) -> Path:
     """Mean (solid, on the row's frontier) and worst-image (dashed) error against speed-up, log y,
     one panel per cost axis (the largest measured batch and FLOPs)."""
@@ -96,10 +101,11 @@ def plot(result: dict, path: str | os.PathLike) -> Path:
                         label=row if stat == "mean" else None, lw=1.2)
         ax.set_yscale("log")
         ax.set_xlabel(axis_title(axis))
-        ax.set_ylabel(f"{METRIC_TITLES.get(result['metric'], result['metric'])} (solid: mean, dashed: worst image)")
+        ax.set_ylabel(METRIC_TITLES.get(result["metric"], result["metric"]))
         ax.grid(alpha=0.3, which="both")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.suptitle(f"{result['model']}: {result['task']} error against speed-up on {result['images']}")
+    fig.suptitle(f"{result['model']}: {result['task']} error against speed-up on {result['images']} "
+                 "(solid: mean on the row's frontier, dashed: worst image)")
     fig.tight_layout()
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=7, frameon=False)  # below the data
     return save_figure(fig, path)
