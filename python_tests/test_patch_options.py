@@ -70,7 +70,7 @@ def test_resolve_chooses_every_auto_and_leaves_the_options_unchanged():
     options = ReductionOptions(head=norm_scorer, layers=(1,))
     resolved = options.resolve(BackboneShape(depth=4, num_prefix=1, has_cls=True, dense_neck=True)).options
     assert (resolved.mode, resolved.matching, resolved.weights, resolved.prop_attn, resolved.selection) == (
-        "prune", "cosine", "importance", False, "lowest")
+        "prune", "cosine", "size", False, "lowest")
     assert options.mode == "auto" and options.matching == "auto"
 
 
@@ -128,13 +128,13 @@ def test_patch_functions_reject_unknown_keywords_and_positional_heads():
 SHAPE = BackboneShape(depth=6, num_prefix=1, has_cls=True)
 
 
-@pytest.mark.parametrize("preset,mode,selection,llf", [
-    ("recommended", "merge", "bound", "masked"), ("recommended", "prune", "lowest", "masked"),
-    ("paper", "merge", "lowest", "full"), ("paper", "prune", "lowest", "full"),
+@pytest.mark.parametrize("preset,mode,selection,llf,weights", [
+    ("recommended", "merge", "bound", "masked", "size"), ("recommended", "prune", "lowest", "masked", "size"),
+    ("paper", "merge", "lowest", "full", "importance"), ("paper", "prune", "lowest", "full", "importance"),
 ])
-def test_preset_chooses_the_auto_values(preset, mode, selection, llf):
+def test_preset_chooses_the_auto_values(preset, mode, selection, llf, weights):
     o = ReductionOptions(head=norm_scorer, mode=mode, preset=preset, layers=(2,)).resolve(SHAPE).options
-    assert (o.selection, o.llf, o.weights) == (selection, llf, "importance")
+    assert (o.selection, o.llf, o.weights) == (selection, llf, weights)
 
 
 def test_explicit_values_win_over_the_preset():

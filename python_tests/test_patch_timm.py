@@ -137,7 +137,8 @@ def test_merge_matches_a_hand_written_reference(strategy):
             seq = blk(seq)
         refs.append(model.norm(seq)[:, 0])
     patch.timm(model, head=HEADS.get(strategy), ratio=5 / 16, layers=(1,), mode="merge", strategy=strategy, matching="cosine",
-               prop_attn=False, selection="lowest" if strategy == "importance" else "auto")
+               prop_attn=False, selection="lowest" if strategy == "importance" else "auto",
+               weights="importance" if strategy == "importance" else "auto")
     torch.testing.assert_close(model.forward_features(x)[:, 0], torch.cat(refs), rtol=1e-5, atol=1e-5)
 
 

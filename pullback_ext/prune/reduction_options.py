@@ -65,8 +65,8 @@ class ReductionOptions:
     - ``eps``: isotropic floor of the pullback distance (None: the SPN's ``eps``).
     - ``prop_attn``: add ``log(size)`` to attention logits after merges (``auto``: in merge mode; a
       merged token keeps the attention mass of every token it absorbed, as in ToMe).
-    - ``weights``: merged averages by ``size`` or ``importance`` (``auto``: importance for the
-      ``importance``/``oracle`` strategies, size for the training-free ones).
+    - ``weights``: merged averages by ``size`` or ``importance`` (``auto``: size; importance for the
+      ``importance``/``oracle`` strategies under ``preset="paper"``, whose literal rule it is).
     - ``selection``: which tokens a scorer strategy merges away: ``lowest`` importance, or the lowest
       first-order error ``bound`` ``imp(s) · ‖x_t − x_s‖`` with ``t`` the token it would merge into
       (the pullback distance when matching in the pullback metric); ``auto``: ``bound`` for merges
@@ -74,7 +74,7 @@ class ReductionOptions:
     - ``seed``: of the ``random`` strategy.
     - ``preset``: how ``auto`` values are chosen. ``recommended`` (default): the choices above.
       ``paper``: the paper's literal pipeline — lowest-importance selection, importance-weighted
-      averages, pullback (Eq. 19) matching when an SPN is given (``spn=``), full LLF in prune mode.
+      averages (the default ``recommended`` averages by size: see docs/prune.md, "Defaults"), pullback (Eq. 19) matching when an SPN is given (``spn=``), full LLF in prune mode.
       Values given explicitly always win over the preset.
 
     The originals (``strategy`` ``tome``, ``evit`` or ``pitome``, see :mod:`pullback_ext.prune.tome`,
@@ -326,7 +326,7 @@ def _auto_choices(o: ReductionOptions, mode: str) -> dict:
     scorer, paper = o.strategy in NEEDS_SCORER, o.preset == "paper"
     choices = {
         "matching": "pullback" if o.spn is not None else "cosine",
-        "weights": "importance" if scorer else "size",
+        "weights": "importance" if (scorer and paper) else "size",
         "prop_attn": mode == "merge",
         "selection": "bound" if (mode == "merge" and scorer and not paper) else "lowest",
         "llf": "full" if paper else "masked",
