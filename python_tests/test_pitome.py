@@ -12,14 +12,13 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from helpers.blocks import attention_half, embed, mlp_half, small_timm, tokens_after_each_block, unmerge
+from helpers.blocks import per_block_merge_reference, small_timm, tokens_after_each_block
 from helpers.prune import images, tiny_vit
-from pullback_ext import ops
+from helpers.broken_merges import merges_everywhere, no_proportional_attention, unweighted_averages
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import pitome, tome
 from pullback_ext.prune.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
-from pullback_ext.prune.merged_tokens import MergedTokens
 from pullback_ext.prune.reduction_options import ReductionOptions
 
 
@@ -58,22 +57,12 @@ def _energy_merge_reference(x, keys, sizes, sources, p, r, margin, alpha):
 def pitome_reference(model, images_, merges, margin=0.9, alpha=1.0, prop_attn=True):
     """PiToMe on each image: ``(final [B, N, D] normed, [after block i [B, N, D] for every block])``;
     block ``i`` of ``L`` uses the margin ``margin · (1 − i/L)``."""
-    h = embed(model, images_)
-    p, n, depth = model.num_prefix_tokens, h.shape[1], len(model.blocks)
-    finals, per_block = [], []
-    for image in h:
-        x, sizes, sources, seen = image, [1.0] * n, [[t] for t in range(n)], []
-        for i, block in enumerate(model.blocks):
-            log_sizes = torch.tensor(sizes, dtype=x.dtype).log() if prop_attn else None
-            x, _, keys = attention_half(block, x, log_sizes)
-            if merges[i]:
-                x, sizes, sources = _energy_merge_reference(x, keys, sizes, sources, p, merges[i],
-                                                            margin * (1 - i / depth), alpha)
-            x = mlp_half(block, x)
-            seen.append(unmerge(x, sources, n))
-        finals.append(model.norm(seen[-1]))
-        per_block.append(torch.stack(seen))
-    return torch.stack(finals), list(torch.stack(per_block).transpose(0, 1))
+    depth = len(model.blocks)
+
+    def step(i, x, keys, sizes, sources, p, r):
+        return _energy_merge_reference(x, keys, sizes, sources, p, r, margin * (1 - i / depth), alpha)
+
+    return per_block_merge_reference(model, images_, merges, step, prop_attn)
 
 
 def _features_as_keys(monkeypatch):
@@ -121,29 +110,12 @@ def _sets_as_halves(monkeypatch):
     monkeypatch.setattr(pitome, "merge_order", halves)
 
 
-def _merges_everywhere(monkeypatch):
-    monkeypatch.setattr(tome, "block_merges", lambda options, depth: [options.r] * depth)
-
-
-def _unweighted_averages(monkeypatch):
-    merge = ops.merge_tokens
-
-    def unweighted(x, w, src, dst, **kwargs):
-        return merge(x, torch.ones_like(w), src, dst)[0], merge(x, w, src, dst)[1]
-
-    monkeypatch.setattr(ops, "merge_tokens", unweighted)
-
-
-def _no_proportional_attention(monkeypatch):
-    monkeypatch.setattr(MergedTokens, "size_bias", lambda self: None)
-
-
 BROKEN = {
     "features_as_keys": _features_as_keys, "energy_of_the_features": _energy_of_the_features, "no_margin": _no_margin,
     "margin_constant_over_depth": _margin_constant_over_depth, "lowest_energy_merged": _lowest_energy_merged,
     "prefix_tokens_merged": _prefix_tokens_merged, "sets_as_halves": _sets_as_halves,
-    "merges_outside_the_range": _merges_everywhere, "no_size_weights": _unweighted_averages,
-    "no_proportional_attention": _no_proportional_attention,
+    "merges_outside_the_range": merges_everywhere, "no_size_weights": unweighted_averages,
+    "no_proportional_attention": no_proportional_attention,
 }
 
 
@@ -165,7 +137,7 @@ def test_pitome_matches_the_reference_and_the_check_catches_broken_variants(brok
     assert _matches(model, x, expected, expected_blocks) == (broken is None)
 
 
-def test_the_paper_margin_alpha_and_no_proportional_attention_match_the_reference():
+def test_the_paper_margin_alpha_andno_proportional_attention_match_the_reference():
     model = tiny_vit(depth=4).double()
     x = images(2).double()
     patch.timm(model, strategy="pitome", r=4)

@@ -10,14 +10,13 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from helpers.blocks import attention_half, embed, mlp_half, small_timm, tokens_after_each_block, unmerge
+from helpers.blocks import embed, per_block_merge_reference, small_timm, tokens_after_each_block
 from helpers.prune import images, tiny_vit
-from pullback_ext import ops
+from helpers.broken_merges import merges_everywhere, no_proportional_attention, unweighted_averages
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import reduction_options, timm_vit, tome
 from pullback_ext.prune.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
-from pullback_ext.prune.merged_tokens import MergedTokens
 from pullback_ext.prune.reduction_options import ReductionOptions
 from pullback_ext.prune.split_block import SplitBlock
 
@@ -49,21 +48,8 @@ def _merge_reference(x, keys, sizes, sources, p, r):
 
 def tome_reference(model, images_, merges, prop_attn=True):
     """ToMe on each image: ``(final [B, N, D] normed, [after block i [B, N, D] for every block])``."""
-    h = embed(model, images_)
-    p, n = model.num_prefix_tokens, h.shape[1]
-    finals, per_block = [], []
-    for image in h:
-        x, sizes, sources, seen = image, [1.0] * n, [[t] for t in range(n)], []
-        for i, block in enumerate(model.blocks):
-            log_sizes = torch.tensor(sizes, dtype=x.dtype).log() if prop_attn else None
-            x, _, keys = attention_half(block, x, log_sizes)
-            if merges[i]:
-                x, sizes, sources = _merge_reference(x, keys, sizes, sources, p, merges[i])
-            x = mlp_half(block, x)
-            seen.append(unmerge(x, sources, n))
-        finals.append(model.norm(seen[-1]))
-        per_block.append(torch.stack(seen))
-    return torch.stack(finals), list(torch.stack(per_block).transpose(0, 1))
+    step = lambda i, x, keys, sizes, sources, p, r: _merge_reference(x, keys, sizes, sources, p, r)  # noqa: E731
+    return per_block_merge_reference(model, images_, merges, step, prop_attn)
 
 
 def _features_as_keys(monkeypatch):
@@ -71,25 +57,8 @@ def _features_as_keys(monkeypatch):
     monkeypatch.setattr(tome, "bipartite_merge", lambda state, keys, r: merge(state, state.x[:, None], r))
 
 
-def _merges_everywhere(monkeypatch):
-    monkeypatch.setattr(tome, "block_merges", lambda options, depth: [options.r] * depth)
-
-
-def _unweighted_averages(monkeypatch):
-    merge = ops.merge_tokens
-
-    def unweighted(x, w, src, dst, **kwargs):
-        return merge(x, torch.ones_like(w), src, dst)[0], merge(x, w, src, dst)[1]
-
-    monkeypatch.setattr(ops, "merge_tokens", unweighted)
-
-
-def _no_proportional_attention(monkeypatch):
-    monkeypatch.setattr(MergedTokens, "size_bias", lambda self: None)
-
-
-BROKEN = {"features_as_keys": _features_as_keys, "merges_outside_the_range": _merges_everywhere,
-          "no_size_weights": _unweighted_averages, "no_proportional_attention": _no_proportional_attention}
+BROKEN = {"features_as_keys": _features_as_keys, "merges_outside_the_range": merges_everywhere,
+          "no_size_weights": unweighted_averages, "no_proportional_attention": no_proportional_attention}
 
 
 @pytest.mark.parametrize("broken", [None, *BROKEN])

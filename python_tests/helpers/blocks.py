@@ -76,3 +76,25 @@ def tokens_after_each_block(model, x):
         for hook in hooks:
             hook.remove()
     return counts
+
+
+def per_block_merge_reference(model, images: torch.Tensor, merges: list, merge, prop_attn: bool = True):
+    """A per-block merging method run image by image: in block ``i`` with ``merges[i]`` > 0,
+    ``merge(i, x, keys, sizes, sources, p, r) -> (x, sizes, sources)`` runs between attention and
+    MLP (``x [K, D]``, ``keys [H, K, hd]``, ``sizes``: list, ``sources``: original tokens of each).
+    Returns ``(final [B, N, D] normed, [after block i [B, N, D] for every block])``, unmerged."""
+    h = embed(model, images)
+    p, n = model.num_prefix_tokens, h.shape[1]
+    finals, per_block = [], []
+    for image in h:
+        x, sizes, sources, seen = image, [1.0] * n, [[t] for t in range(n)], []
+        for i, block in enumerate(model.blocks):
+            log_sizes = torch.tensor(sizes, dtype=x.dtype).log() if prop_attn else None
+            x, _, keys = attention_half(block, x, log_sizes)
+            if merges[i]:
+                x, sizes, sources = merge(i, x, keys, sizes, sources, p, merges[i])
+            x = mlp_half(block, x)
+            seen.append(unmerge(x, sources, n))
+        finals.append(model.norm(seen[-1]))
+        per_block.append(torch.stack(seen))
+    return torch.stack(finals), list(torch.stack(per_block).transpose(0, 1))
