@@ -62,12 +62,12 @@ def test_interleaved_timing_rotates_the_order_and_times_every_round():
 
 
 def test_sweep_grammar():
-    assert parse_sweeps(["tome:r=4,8", "evit:keep_rate=0.5", "importance:llf=off,full"], (0.1,)) == {
+    assert parse_sweeps(["tome:r=4,8", "evit:keep_rate=0.5", "importance:llf=off,full"]) == {
         "tome": {"r": (4, 8)}, "evit": {"keep_rate": (0.5,)}, "importance": {"llf": (False, "full")}}
     for bad, match in (("tome-r=4", "expected METHOD:FIELD"), ("tome:rr=4", "'rr' is not a reduction option"),
                        ("tome:r=", "expected METHOD:FIELD")):
         with pytest.raises(PullbackError, match=match):
-            parse_sweeps([bad], (0.1,))
+            parse_sweeps([bad])
 
 
 def test_grids_give_both_of_our_rules_and_the_authors_knobs():
@@ -76,7 +76,7 @@ def test_grids_give_both_of_our_rules_and_the_authors_knobs():
     assert set(method_grid("tome", "merge", (0.1,), {})) == {"r", "schedule"}
     assert method_grid("tome", "merge", (0.1,), {"tome": {"r": (3,)}})["r"] == (3,)
     base = {"layers": (2,), "mode": "merge", "preset": "recommended"}
-    points = build_points(("tome", "norm"), parse_sweeps(["tome:r=2,4", "tome:schedule=constant"], (0.1, 0.3)), base, {}, None, (0.1, 0.3))
+    points = build_points(("tome", "norm"), parse_sweeps(["tome:r=2,4", "tome:schedule=constant"]), base, {}, None, (0.1, 0.3))
     assert [p.knob for p in points] == [{"r": 2, "schedule": "constant"}, {"r": 4, "schedule": "constant"}, {"ratio": 0.1}, {"ratio": 0.3}]
     assert points[0].options.strategy == "tome" and points[2].options.layers == (2,)
     with pytest.raises(PullbackError, match="needs --head"):

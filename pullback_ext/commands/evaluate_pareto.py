@@ -2,7 +2,7 @@
 
 A sweep is ``METHOD:FIELD=v1,v2`` (a :class:`~pullback_ext.prune.reduction_options.ReductionOptions`
 field and its values); a method's grid is the product of its fields' values. The defaults below
-are for the demo model's 196 patch tokens over 8 blocks and scale with nothing; ``--sweep``
+suit the demo model (196 patch tokens, 8 blocks) and are not scaled to other models; ``--sweep``
 replaces one field of one method.
 """
 
@@ -25,9 +25,9 @@ OURS_MERGE = {"selection": ("bound", "lowest")}  # both of our rules, side by si
 OURS_PRUNE = {"llf": ("masked", "full")}
 
 
-def parse_sweeps(texts, ratios: tuple) -> dict:
-    """``{method: {field: values}}``: the defaults (single-stage methods sweep ``ratio`` over
-    ``ratios``) with each ``METHOD:FIELD=v1,v2`` of ``texts`` replacing one field."""
+def parse_sweeps(texts) -> dict:
+    """``{method: {field: values}}`` from the ``METHOD:FIELD=v1,v2`` of ``texts``: the fields they
+    replace in the method grids (:func:`method_grid`)."""
     from pullback_ext.prune.reduction_options import ReductionOptions
 
     fields = set(ReductionOptions.__dataclass_fields__) - {"head", "spn", "strategy"}
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
     scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, False)
     methods = tuple(m.strip() for m in (args.methods or _default_methods(scorers)).split(",") if m.strip())
-    points = build_points(methods, parse_sweeps(args.sweep, ratios), {"layers": layers, "mode": mode, "preset": args.preset},
+    points = build_points(methods, parse_sweeps(args.sweep), {"layers": layers, "mode": mode, "preset": args.preset},
                           scorers, spn, ratios)
     reductions = [pareto.resolve(p.options, backbone) for p in points]  # every point checked before any forward pass
     labels = [pareto.row_label(r) for r in reductions]
