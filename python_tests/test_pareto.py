@@ -115,7 +115,18 @@ def test_pareto_command_end_to_end(tmp_path, capsys):
 
 def test_sweep_without_pareto_is_refused(tmp_path, capsys):
     assert main(["evaluate", "--model", "demo", "--sweep", "tome:r=2", "--out", str(tmp_path)]) == 2
-    assert "--methods and --sweep need --pareto" in capsys.readouterr().err
+    assert "--methods, --sweep and --device need --pareto" in capsys.readouterr().err
+
+
+def test_device_is_checked():
+    from pullback_ext.commands.evaluate_pareto import device
+
+    assert device("cpu") == torch.device("cpu")
+    with pytest.raises(PullbackError, match="expected cpu, cuda or cuda:N"):
+        device("tpu:0")
+    if not torch.cuda.is_available():
+        with pytest.raises(PullbackError, match="no CUDA device is available"):
+            device("cuda")
 
 
 def test_unpruned_reference_is_in_every_timing_round():

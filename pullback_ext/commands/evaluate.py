@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(writes pareto.json, pareto.md, pareto.png)")
     pareto.add_argument("--methods", default=None, help="with --pareto: comma list of strategies, single-stage or original "
                         "(default: importance when --head is given, tome, evit, random)")
+    pareto.add_argument("--device", default="cpu", help="with --pareto: where the model, the heads and the images run "
+                        "(cpu, cuda or cuda:N; wall-clock then uses CUDA events)")
     pareto.add_argument("--sweep", action="append", metavar="METHOD:FIELD=V1,V2",
                         help="with --pareto: the values of one knob of one method, e.g. tome:r=4,8,16 or evit:keep_rate=0.7,0.5 "
                              "(repeatable; single-stage methods sweep ratio over --ratios by default)")
@@ -87,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
     backbone, model = load_backbone(spec, args.weights)
     if args.pareto:
         return _run_pareto(args, backbone, model, images)
-    if args.methods is not None or args.sweep:
-        raise PullbackError("--methods and --sweep need --pareto")
+    if args.methods is not None or args.sweep or args.device != "cpu":
+        raise PullbackError("--methods, --sweep and --device need --pareto")
     layers = evaluate_plan.stage_layers(args.stages, backbone.depth, args.absolute_layers, args.head)
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
     scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)
@@ -132,9 +134,11 @@ def _run_pareto(args: argparse.Namespace, backbone, model, images) -> int:
     from pullback_ext.prune import pareto_report
     from pullback_ext.prune.report import write_json, write_text
 
+    device = evaluate_pareto.device(args.device)
+    model.to(device)
     sets = images.seed_sets(backbone.preprocess, args.num_images, args.seeds)
     loaded = [s.load() for s in sets]
-    pixels = torch.cat([d["images"] for d in loaded])
+    pixels = torch.cat([d["images"] for d in loaded]).to(device)
     names = [name for s in sets for name in s.names()]
     result = evaluate_pareto.run(args, backbone, model, pixels, names)
     result |= {"command": args.command_line, "model": backbone.name, "images": images.spec}

@@ -112,6 +112,8 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     layers = evaluate_plan.stage_layers(args.stages, backbone.depth, args.absolute_layers, args.head)
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
     scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, False)
+    scorers = {name: _on(s, images.device) for name, s in scorers.items()}
+    spn = None if spn is None else spn.to(images.device)
     methods = tuple(m.strip() for m in (args.methods or _default_methods(scorers)).split(",") if m.strip())
     points = build_points(methods, parse_sweeps(args.sweep), {"layers": layers, "mode": mode, "preset": args.preset},
                           scorers, spn, ratios)
@@ -131,3 +133,23 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
 
 def _default_methods(scorers: dict) -> str:
     return ",".join(m for m in DEFAULT_METHODS if m != "importance" or "importance" in scorers)
+
+
+def device(text: str):
+    """The ``torch.device`` of ``--device``, checked to exist on this machine."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise PullbackError(f"--device: expected cpu, cuda or cuda:N; got {text!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PullbackError(f"--device {text}: no CUDA device is available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise PullbackError(f"--device: expected cpu, cuda or cuda:N; got {text!r}")
+    return dev
+
+
+def _on(scorer, dev):
+    """A scorer (a module, or one per stage) moved to ``dev``."""
+    return [s.to(dev) for s in scorer] if isinstance(scorer, (list, tuple)) else scorer.to(dev)
