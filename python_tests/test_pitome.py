@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from helpers.blocks import per_block_merge_reference, small_timm, tokens_after_each_block
+from helpers.blocks import assert_zero_reduction_is_unpatched, per_block_merge_reference, small_timm, tokens_after_each_block
 from helpers.prune import images, tiny_vit
 from helpers.broken_merges import merges_everywhere, no_proportional_attention, unweighted_averages
 from pullback_ext.errors import PullbackError
@@ -156,11 +156,7 @@ def test_layer_scale_and_register_models(name, size):
     """r = 0 is the unpatched model bit for bit; r > 0 is the reference that applies ls1 / ls2."""
     model = small_timm(name, size)
     x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    plain, plain_inter = model.forward_features(x), model.forward_intermediates(x, indices=[0, 2])
-    patch.timm(model, strategy="pitome", r=0)
-    assert torch.equal(model.forward_features(x), plain)
-    final, inter = model.forward_intermediates(x, indices=[0, 2])
-    assert torch.equal(final, plain_inter[0]) and all(torch.equal(a, b) for a, b in zip(inter, plain_inter[1]))
+    plain = assert_zero_reduction_is_unpatched(model, x, patch.timm, strategy="pitome", r=0)
     patch.timm(model, strategy="pitome", r=4, schedule="decreasing")
     expected, blocks = pitome_reference(model, x, merges=tome.merges_per_block(4, "decreasing", 3))
     assert _matches(model, x, expected, blocks)

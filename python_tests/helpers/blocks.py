@@ -98,3 +98,14 @@ def per_block_merge_reference(model, images: torch.Tensor, merges: list, merge, 
         finals.append(model.norm(seen[-1]))
         per_block.append(torch.stack(seen))
     return torch.stack(finals), list(torch.stack(per_block).transpose(0, 1))
+
+
+def assert_zero_reduction_is_unpatched(model, x: torch.Tensor, patch_fn, **options) -> torch.Tensor:
+    """``patch_fn(model, **options)`` (a reduction that removes nothing) leaves ``forward_features``
+    and ``forward_intermediates`` (blocks 0 and 2) bit-identical; returns the unpatched features."""
+    plain, plain_inter = model.forward_features(x), model.forward_intermediates(x, indices=[0, 2])
+    patch_fn(model, **options)
+    assert torch.equal(model.forward_features(x), plain)
+    final, inter = model.forward_intermediates(x, indices=[0, 2])
+    assert torch.equal(final, plain_inter[0]) and all(torch.equal(a, b) for a, b in zip(inter, plain_inter[1]))
+    return plain
