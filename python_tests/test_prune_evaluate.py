@@ -62,6 +62,31 @@ def test_depth_table_with_and_without_llf(demo):
     json.dumps(result)
 
 
+def test_rows_name_their_rules_and_show_both_of_ours_side_by_side(demo):
+    sets = [_scenes(3, 0)]
+    scorers = {"importance": lambda F: F.norm(dim=-1)}
+    merge = Plan(task="cls", strategies=("importance", "tome_score"), ratios=(0.25,), layers=(2,), mode="merge",
+                 scorers=scorers, batch_size=3)
+    result = run_quality(demo, sets, merge, progress=False)
+    rules = result["rules"]["merge"]
+    assert list(result["tables"]["merge"]) == ["importance", "importance (paper preset)", "tome_score"]
+    assert rules["importance"]["selection"] == "bound imp·drift" and rules["importance"]["averaging"].startswith("size-weighted")
+    assert rules["importance (paper preset)"]["selection"] == "lowest importance"
+    assert rules["importance (paper preset)"]["averaging"].startswith("importance-weighted")
+    assert rules["tome_score"]["selection"] == "lowest tome_score"
+    ours, paper = (result["tables"]["merge"][k]["0.25"]["cosine_x100"]["mean"] for k in rules if k.startswith("importance"))
+    assert ours != paper  # the two rows really ran different rules
+    md = markdown_table(result, "merge")
+    assert "| importance (paper preset) | lowest importance | importance-weighted" in md
+    cost = run_cost(demo, sets[0]["images"], merge, batches=(1,), repeats=1, strategies=("importance",), progress=False)
+    assert set(cost) >= {"importance", "importance (paper preset)"} and "tome_score" not in cost
+
+    fixed = Plan(task="cls", strategies=("importance",), ratios=(0.25,), layers=(2,), mode="merge", scorers=scorers, selection="lowest")
+    assert [r.key for r in fixed.rows(demo)] == ["importance"]  # an explicit selection is one row
+    prune = Plan(task="depth", strategies=("importance",), ratios=(0.25,), layers=(2,), mode="prune", llf=(True,), scorers=scorers)
+    assert [r.key for r in prune.rows(demo)] == ["importance"]  # in prune mode with the LLF given, the presets agree
+
+
 def test_cost_counts_fewer_flops_when_pruning(demo):
     plan = Plan(task="cls", strategies=("norm",), ratios=(0.5,), layers=(2,), mode="merge")
     cost = run_cost(demo, _scenes(2, 0)["images"], plan, batches=(1, 2), repeats=1, progress=False)

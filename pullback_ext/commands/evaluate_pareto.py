@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     ``backbone`` (``model``: the module it wraps, which the scorer checkpoints are checked against)."""
     from pullback_ext.commands import evaluate_plan
     from pullback_ext.commands.arguments import comma_floats, comma_ints
-    from pullback_ext.prune import pareto
+    from pullback_ext.prune import pareto, row_rules
     from pullback_ext.prune.evaluation import PRIMARY
 
     ratios = comma_floats(args.ratios, "--ratios")
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     points = build_points(methods, parse_sweeps(args.sweep), {"layers": layers, "mode": mode, "preset": args.preset},
                           scorers, spn, ratios)
     reductions = [pareto.resolve(p.options, backbone) for p in points]  # every point checked before any forward pass
-    labels = [pareto.row_label(r) for r in reductions]
+    labels = [row_rules.row_label(r) for r in reductions]
     metric = PRIMARY[args.task]
     errors = [e[metric] for e in pareto.image_errors(backbone, images, points, args.task, args.batch_size, not args.quiet)]
     batches = () if args.no_timing else comma_ints(args.time_batches, "--time-batches")

@@ -5,6 +5,12 @@ embedding, additional SILog ×100 of the depth map, k-NN top-1 (leave-one-out ag
 embeddings of the other images) when labels exist. Each seed is one image set; a cell reports the
 mean over seeds of the per-seed means, their standard deviation across seeds, and the standard
 deviation over all images.
+
+A *row* is one strategy with its selection and averaging rules fixed, and every table names them
+(``result["rules"]``, from :func:`~pullback_ext.prune.row_rules.describe`). Where our scored
+strategies (``importance``, ``oracle``) run with automatic choices, each gets a second row with the
+other preset's rules (``"importance (paper preset)"`` beside ``"importance"``), so both of our
+rules appear side by side.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from pullback_ext.errors import PullbackError
 from pullback_ext.prune import quality
 from pullback_ext.prune.backbones import Backbone
 from pullback_ext.prune.cost import count_flops, wall_clock
-from pullback_ext.prune.reduction_options import MODES, BackboneShape, Reduction, ReductionOptions
+from pullback_ext.prune.reduction_options import MODES, PRESETS, BackboneShape, Reduction, ReductionOptions
+from pullback_ext.prune.row_rules import describe
 from pullback_ext.prune.strategies import NEEDS_SCORER, TRAINING_FREE
 
 METRICS = {"cls": ("cosine_x100",), "depth": ("silog_x100", "cosine_x100")}
@@ -44,14 +51,40 @@ class Plan:
     knn_k: int = 10
     preset: str = "recommended"
 
-    def reduction(self, backbone: Backbone, strategy: str, ratio: float, llf, seed: int) -> Reduction:
-        """The reduction of one cell (``llf``: one entry of ``self.llf``)."""
+    def reduction(self, backbone: Backbone, strategy: str, ratio: float, llf, seed: int, preset: Optional[str] = None) -> Reduction:
+        """The reduction of one cell (``llf``: one entry of ``self.llf``; ``preset``: default ``self.preset``)."""
         options = ReductionOptions(
             head=self.scorers.get(strategy), ratio=ratio, layers=self.layers, mode=self.mode, strategy=strategy, llf=llf,
             spn=self.spn, prop_attn=self.prop_attn, seed=seed, selection=self.selection if strategy in NEEDS_SCORER else "auto",
-            preset=self.preset,
+            preset=self.preset if preset is None else preset,
         )
         return options.resolve(BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls))
+
+    def rows(self, backbone: Backbone) -> list["Row"]:
+        """Every row of the tables: one per strategy under ``self.preset``, and for a scored
+        strategy with automatic selection a second one under the other preset where its rules differ."""
+        out = []
+        for strategy in self.strategies:
+            out.append(Row(strategy, strategy, self.preset))
+            if strategy not in NEEDS_SCORER or self.selection != "auto":
+                continue
+            other = next(p for p in PRESETS if p != self.preset)
+            ratio, llf = self.ratios[-1], self.llf[0]
+            if describe(self.reduction(backbone, strategy, ratio, llf, 0, other)) != describe(self.reduction(backbone, strategy, ratio, llf, 0)):
+                out.append(Row(f"{strategy} ({other} preset)", strategy, other))
+        return out
+
+    def row_reduction(self, backbone: Backbone, row: "Row", ratio: float, llf, seed: int) -> Reduction:
+        return self.reduction(backbone, row.strategy, ratio, llf, seed, row.preset)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One table row: its ``key`` in the results, the ``strategy`` and the ``preset`` it runs under."""
+
+    key: str
+    strategy: str
+    preset: str
 
 
 def check_plan(plan: Plan, backbone: Backbone) -> None:
@@ -123,7 +156,8 @@ def run_quality(backbone: Backbone, image_sets: list, plan: Plan, progress: bool
     from tqdm import tqdm
 
     check_plan(plan, backbone)
-    cells = [(llf, s, r) for llf in plan.llf for s in plan.strategies for r in plan.ratios]
+    rows = plan.rows(backbone)
+    cells = [(llf, row, r) for llf in plan.llf for row in rows for r in plan.ratios]
     per_image: dict = {}
     knn: dict = {}
     bar = tqdm(total=len(image_sets) * len(cells), desc="evaluate", disable=not progress, unit="cell")
@@ -134,17 +168,20 @@ def run_quality(backbone: Backbone, image_sets: list, plan: Plan, progress: bool
             if labels is not None:
                 knn.setdefault("unpruned", []).append(
                     quality.knn_top1(full["embedding"], labels, full["embedding"], labels, plan.knn_k, exclude_self=True))
-            for llf, strategy, ratio in cells:
-                reduction = plan.reduction(backbone, strategy, ratio, llf, seed)
-                reduced = batched_outputs(lambda x: backbone.reduced(reduction, x), images, plan.batch_size, _prepare_scorers(plan, strategy))
+            for llf, row, ratio in cells:
+                reduction = plan.row_reduction(backbone, row, ratio, llf, seed)
+                reduced = batched_outputs(lambda x: backbone.reduced(reduction, x), images, plan.batch_size, _prepare_scorers(plan, row.strategy))
                 for metric, values in output_errors(plan.task, reduced, full).items():
-                    per_image.setdefault((llf, strategy, ratio, metric), []).append(values)
+                    per_image.setdefault((llf, row.key, ratio, metric), []).append(values)
                 if labels is not None:
-                    knn.setdefault((llf, strategy, ratio), []).append(
+                    knn.setdefault((llf, row.key, ratio), []).append(
                         quality.knn_top1(full["embedding"], labels, reduced["embedding"], labels, plan.knn_k, exclude_self=True))
                 bar.update(1)
     bar.close()
-    return _assemble(plan, image_sets, per_image, knn)
+    result = _assemble(plan, image_sets, per_image, knn)
+    result["rules"] = {table_key(plan.mode, llf): {row.key: describe(plan.row_reduction(backbone, row, plan.ratios[-1], llf, 0)) for row in rows}
+                       for llf in plan.llf}
+    return result
 
 
 def table_key(mode: str, llf) -> str:
@@ -199,7 +236,8 @@ def _wilcoxon(plan: Plan, per_image: dict) -> dict:
 def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 64), repeats: int = 3,
              strategies: Optional[tuple] = None, progress: bool = True) -> dict:
     """FLOPs per image (torch's flop counter, batch 1) and wall-clock at each batch size for the
-    unpruned model and every strategy × ratio (first LLF setting of the plan)."""
+    unpruned model and every row × ratio (first LLF setting of the plan) of the given ``strategies``
+    (default all), keyed by row."""
     from tqdm import tqdm
 
     strategies = plan.strategies if strategies is None else strategies
@@ -217,37 +255,40 @@ def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 6
             entry[f"batch{b}"] = wall_clock(fn, inputs[b], repeats=repeats)
         return entry
 
-    cells = [(s, r) for s in strategies for r in plan.ratios]
+    cells = [(row, r) for row in plan.rows(backbone) if row.strategy in strategies for r in plan.ratios]
     bar = tqdm(total=len(cells) + 1, desc="cost", disable=not progress, unit="run")
     out = {"batches": list(batches), "repeats": repeats, "llf": llf, "unpruned": measure(backbone.full)}
     bar.update(1)
     base = out["unpruned"]
-    for strategy, ratio in cells:
-        reduction = plan.reduction(backbone, strategy, ratio, llf, 0)
-        entry = measure(lambda x: backbone.reduced(reduction, x), _prepare_scorers(plan, strategy))
+    for row, ratio in cells:
+        reduction = plan.row_reduction(backbone, row, ratio, llf, 0)
+        entry = measure(lambda x: backbone.reduced(reduction, x), _prepare_scorers(plan, row.strategy))
         entry["flop_ratio"] = base["gflops_per_image"] / entry["gflops_per_image"]
         for b in batches:
             entry[f"speedup_batch{b}"] = base[f"batch{b}"]["median_s"] / entry[f"batch{b}"]["median_s"]
-        out.setdefault(strategy, {})[f"{ratio:g}"] = entry
+        out.setdefault(row.key, {})[f"{ratio:g}"] = entry
         bar.update(1)
     bar.close()
     return out
 
 
 def markdown_table(result: dict, llf_key: str) -> str:
-    """One quality table (``llf_key`` from :func:`table_key`) as markdown: rows strategies,
-    columns ratios, cells mean ± std across seeds; then the Wilcoxon rows."""
+    """One quality table (``llf_key`` from :func:`table_key`) as markdown: one row per strategy and
+    rule set (named with its selection and averaging), columns ratios, cells mean ± std across
+    seeds; then the Wilcoxon rows."""
     metrics = METRICS[result["task"]]
     table = result["tables"][llf_key]
+    rules = result.get("rules", {}).get(llf_key, {})
     ratios = [f"{r:g}" for r in result["ratios"]]
     lines = []
     for metric in metrics:
         lines.append(f"**{metric}** ({llf_key}, layers {result['layers']}, {result['seeds']} seeds)\n")
-        lines.append("| strategy | " + " | ".join(f"η={r}" for r in ratios) + " |")
-        lines.append("|---|" + "---|" * len(ratios))
-        for strategy, cells in table.items():
+        lines.append("| row | selection | averaging | " + " | ".join(f"η={r}" for r in ratios) + " |")
+        lines.append("|---|---|---|" + "---|" * len(ratios))
+        for key, cells in table.items():
+            rule = rules.get(key, {})
             row = [f"{_fmt(cells[r][metric]['mean'])} ± {_fmt(cells[r][metric]['std'])}" for r in ratios]
-            lines.append(f"| {strategy} | " + " | ".join(row) + " |")
+            lines.append(f"| {key} | {rule.get('selection', '—')} | {rule.get('averaging', '—')} | " + " | ".join(row) + " |")
         lines.append("")
     if result.get("wilcoxon", {}).get(llf_key):
         lines.append("| η | best baseline | importance | baseline | Wilcoxon p (one-sided) |")

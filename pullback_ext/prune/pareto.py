@@ -2,7 +2,7 @@
 
 A *point* is one setting of one method's own knob (ToMe's ``r``, EViT's ``keep_rate``, our ``ratio``
 η, ...). A *row* is one method with its selection and averaging rules fixed, swept over its knob;
-every row is labelled by those rules (:func:`describe`). Each point gets per-image errors against
+every row is labelled by those rules (:func:`~pullback_ext.prune.row_rules.describe`). Each point gets per-image errors against
 the unpruned model and a cost: FLOPs per image (one accounting for every method: torch's flop
 counter over the whole reduced forward, scoring, matching and the importance head included) and
 wall-clock at several batch sizes from one interleaved timing run
@@ -28,26 +28,13 @@ from pullback_ext.errors import PullbackError
 from pullback_ext.prune.cost import count_flops, interleaved_wall_clock
 from pullback_ext.prune.evaluation import batched_outputs, output_errors
 from pullback_ext.prune.reduction_options import BackboneShape, Reduction, ReductionOptions
-from pullback_ext.prune.strategies import NEEDS_SCORER
 
 MATCHED_SPEEDUPS = (1.1, 1.25, 1.5, 2.0)
 STATISTICS = ("mean", "p95", "worst")
-PRUNED = {"masked": "pruned, masked LLF", "full": "pruned, full LLF", False: "pruned, no LLF"}
-ORIGINAL_RULES = {
-    "tome": ("ToMe bipartite matching on head-mean keys, r per block (authors' rule)", "size-weighted, proportional attention"),
-    "evit": ("top CLS attention at three blocks (authors' rule)", "inattentive tokens fused into one, attention-weighted"),
-    "pitome": ("PiToMe: the 2r highest-energy tokens matched bipartitely on head-mean keys, per block (authors' rule)",
-               "size-weighted, proportional attention"),
-    "expedite": ("Expedite: local soft k-means into a grid of clusters at one block (authors' rule)",
-                 "cluster means; full-resolution tokens rebuilt from the k nearest clusters"),
-    "asap": ("ASAP (reconstruction): tokens nearest the attention sink in diffusion distance", "pooled per ring ∝ T_is"),
-}
-
-
 @dataclass(frozen=True)
 class Point:
     """One setting of one method: ``options`` (unresolved), the ``knob`` values that set it
-    (``{"r": 8}``), and its ``row`` label (from :func:`describe` unless given)."""
+    (``{"r": 8}``), and its ``row`` label (from :func:`~pullback_ext.prune.row_rules.describe` unless given)."""
 
     options: ReductionOptions
     knob: dict = field(default_factory=dict, hash=False, compare=False)
@@ -58,31 +45,6 @@ def resolve(options: ReductionOptions, backbone) -> Reduction:
     """``options`` resolved for a :class:`~pullback_ext.prune.backbones.Backbone`."""
     return options.resolve(BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls,
                                          dense_neck="depth" in backbone.tasks))
-
-
-def describe(reduction: Reduction) -> dict:
-    """``{method, selection, averaging}`` of a resolved reduction: the rules its row is labelled by."""
-    o = reduction.options
-    if o.strategy in ORIGINAL_RULES:
-        selection, averaging = ORIGINAL_RULES[o.strategy]
-        if o.strategy == "asap" and o.mode == "prune":
-            averaging = PRUNED[o.llf]
-    else:
-        scored = o.strategy in NEEDS_SCORER
-        if o.mode == "prune":
-            selection = "lowest importance" if scored else _score_rule(o.strategy)
-            averaging = PRUNED[o.llf]
-        else:
-            selection = ("bound imp·drift" if o.selection == "bound" else "lowest importance") if scored else _score_rule(o.strategy)
-            matching = "pullback (Eq. 19)" if o.matching == "pullback" else "cosine"
-            averaging = f"{o.weights}-weighted into the {matching} nearest"
-    stages = "" if len(o.layers) == 1 else f", {len(o.layers)} stages {list(o.layers)}"  # the originals keep one
-    return {"method": o.strategy + stages, "selection": selection, "averaging": averaging}
-
-
-def row_label(reduction: Reduction) -> str:
-    d = describe(reduction)
-    return f"{d['method']} · {d['selection']} · {d['averaging']}"
 
 
 def error_summary(errors: torch.Tensor) -> dict:
@@ -185,7 +147,3 @@ def summarise(points: Sequence[Point], labels: Sequence[str], errors: Sequence[t
                 table[row] = {f"{t:g}": matched_error(xs, ys, t) for t in targets}
     return {"rows": rows, "points": entries, "matched": matched, "targets": list(targets),
             "unpruned_cost": cost["unpruned"], "batches": cost["batches"], "repeats": cost["repeats"]}
-
-
-def _score_rule(strategy: str) -> str:
-    return "random tokens" if strategy == "random" else f"lowest {strategy}"
