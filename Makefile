@@ -23,6 +23,6 @@ bench: setup
 
 # Regenerate the generated pages of docs/results/ with the reduced settings a 2-core machine affords.
 results: setup
-	$(VENV)/bin/python benchmarks/bench_prune.py --quick --threads 2 --results-page
+	$(VENV)/bin/python benchmarks/bench_prune.py --threads 2 --results-page
 	$(VENV)/bin/python benchmarks/bench_metric.py --quick --threads 2 --results-page
 	$(VENV)/bin/python benchmarks/bench_diagnose.py --quick --threads 2 --results-page

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One-shot check on a CUDA machine, in under 10 minutes: builds the extension with its CUDA
-# kernels for the local GPU's arch, runs the CUDA op tests, then the op benchmark on the GPU
-# (first without the torch.compile column, which is quick; then profiled, each call split into its
-# kernels and launch gaps; then with the torch.compile column).
+# kernels for the local GPU's arch, runs the CUDA tests (ops, compiled patched forward, CUDA
+# graphs, sync-debug mode), then the op benchmark on the GPU (without the torch.compile column;
+# then profiled, each call split into its kernels and launch gaps), then the end-to-end pruning
+# benchmark's headline cells (bench_prune.py --device cuda). BENCH_FULL=1 adds the op benchmark's
+# torch.compile column and the full pruning matrix (tens of minutes: not for a 10-minute slot).
 # Prints everything; exits non-zero when any step failed (later steps still run).
 #
 #   bash benchmarks/gpu_check.sh            # uses .venv/bin/python when present
 #   PYTHON=python3 BENCH_OUT=/tmp/bench.json bash benchmarks/gpu_check.sh
-# Step limits: 240 s build, 2 x 60 s error path, 150 s tests, 60 s + 90 s + 150 s benchmarks; a run
-# in which nothing crashes takes about 4 minutes.
+# Step limits: 240 s build, 2 x 60 s error path, 150 s tests, 60 s + 90 s op benchmarks, 300 s pruning
+# benchmark; a run in which nothing crashes takes about 7 minutes (the pruning cells compile 5 models).
 # The profiled and compiled-reference benchmarks write BENCH_OUT with ".kernels" / ".compile" before
 # its extension.
 set -uo pipefail
@@ -61,14 +63,20 @@ for dev in cpu cuda; do
   fi
 done
 
-tests=(python_tests/test_cuda_build.py)
+tests=(python_tests/test_cuda_build.py python_tests/test_compile_patched.py)
 for f in python_tests/test_ops*.py; do [ -e "$f" ] && tests+=("$f"); done
 step "CUDA kernel tests" 150 "$PYTHON" -m pytest "${tests[@]}" -q --maxfail=10 -k "cuda or gpu" -p no:cacheprovider
 bench_out=${BENCH_OUT:-out/bench_ops_cuda.json}
 step "CUDA op benchmark" 60 "$PYTHON" benchmarks/bench_ops.py --device cuda --no-compile --out "$bench_out"
 step "CUDA kernel breakdown" 90 "$PYTHON" benchmarks/bench_ops.py --device cuda --no-compile --kernels --repeats 20 \
   --out "${bench_out%.*}.kernels.${bench_out##*.}"
-step "CUDA op benchmark with torch.compile" 150 "$PYTHON" benchmarks/bench_ops.py --device cuda \
-  --out "${bench_out%.*}.compile.${bench_out##*.}"
+step "end-to-end pruning benchmark (headline cells)" 300 "$PYTHON" benchmarks/bench_prune.py --device cuda --quiet \
+  --out out/bench_prune_cuda.json
+if [ -n "${BENCH_FULL:-}" ]; then
+  step "CUDA op benchmark with torch.compile" 150 "$PYTHON" benchmarks/bench_ops.py --device cuda \
+    --out "${bench_out%.*}.compile.${bench_out##*.}"
+  step "end-to-end pruning benchmark (full matrix)" 1800 "$PYTHON" benchmarks/bench_prune.py --device cuda --preset full \
+    --quiet --repeats 3 --out out/bench_prune_cuda_full.json
+fi
 echo "=== gpu_check: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"
 exit "$status"

@@ -1,0 +1,77 @@
+"""The pruning benchmark's outputs: the per-cell tables, the two headline checks, the overhead table."""
+
+from __future__ import annotations
+
+from itertools import groupby
+
+from pullback_ext.results_pages import markdown_table
+
+CELL = ("model", "title", "size", "batch", "dtype", "compiled")
+# the performance targets: prune + LLF within 0.9 of its FLOP ratio; our merge at ToMe's FLOPs at least as fast
+PRUNE_TARGET, MATCHED_TARGET = 0.9, 1.0
+
+
+def cells(rows: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """Rows grouped by cell, in run order: ``[(cell, rows)]``."""
+    key = lambda r: tuple(r[k] for k in CELL)  # noqa: E731
+    return [(dict(zip(CELL, k)), list(g)) for k, g in groupby(rows, key=key)]
+
+
+def headline_checks(rows: list[dict]) -> list[dict]:
+    """Per cell: the single-stage prune + LLF at the largest η against its FLOP ratio, and our
+    merge at a ToMe row's FLOPs against that row, where the cell has them."""
+    out = []
+    for cell, group in cells(rows):
+        prunes = [r for r in group if r["method"].startswith("importance prune+LLF η=") and "stages" not in r["method"]]
+        if prunes:
+            top = max(prunes, key=lambda r: r["flop_ratio"])
+            out.append(dict(cell, check=f"{top['method']}: speed-up ÷ FLOP ratio", value=top["speedup_over_flop_ratio"],
+                            target=PRUNE_TARGET))
+        for ours in (r for r in group if r["method"].startswith("importance merge @") and "'s FLOPs" in r["method"]):
+            tome = next(r for r in group if f" at {r['method']}'s FLOPs" in ours["method"])
+            out.append(dict(cell, check=f"{ours['method']} over {tome['method']} (FLOPs {ours['gflops_per_image'] / tome['gflops_per_image']:.3f}×)",
+                            value=ours["images_per_s"] / tome["images_per_s"], target=MATCHED_TARGET))
+    return out
+
+
+def _cell_title(cell: dict) -> str:
+    mode = "torch.compile" if cell["compiled"] else "eager"
+    return f"{cell['title']}, {cell['size']} px, batch {cell['batch']}, {cell['dtype']}, {mode}"
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The printed table: one block per cell."""
+    lines = []
+    for cell, group in cells(rows):
+        lines.append(_cell_title(cell))
+        for r in group:
+            share = "-" if r["kernel_share"] is None else f"{100 * r['kernel_share']:.1f}%"
+            lines.append(f"  {r['method']:<58} {r['images_per_s']:10.1f} img/s  ×{r['speedup']:5.2f}  "
+                         f"FLOPs ×{r['flop_ratio']:5.2f}  ÷ {r['speedup_over_flop_ratio']:5.2f}  ours {share}")
+    return "\n".join(lines)
+
+
+def render(result: dict) -> str:
+    """Markdown body of the results page."""
+    parts = [f"Device: {result['device']}. Medians of {result['settings']['repeats']} interleaved rounds "
+             "(CUDA events on a GPU, wall clock on the CPU); FLOP ratio = unpruned FLOPs ÷ the method's (batch 1); "
+             "*our ops* = share of the eager forward's time in `pullback_ext::` ops."]
+    checks = result.get("checks", [])
+    if checks:
+        parts += ["## Headline checks", markdown_table(
+            ["cell", "check", "value", "target", "met"],
+            [(_cell_title(c), c["check"], c["value"], f"≥ {c['target']}", "yes" if c["value"] >= c["target"] else "no") for c in checks])]
+    for cell, group in cells(result["rows"]):
+        parts += [f"## {_cell_title(cell)}", markdown_table(
+            ["method", "images/s", "speed-up", "GFLOPs/image", "FLOP ratio", "speed-up ÷ FLOP ratio", "our ops"],
+            [(r["method"], r["images_per_s"], r["speedup"], r["gflops_per_image"], r["flop_ratio"], r["speedup_over_flop_ratio"],
+              "–" if r["kernel_share"] is None else f"{100 * r['kernel_share']:.1f}%") for r in group])]
+    if "overhead" in result:
+        o = result["overhead"]
+        parts += [f"## Overhead of one stage: {o['model']}, {o['image_size']} px, batch {o['batch']}, block {o['layer']}",
+                  f"{o['tokens']} tokens, {o['removed']} removed. Seconds are medians; percentages are of the unpruned forward.",
+                  markdown_table(["step", "seconds", "% of the unpruned forward"],
+                                 [(k, s, o["percent_of_forward"][k]) for k, s in o["seconds"].items()]),
+                  f"Scoring + selection + LLF: {o['scoring_plus_llf_pct_of_forward']:.2f}% of the forward, "
+                  f"{o['over_tome_scoring_pct_of_forward']:.2f}% more than ToMe's scoring (head: {o['head_parameters']:,} parameters)."]
+    return "\n\n".join(parts)

@@ -1,0 +1,110 @@
+"""The end-to-end pruning benchmark (benchmarks/bench_prune.py) on a tiny timm ViT."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pullback_ext.bench import prune_models, prune_report
+from pullback_ext.bench.prune_matrix import Sweep, kernel_share, run_sweep
+from pullback_ext.bench.prune_models import MODELS, Method, ModelCase, stage_layers
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune.cost import count_flops
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ModelCase("tiny", "tiny timm ViT", prune_models._timm("vit_tiny_patch16_224", patch_size=8, depth=6, embed_dim=48, num_heads=2),
+                 embed_dim=48, depth=6, head_hidden=16)  # a head small next to the model, as the default is next to ViT-B
+
+
+@pytest.fixture()
+def tiny(monkeypatch):
+    monkeypatch.setitem(MODELS, "tiny", TINY)
+    return TINY
+
+
+def test_sweep_rows_cover_every_method_with_consistent_ratios(tiny):
+    rows = run_sweep(Sweep("tiny", sizes=(64,), batches=(2,), dtypes=("float32",), matched_r=2), etas=(0.5,), tome_rs=(2,),
+                     device=torch.device("cpu"), repeats=1, progress=False)
+    names = [r["method"] for r in rows]
+    assert names[0] == "unpruned" and rows[0]["speedup"] == 1.0 and rows[0]["flop_ratio"] == 1.0
+    assert rows[0]["kernel_share"] is None  # the unpruned forward calls none of our ops
+    assert {"importance merge η=0.5 @2", "importance prune+LLF η=0.5 @2", "importance merge η=0.5 3 stages [1, 3, 4]",
+            "ToMe r=2 constant"} <= set(names)
+    matched = next(r for r in rows if r["method"].startswith("importance merge @2 at ToMe r=2 constant's FLOPs"))
+    tome = next(r for r in rows if r["method"] == "ToMe r=2 constant")
+    assert abs(matched["gflops_per_image"] / tome["gflops_per_image"] - 1) <= 0.03  # one of 64 tokens is ~1% of the FLOPs
+    for r in rows[1:]:
+        assert r["flop_ratio"] > 1.0 and r["speedup"] > 0 and r["images_per_s"] == pytest.approx(2 / r["median_s"])
+        assert r["speedup_over_flop_ratio"] == pytest.approx(r["speedup"] / r["flop_ratio"])
+        assert r["kernel_share"] is None or 0 < r["kernel_share"] < 1
+    checks = prune_report.headline_checks(rows)
+    assert [c["target"] for c in checks] == [0.9, 1.0]
+    assert checks[1]["value"] == pytest.approx(matched["images_per_s"] / tome["images_per_s"])
+
+
+def test_flop_ratio_of_a_single_prune_matches_the_token_counts(tiny):
+    """Blocks after the stage see half the patch tokens: the FLOP ratio sits between the counts'."""
+    model = tiny.build(64)
+    x = torch.rand(1, 3, 64, 64)
+    pruned = Method("p", dict(strategy="norm", mode="prune", llf=False, ratio=0.5, layers=(3,))).apply(model, tiny)
+    ratio = count_flops(model, x) / count_flops(pruned, x)
+    assert 1.3 < ratio < 2.0  # 3 of 6 blocks on 33 instead of 65 tokens, attention quadratic
+
+
+def test_kernel_share_sees_our_ops():
+    case = TINY
+    model = Method("m", dict(strategy="norm", mode="merge", ratio=0.5, layers=(1,))).apply(case.build(64), case)
+    share = kernel_share(model, torch.rand(2, 3, 64, 64), torch.device("cpu"))
+    assert share is not None and 0 < share < 1
+
+
+def test_method_filter_and_bad_sweeps(tiny):
+    rows = run_sweep(Sweep("tiny", sizes=(64,), batches=(1,), dtypes=("float32",), methods=("ToMe r=2 ",), matched_r=None),
+                     etas=(0.5,), tome_rs=(2,), device=torch.device("cpu"), repeats=1, progress=False)
+    assert [r["method"] for r in rows] == ["unpruned", "ToMe r=2 constant"]
+    with pytest.raises(PullbackError, match="--methods"):
+        run_sweep(Sweep("tiny", sizes=(64,), batches=(1,), dtypes=("float32",), methods=("nope",)), etas=(0.5,), tome_rs=(2,),
+                  device=torch.device("cpu"), repeats=1, progress=False)
+    with pytest.raises(PullbackError, match="--models"):
+        Sweep("nope", sizes=(64,), batches=(1,), dtypes=("float32",))
+    with pytest.raises(PullbackError, match="--dtypes"):
+        Sweep("tiny", sizes=(64,), batches=(1,), dtypes=("float8",))
+
+
+def test_stage_layers_follow_the_paper_for_vit_b():
+    assert stage_layers(12, 1) == (4,) and stage_layers(12, 3) == (3, 6, 9)
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_prune", REPO / "benchmarks" / "bench_prune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_presets_and_overrides_resolve_to_sweeps():
+    script = _script()
+    plan, preset = script.sweeps(script.parse_args(["--device", "cuda"]))
+    assert preset == "headline" and [(s.model, s.sizes, s.batches, s.dtypes) for s in plan] == [
+        ("vit_b16", (448,), (64,), ("bfloat16",)), ("vit_b16", (224,), (256,), ("bfloat16",))]
+    assert all(s.compiled == (False, True) for s in plan)
+    plan, preset = script.sweeps(script.parse_args(["--models", "vit_b16,dinov2_b14_reg", "--batches", "1,4", "--compile", "on"]))
+    assert preset == "cpu" and [s.model for s in plan] == ["vit_b16", "dinov2_b14_reg"]
+    assert all(s.batches == (1, 4) and s.compiled == (True,) for s in plan)
+    full, _ = script.sweeps(script.parse_args(["--preset", "full"]))
+    assert {s.model for s in full} == {"vit_b16", "dinov2_b14_reg", "depth_anything_s"}
+
+
+def test_the_page_renders_its_json(tiny, tmp_path):
+    rows = run_sweep(Sweep("tiny", sizes=(64,), batches=(1,), dtypes=("float32",), methods=("importance prune+LLF",), matched_r=None),
+                     etas=(0.5,), tome_rs=(2,), device=torch.device("cpu"), repeats=1, progress=False)
+    result = json.loads(json.dumps({"device": "CPU", "settings": {"repeats": 1}, "rows": rows,
+                                    "checks": prune_report.headline_checks(rows)}))
+    page = prune_report.render(result)
+    assert "## tiny timm ViT, 64 px, batch 1, float32, eager" in page and "| importance prune+LLF η=0.5 @2 |" in page
+    assert "## Headline checks" in page and "≥ 0.9" in page
+    assert "importance prune+LLF η=0.5 @2" in prune_report.format_rows(rows)
