@@ -195,7 +195,7 @@ def test_bound_merge_runs_the_matching_once_and_reuses_it_for_destinations(match
     cfg = _resolved(depth=2, head=lambda f: f.norm(dim=-1), ratio=3 / 8, layers=(1,), mode="merge", strategy="importance",
                     spn=spn if matching == "pullback" else None, matching=matching)
     calls.clear()
-    merged = apply_stage(cfg, TokenState.start(x, 1), 3, [], None)
+    merged = apply_stage(cfg, TokenState.start(x, 1), 3, [])
     assert merged.x.shape[1] == 6 and len(calls) == (1 if matching == "pullback" else 0)
 
 
@@ -229,7 +229,7 @@ def test_bound_selection_merges_the_lowest_importance_times_drift():
         state = TokenState.start(x, 1)
         merge = state.merge
         state.merge = lambda src, dst, w=None: calls.append((src, dst)) or merge(src, dst, w)
-        apply_stage(cfg, state, 2, [], None)
+        apply_stage(cfg, state, 2, [])
         assert sorted(calls[0][0][0].tolist()) == want
     assert calls[0][1] is not None
 
@@ -317,3 +317,16 @@ def test_an_spn_scorer_with_negative_energies_is_refused_in_eager_forwards():
 
     with pytest.raises(Exception, match="lam"):
         ScorerStrategy("importance", bad_spn).importance(torch.rand(1, 5, 3, dtype=torch.float64))
+
+
+def test_random_scores_are_uniform_seeded_and_differ_per_image_and_stage():
+    from scipy import stats
+
+    from pullback_ext.prune.strategies import hashed_uniform
+
+    u = hashed_uniform(32, 500, 7, "cpu", torch.float64)
+    assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3 and 0 <= float(u.min()) and float(u.max()) < 1
+    assert torch.equal(u, hashed_uniform(32, 500, 7, "cpu", torch.float64))
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u, hashed_uniform(32, 500, 8, "cpu", torch.float64))
+    assert abs(float(torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1])) < 0.02
+    assert hashed_uniform(2, 3, 2**80, "cpu", torch.float32).dtype == torch.float32  # any int seed

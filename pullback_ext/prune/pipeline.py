@@ -50,20 +50,12 @@ def _attention_blocks(reduction: Reduction, budgets: dict) -> set:
     return set()
 
 
-def _random_generator(reduction: Reduction, device: torch.device) -> Optional[torch.Generator]:
-    if reduction.strategy.name != "random":
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed(0 if reduction.options.seed is None else reduction.options.seed)
-    return g
-
-
-def apply_stage(reduction: Reduction, state: TokenState, count: int, attentions: list, generator, stage: int = 0) -> TokenState:
+def apply_stage(reduction: Reduction, state: TokenState, count: int, attentions: list, stage: int = 0) -> TokenState:
     """Remove ``count`` patch tokens from ``state`` by pruning or merging (``stage``: index of the
     stage in the options' ``layers``)."""
     o, strategy = reduction.options, reduction.strategy
     ctx = StageContext(x=state.x, num_prefix=state.num_prefix, has_cls=reduction.backbone.has_cls, attentions=attentions,
-                       generator=generator, stage=stage)
+                       seed=0 if reduction.options.seed is None else reduction.options.seed, stage=stage)
     keep = strategy.keep_scores(ctx)
     patch_dist = None  # distances from every patch token, shared by selection and matching
     if o.selection == "bound":
@@ -112,12 +104,11 @@ def run_blocks(
     state = TokenState.start(x, reduction.backbone.num_prefix)
     budgets = stage_budgets(reduction, state.num_patch)
     need_attention = _attention_blocks(reduction, budgets)
-    generator = _random_generator(reduction, x.device)
     attentions: list = []
     taken = {}
     for i, block in enumerate(blocks):
         if i in budgets:
-            state = apply_stage(reduction, state, budgets[i], attentions, generator, o.layers.index(i))
+            state = apply_stage(reduction, state, budgets[i], attentions, o.layers.index(i))
             attentions = []
         if o.mode == "prune" and o.llf and i == reduction.backbone.depth - 1 and state.reduced:
             state = state.restore(masked=o.llf == "masked")

@@ -44,14 +44,14 @@ class StageContext:
 
     ``x [B, K, D]``: current tokens, prefix first. ``attentions``: head-averaged attention
     probabilities ``[B, K, K]`` of the blocks run on this token set since the previous stage
-    (oldest first; filled only for strategies that ask for them). ``generator``: for ``random``.
+    (oldest first; filled only for strategies that ask for them). ``seed``: for ``random``.
     """
 
     x: torch.Tensor
     num_prefix: int
     has_cls: bool
     attentions: list = field(default_factory=list)
-    generator: Optional[torch.Generator] = None
+    seed: int = 0
     stage: int = 0  # index of the stage in the schedule
     importance: Optional[torch.Tensor] = None  # [B, K], set by scorer strategies for merge weights
 
@@ -109,11 +109,25 @@ class ScorerStrategy(Strategy):
 
 
 class RandomStrategy(Strategy):
+    """Uniform scores from a counter-based hash of (seed, stage, image in the batch, token): the same
+    for a given seed on every call and device, with no ``torch.Generator`` (which ``torch.compile``
+    cannot create inside a graph)."""
+
     name = "random"
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
         b, k, _ = ctx.x.shape
-        return torch.rand(b, k - ctx.num_prefix, generator=ctx.generator, device=ctx.x.device, dtype=ctx.x.dtype)
+        return hashed_uniform(b, k - ctx.num_prefix, ctx.seed * 1_000_003 + ctx.stage, ctx.x.device, ctx.x.dtype)
+
+
+def hashed_uniform(rows: int, cols: int, seed: int, device, dtype) -> torch.Tensor:
+    """``[rows, cols]`` values in [0, 1) from the splitmix64 finaliser of ``seed`` and each position
+    (int64 arithmetic wraps; the top 24 bits make the fraction, exact in every float dtype)."""
+    z = torch.arange(rows * cols, device=device, dtype=torch.int64).reshape(rows, cols) + (seed * 0x9E3779B9 + 1) % (1 << 62)
+    for shift, multiplier in ((30, -4658895280553007687), (27, -7723592293110705685)):  # 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+        z = (z ^ ((z >> shift) & ((1 << (64 - shift)) - 1))) * multiplier
+    z = z ^ ((z >> 31) & ((1 << 33) - 1))
+    return (((z >> 40) & 0xFFFFFF).to(torch.float64) / float(1 << 24)).to(dtype)
 
 
 class ToMeScoreStrategy(Strategy):
