@@ -94,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     import torch
-    from tqdm.auto import tqdm
 
     from pullback_ext import distributed
     from pullback_ext.commands.arguments import output_folder
@@ -102,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_text
     from pullback_ext.plots import plot_spectrum, plot_token_energy
+    from pullback_ext.progress import progress_bar
 
     if args.layer is None and args.decoder != "depth-multi":
         raise PullbackError("--layer: required (the probe layer ℓ) unless --decoder depth-multi")
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         mine = distributed.shard_indices(len(image_set), info.rank, info.world_size)
         per_image = []
         desc = f"diagnose[rank {info.rank}/{info.world_size}]" if info.world_size > 1 else "diagnose"
-        with tqdm(total=len(mine), desc=desc, unit="image", disable=not info.is_main, file=sys.stderr) as bar:
+        with progress_bar(total=len(mine), desc=desc, unit="image", enabled=info.is_main) as bar:
             for start in range(0, len(mine), args.batch_size):
                 indices = mine[start : start + args.batch_size]
                 images = image_set.images(indices).to(dtype)

@@ -57,17 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--time-repeats", type=int, default=3)
     run.add_argument("--time-strategies", default=None, help="strategies to time (default: all evaluated)")
     run.add_argument("--no-timing", action="store_true", help="skip FLOPs and wall-clock")
-    run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     run.add_argument("--out", required=True, help="output folder (results.json, table.md, quality.png)")
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.add_argument("--results-page", default=None, metavar="NAME",
                      help="also publish the results as docs/results/NAME.json and a stamped page NAME.md (or DIR/NAME: into DIR)")
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
-
-    import torch
 
     from pullback_ext.commands import evaluate_plan
     from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec, output_folder
@@ -76,8 +72,6 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
     from pullback_ext.prune.report import plot_quality, write_json, write_text
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     spec = model_spec(args)
     output_folder(args.out)
     images = image_source(args, spec)

@@ -21,7 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(--model demo: a per-token depth probe fitted on rendered scenes)")
     parser.add_argument("--layer", type=int, default=None, help="block whose output the probe reads (default: the middle block)")
     parser.add_argument("--k", default="1,2,4,8", help="subspace dimensions (default 1,2,4,8)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", required=True, help="output folder (subspace.json)")
 
 
@@ -55,14 +54,10 @@ def subspace_report(probe: str, model, backbone, layer: int, ks: tuple, data: di
 def run(args: argparse.Namespace) -> int:
     import json
 
-    import torch
-
     from pullback_ext.commands.arguments import comma_ints, image_source, model_spec, output_folder
     from pullback_ext.prune.backbones import load_backbone
     from pullback_ext.prune.report import write_json
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     spec = model_spec(args)
     out = output_folder(args.out)
     images = image_source(args, spec)

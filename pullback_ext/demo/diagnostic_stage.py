@@ -135,7 +135,7 @@ def run_demo_stage(inputs: DemoInputs) -> StageResult:
 
     Reports {"settings", "table": [row per (decoder, layer)], "per_image": {...}, "plots"}.
     """
-    from tqdm.auto import tqdm
+    from pullback_ext.progress import progress_bar
 
     from pullback_ext.diagnostics import DiagnoseConfig, diagnose
     from pullback_ext.embedded.probes import demo_probe
@@ -149,7 +149,7 @@ def run_demo_stage(inputs: DemoInputs) -> StageResult:
     results: dict[str, dict[int, object]] = {}
     rows = []
     jobs = [(d, layer) for d in settings.decoders for layer in PROBE_LAYERS]
-    for decoder, layer in tqdm(jobs, desc="diagnostic", unit="probe"):
+    for decoder, layer in progress_bar(jobs, desc="diagnostic", unit="probe"):
         started = time.time()
         probe = demo_probe(model, layer, decoder, output_size=settings.depth_output_size if decoder == "depth" else None)
         with torch.no_grad():

@@ -47,10 +47,10 @@ def jsonable(value):
 def run_stages(inputs: DemoInputs, results: dict, results_path: Path, started: float) -> list[str]:
     """Run :data:`STAGES` in order into ``results["stages"]`` (rewriting ``results_path`` after
     each); returns the names of the stages that failed."""
-    from tqdm.auto import tqdm
+    from pullback_ext.progress import progress_bar
 
     failed = []
-    for stage in tqdm(STAGES, desc="pullback demo", unit="stage"):
+    for stage in progress_bar(STAGES, desc="pullback demo", unit="stage"):
         stage_started = time.time()
         try:
             output = stage.run_demo_stage(inputs)

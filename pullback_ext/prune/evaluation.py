@@ -120,13 +120,13 @@ def _summary(per_seed: list) -> dict:
 def run_quality(backbone: Backbone, image_sets: list, plan: Plan, progress: bool = True) -> dict:
     """Quality tables. ``image_sets``: one dict per seed with ``images [n, 3, H, W]`` and
     optionally ``labels [n]``. Returns JSON-ready results (see module doc)."""
-    from tqdm import tqdm
+    from pullback_ext.progress import progress_bar
 
     check_plan(plan, backbone)
     cells = [(llf, s, r) for llf in plan.llf for s in plan.strategies for r in plan.ratios]
     per_image: dict = {}
     knn: dict = {}
-    bar = tqdm(total=len(image_sets) * len(cells), desc="evaluate", disable=not progress, unit="cell")
+    bar = progress_bar(total=len(image_sets) * len(cells), desc="evaluate", enabled=progress, unit="cell")
     with torch.no_grad():
         for seed, data in enumerate(image_sets):
             images, labels = data["images"], data.get("labels")
@@ -200,7 +200,7 @@ def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 6
              strategies: Optional[tuple] = None, progress: bool = True) -> dict:
     """FLOPs per image (torch's flop counter, batch 1) and wall-clock at each batch size for the
     unpruned model and every strategy × ratio (first LLF setting of the plan)."""
-    from tqdm import tqdm
+    from pullback_ext.progress import progress_bar
 
     strategies = plan.strategies if strategies is None else strategies
     inputs = {b: images[torch.arange(b) % images.shape[0]] for b in batches}
@@ -218,7 +218,7 @@ def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 6
         return entry
 
     cells = [(s, r) for s in strategies for r in plan.ratios]
-    bar = tqdm(total=len(cells) + 1, desc="cost", disable=not progress, unit="run")
+    bar = progress_bar(total=len(cells) + 1, desc="cost", enabled=progress, unit="run")
     out = {"batches": list(batches), "repeats": repeats, "llf": llf, "unpruned": measure(backbone.full)}
     bar.update(1)
     base = out["unpruned"]
