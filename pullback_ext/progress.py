@@ -1,9 +1,11 @@
-"""Progress output on stderr that suits where stderr goes.
+"""Progress output on stderr that suits where stderr goes, and info lines on stdout.
 
 On a terminal, :func:`progress_bar` is tqdm's redrawn bar. Anywhere else (a log file, a pipe, a
 CI job) it writes one plain line per stage: when the bar starts, each time another tenth of the
 total is done, and when it ends, instead of tqdm's carriage-return redraws, which a log file
-fills with hundreds of partial lines. Inside :func:`silenced` (``--quiet``) nothing is shown at all.
+fills with hundreds of partial lines. :func:`info` prints a line about the run (what was written
+where, which stage runs); results (tables, figures) are printed with ``print``. Inside
+:func:`silenced` (``--quiet``) neither progress nor info lines are shown; warnings and errors are.
 """
 
 from __future__ import annotations
@@ -19,13 +21,19 @@ _silenced = False
 
 @contextlib.contextmanager
 def silenced() -> Iterator[None]:
-    """No progress output from :func:`progress_bar` inside the block (the ``--quiet`` switch)."""
+    """No progress output and no :func:`info` lines inside the block (the ``--quiet`` switch)."""
     global _silenced
     previous, _silenced = _silenced, True
     try:
         yield
     finally:
         _silenced = previous
+
+
+def info(*parts) -> None:
+    """``print(*parts)`` to stdout (flushed) unless :func:`silenced`: a line about the run, not a result."""
+    if not _silenced:
+        print(*parts, flush=True)
 
 
 def progress_bar(iterable: Optional[Iterable] = None, *, desc: str, total: Optional[int] = None, unit: str = "it",

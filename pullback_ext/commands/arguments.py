@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -53,8 +52,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     them without defining them (one that still defines either keeps its own)."""
     group = parser.add_argument_group("run")
     for flag, kwargs in (("--threads", dict(type=positive_int, default=None, metavar="N", help="torch CPU threads (default torch's)")),
-                         ("--quiet", dict(action="store_true", help="no progress and no info lines on stdout (results are still "
-                                                                   "written; warnings and errors still go to stderr)"))):
+                         ("--quiet", dict(action="store_true", help="no progress output and no info lines (which file was written, which "
+                                                                   "stage runs); results, warnings and errors still show"))):
         try:
             group.add_argument(flag, **kwargs)
         except argparse.ArgumentError:  # the subcommand defines it itself
@@ -64,17 +63,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def run_options(args: argparse.Namespace) -> Iterator[None]:
     """Apply :func:`add_run_arguments`'s options around a command: ``--threads`` sets torch's CPU
-    threads; ``--quiet`` silences progress output and stdout inside the block."""
+    threads; ``--quiet`` silences progress output and info lines inside the block
+    (:func:`pullback_ext.progress.silenced`)."""
     from pullback_ext.progress import silenced
 
     if getattr(args, "threads", None) is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-    if not getattr(args, "quiet", False):
-        yield
-        return
-    with open(os.devnull, "w") as sink, silenced(), contextlib.redirect_stdout(sink):
+    with silenced() if getattr(args, "quiet", False) else contextlib.nullcontext():
         yield
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from pullback_ext.progress import info
+
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -148,5 +150,5 @@ def run(args: argparse.Namespace) -> int:
         grid_size=getattr(probe, "grid_size", None), titles=names,
     )
     print(summary_table(full, setup.description))
-    print(f"wrote {out / 'diagnosis.json'}, {out / 'spectrum.png'}, {out / 'token_energy.png'}")
+    info(f"wrote {out / 'diagnosis.json'}, {out / 'spectrum.png'}, {out / 'token_energy.png'}")
     return 0

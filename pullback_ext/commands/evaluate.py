@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pullback_ext.progress import info
+
 DEFAULT_RATIOS = "0.05,0.1,0.15,0.2,0.3,0.4,0.5"
 LLF_CHOICES = {"on": (True,), "full": ("full",), "off": (False,), "both": (True, False), "all": (True, "full", False)}
 
@@ -109,12 +111,12 @@ def run(args: argparse.Namespace) -> int:
     write_text(tables, out / "table.md")
     plot_quality(result, out / "quality.png")
     print(tables)
-    print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'quality.png'}")
+    info(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'quality.png'}")
     if args.results_page:
         from pullback_ext.results_pages import publish_command_results
 
         render = lambda r: "\n".join(markdown_table(r, key) for key in r["tables"])  # noqa: E731
-        print("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", render,
+        info("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", render,
                                                   args.command_line))
     return 0
 
@@ -143,13 +145,13 @@ def _run_pareto(args: argparse.Namespace, backbone, model, images) -> int:
     write_text(text, out / "pareto.md")
     pareto_report.plot(result, out / "pareto.png")
     print(pareto_report.matched_tables(result))
-    print(f"wrote {out / 'pareto.json'}, {out / 'pareto.md'}, {out / 'pareto.png'}")
+    info(f"wrote {out / 'pareto.json'}, {out / 'pareto.md'}, {out / 'pareto.png'}")
     if args.results_page:
         from pullback_ext.results_pages import page_location, publish_command_results
 
         folder, name = page_location(args.results_page)
         plot = pareto_report.plot(result, Path(folder) / f"{name}.png")
         title = f"Matched-cost comparison: {backbone.name}, {args.task}, {images.spec}"
-        print("wrote", plot, *publish_command_results(result, args.results_page, title, pareto_report.page_renderer(plot.name),
+        info("wrote", plot, *publish_command_results(result, args.results_page, title, pareto_report.page_renderer(plot.name),
                                                         args.command_line))
     return 0

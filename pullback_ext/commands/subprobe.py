@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from pullback_ext.progress import info
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pullback_ext.commands.arguments import add_source_arguments
@@ -69,5 +71,5 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_json(result, out / "subspace.json")
     print(json.dumps(result["results"], indent=1))
-    print(f"wrote {out / 'subspace.json'}")
+    info(f"wrote {out / 'subspace.json'}")
     return 0

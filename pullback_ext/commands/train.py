@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from pullback_ext.progress import info
+
 
 def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, images and probe definition (shared with ``pullback eval-head``)."""
@@ -165,4 +167,4 @@ def print_results(kind: str, results: dict, out) -> None:
         init = results.get("heldout_at_init", {}).get("mean")
         print(f"held-out {label}: {held['mean']:.4f} ± {held['std']:.4f} over {held['count']} images"
               + (f" (at initialisation: {init:.4f})" if init is not None else ""))
-    print(f"wrote {out / 'results.json'}")
+    info(f"wrote {out / 'results.json'}")
