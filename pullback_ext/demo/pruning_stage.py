@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pullback_ext.demo.stages import DemoInputs, StageResult
 from pullback_ext.prune.backbones import demo_backbone
-from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
+from pullback_ext.prune.evaluation import METRICS, Plan, check_plan, markdown_table, run_cost, run_quality
 from pullback_ext.prune.report import plot_quality, write_json, write_text
 from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.subspace import subspace_analysis
@@ -44,6 +44,30 @@ def _plan(backbone, task: str, spec: dict, head, results: dict) -> Plan:
                 llf=spec["llf"], scorers=scorers, batch_size=16)
 
 
+def _metric_cells(table: dict, metric: str) -> dict:
+    return {strategy: {ratio: cell[metric] for ratio, cell in cells.items()} for strategy, cells in table.items()}
+
+
+def printed_tables(result: dict) -> str:
+    """The quality tables of ``result`` as markdown, a metric's table that repeats an earlier
+    one cell for cell (e.g. the CLS cosine of dense pruning, which LLF does not touch) given once:
+    the later one becomes a line saying so."""
+    seen: dict = {}
+    parts = []
+    for key, table in result["tables"].items():
+        fresh, notes = [], []
+        for metric in METRICS[result["task"]]:
+            cells = _metric_cells(table, metric)
+            same = next((earlier for earlier, c in seen.get(metric, []) if c == cells), None)
+            if same is None:
+                fresh.append(metric)
+                seen.setdefault(metric, []).append((key, cells))
+            else:
+                notes.append(f"**{metric}** ({key}): the same as ({same}), not repeated\n")
+        parts += ([markdown_table(result, key, fresh)] if fresh else []) + notes
+    return "\n".join(parts)
+
+
 def run_demo_stage(inputs: DemoInputs, progress: bool = True) -> StageResult:
     """Run the comparison on rendered held-out scenes and write ``pruning/{cls,depth}/results.json``,
     ``table.md``, ``quality.png`` and ``pruning/subspace.json`` under ``inputs.out_dir``.
@@ -71,9 +95,8 @@ def run_demo_stage(inputs: DemoInputs, progress: bool = True) -> StageResult:
         folder = out / task
         folder.mkdir(parents=True, exist_ok=True)
         write_json(result, folder / "results.json")
-        tables = "\n".join(markdown_table(result, key) for key in result["tables"])
-        write_text(tables, folder / "table.md")
-        print(f"[pruning] {task}: {TITLES[task]}\n{tables}", flush=True)
+        write_text("\n".join(markdown_table(result, key) for key in result["tables"]), folder / "table.md")
+        print(f"[pruning] {task}: {TITLES[task]}\n{printed_tables(result)}", flush=True)
         plot_quality(result, folder / "quality.png")
         results[task] = result
     test = inputs.images.heldout(inputs.preprocess, settings["images"]).load()

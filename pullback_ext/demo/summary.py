@@ -52,15 +52,21 @@ def gain_line(cls: dict) -> str:
     return f"  {point}: importance head {mine:.2g}, {verdict} the best baseline ({name} {best:.2g}); all baselines: {listed}"
 
 
+def _missing(stages: dict, name: str) -> list[str]:
+    """Why the stage ``name`` has nothing to summarise (empty: it ran)."""
+    entry = stages.get(name)
+    if entry is None:
+        return [f"  (the {name} stage did not run)"]
+    return [] if entry["status"] == "ok" else [f"  (the {name} stage failed: {entry['error']})"]
+
+
 def summary(results: dict, out_dir: Path) -> str:
     """The closing summary of a demo run (``results``: the content of its results.json)."""
     stages = results["stages"]
     lines = ["", "Summary", "What the diagnostic found:"]
-    diagnostic = stages.get("diagnostic", {})
-    lines += diagnostic_lines(diagnostic["result"]["table"]) if diagnostic.get("status") == "ok" else ["  (the diagnostic stage failed)"]
+    lines += _missing(stages, "diagnostic") or diagnostic_lines(stages["diagnostic"]["result"]["table"])
     lines.append("Measured gain:")
-    pruning = stages.get("pruning", {})
-    lines.append(gain_line(pruning["result"]["cls"]) if pruning.get("status") == "ok" else "  (the pruning stage failed)")
+    lines += _missing(stages, "pruning") or [gain_line(stages["pruning"]["result"]["cls"])]
     lines.append(f"Files in {out_dir}:")
     lines += [f"  {name:<30} {what}" for name, what in FILES]
     return "\n".join(lines)

@@ -10,7 +10,7 @@ deviation over all images.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Sequence
 
 import torch
 
@@ -234,10 +234,11 @@ def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 6
     return out
 
 
-def markdown_table(result: dict, llf_key: str) -> str:
+def markdown_table(result: dict, llf_key: str, metrics: Optional[Sequence[str]] = None) -> str:
     """One quality table (``llf_key`` from :func:`table_key`) as markdown: rows strategies,
-    columns ratios, cells mean ± std across seeds; then the Wilcoxon rows."""
-    metrics = METRICS[result["task"]]
+    columns ratios, cells mean ± std across seeds, for each of ``metrics`` (default the task's);
+    then the Wilcoxon rows."""
+    metrics = METRICS[result["task"]] if metrics is None else metrics
     table = result["tables"][llf_key]
     ratios = [f"{r:g}" for r in result["ratios"]]
     lines = []
