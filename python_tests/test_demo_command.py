@@ -82,10 +82,11 @@ def test_out_must_be_a_folder(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_quick_demo_end_to_end(tmp_path):
+def test_quick_demo_end_to_end(tmp_path, capsys):
     from pullback_ext.demo.diagnostic_stage import PROBE_LAYERS
 
     code = main(["demo", "--quick", "--out", str(tmp_path)])
+    printed = capsys.readouterr()
     results = json.loads((tmp_path / "results.json").read_text())
     assert code == 0, results["stages"]
     assert all(math.isfinite(x) for x in _walk_numbers(results))
@@ -102,6 +103,12 @@ def test_quick_demo_end_to_end(tmp_path):
     for stage in results["stages"].values():
         assert stage["status"] == "ok"
     assert results["stages"]["pruning"]["result"]["heads"] == {"cls": 2}  # the importance stage's head, by value
+    summary = printed.out[printed.out.index("\nSummary\n"):]
+    assert "CLS embedding: κ_cap" in summary and "DPT depth: κ_cap" in summary and "recommended: " in summary
+    assert "importance head" in summary and "the best baseline" in summary and f"Files in {tmp_path}" in summary
+    tables = [block for block in printed.out.split("\n\n") if block.startswith("| strategy |")]
+    assert len(tables) == len(set(tables)), "a quality table is printed twice"
+    assert all(len(line) < 200 for line in printed.err.splitlines()) and "\r" not in printed.err  # plain progress lines
 
 
 def _row(decoder, layer, kappa, regime, name, method):
@@ -164,5 +171,7 @@ def test_a_table_that_repeats_an_earlier_one_is_printed_once():
     text = printed_tables(result)
     assert text.count("| tome_score |") == 3  # silog twice, cosine once
     assert "**cosine_x100** (no_llf): the same as (llf), not repeated" in text and "3.000 ± 0.000" in text
+    result["tables"]["no_llf"]["tome_score"]["0.5"]["cosine_x100"]["mean"] = 0.25 + 1e-9  # prints the same
+    assert printed_tables(result) == text
     result["tables"]["no_llf"]["tome_score"]["0.5"]["cosine_x100"]["mean"] = 0.5
     assert printed_tables(result).count("| tome_score |") == 4 and "not repeated" not in printed_tables(result)

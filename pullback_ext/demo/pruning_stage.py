@@ -44,24 +44,25 @@ def _plan(backbone, task: str, spec: dict, head, results: dict) -> Plan:
                 llf=spec["llf"], scorers=scorers, batch_size=16)
 
 
-def _metric_cells(table: dict, metric: str) -> dict:
-    return {strategy: {ratio: cell[metric] for ratio, cell in cells.items()} for strategy, cells in table.items()}
+def _table_body(result: dict, key: str, metric: str) -> str:
+    """The rows of one metric's table as printed (without its title, which names ``key``)."""
+    return markdown_table(dict(result, wilcoxon={}), key, [metric]).split("\n", 1)[1]
 
 
 def printed_tables(result: dict) -> str:
-    """The quality tables of ``result`` as markdown, a metric's table that repeats an earlier
-    one cell for cell (e.g. the CLS cosine of dense pruning, which LLF does not touch) given once:
-    the later one becomes a line saying so."""
+    """The quality tables of ``result`` as markdown, a metric's table that prints the same as an
+    earlier one (e.g. the CLS cosine of dense pruning, which LLF does not touch) given once: the
+    later one becomes a line saying so."""
     seen: dict = {}
     parts = []
-    for key, table in result["tables"].items():
+    for key in result["tables"]:
         fresh, notes = [], []
         for metric in METRICS[result["task"]]:
-            cells = _metric_cells(table, metric)
-            same = next((earlier for earlier, c in seen.get(metric, []) if c == cells), None)
+            body = _table_body(result, key, metric)
+            same = next((earlier for earlier, b in seen.get(metric, []) if b == body), None)
             if same is None:
                 fresh.append(metric)
-                seen.setdefault(metric, []).append((key, cells))
+                seen.setdefault(metric, []).append((key, body))
             else:
                 notes.append(f"**{metric}** ({key}): the same as ({same}), not repeated\n")
         parts += ([markdown_table(result, key, fresh)] if fresh else []) + notes

@@ -36,6 +36,10 @@ def diagnostic_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _times(ratio: float) -> str:
+    return f"{ratio:.1f}×" if ratio < 100 else f"{ratio:,.0f}×"
+
+
 def gain_line(cls: dict) -> str:
     """The importance head's CLS merge error against the training-free baselines at the middle
     ratio of ``cls`` (the pruning stage's CLS result)."""
@@ -48,7 +52,7 @@ def gain_line(cls: dict) -> str:
     if "importance" not in error:
         return f"  {point}: no importance head ran; the baselines: {listed}"
     mine, (best, name) = error["importance"], baselines[0]
-    verdict = f"{best / mine:.1f}× lower than" if mine < best else f"{mine / best:.1f}× higher than" if mine > best else "equal to"
+    verdict = f"{_times(best / mine)} lower than" if mine < best else f"{_times(mine / best)} higher than" if mine > best else "equal to"
     return f"  {point}: importance head {mine:.2g}, {verdict} the best baseline ({name} {best:.2g}); all baselines: {listed}"
 
 
