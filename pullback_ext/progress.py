@@ -3,7 +3,7 @@
 On a terminal, :func:`progress_bar` is tqdm's redrawn bar. Anywhere else (a log file, a pipe, a
 CI job) it writes one plain line per stage: when the bar starts, each time another tenth of the
 total is done, and when it ends, instead of tqdm's carriage-return redraws, which a log file
-fills with hundreds of partial lines. :func:`info` prints a line about the run (what was written
+fills with hundreds of partial lines. :func:`info_line` prints a line about the run (what was written
 where, which stage runs); results (tables, figures) are printed with ``print``. Inside
 :func:`silenced` (``--quiet``) neither progress nor info lines are shown; warnings and errors are.
 """
@@ -21,7 +21,7 @@ _silenced = False
 
 @contextlib.contextmanager
 def silenced() -> Iterator[None]:
-    """No progress output and no :func:`info` lines inside the block (the ``--quiet`` switch)."""
+    """No progress output and no :func:`info_line` lines inside the block (the ``--quiet`` switch)."""
     global _silenced
     previous, _silenced = _silenced, True
     try:
@@ -30,7 +30,7 @@ def silenced() -> Iterator[None]:
         _silenced = previous
 
 
-def info(*parts) -> None:
+def info_line(*parts) -> None:
     """``print(*parts)`` to stdout (flushed) unless :func:`silenced`: a line about the run, not a result."""
     if not _silenced:
         print(*parts, flush=True)

@@ -9,7 +9,7 @@ import io
 import pytest
 
 from pullback_ext.cli import main
-from pullback_ext.progress import LineProgress, info, progress_bar, silenced
+from pullback_ext.progress import LineProgress, info_line, progress_bar, silenced
 
 
 class Terminal(io.StringIO):
@@ -60,9 +60,9 @@ def test_a_terminal_gets_tqdm_and_disabled_or_silenced_get_nothing():
 
 def test_info_lines_are_silenced_results_are_not(capsys):
     with silenced():
-        info("wrote somewhere")
+        info_line("wrote somewhere")
         print("a result")
-    info("wrote here")
+    info_line("wrote here")
     assert capsys.readouterr().out == "a result\nwrote here\n"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from pullback_ext.progress import info
+from pullback_ext.progress import info_line
 
 
 def _positive(text: str) -> int:
@@ -150,5 +150,5 @@ def run(args: argparse.Namespace) -> int:
         grid_size=getattr(probe, "grid_size", None), titles=names,
     )
     print(summary_table(full, setup.description))
-    info(f"wrote {out / 'diagnosis.json'}, {out / 'spectrum.png'}, {out / 'token_energy.png'}")
+    info_line(f"wrote {out / 'diagnosis.json'}, {out / 'spectrum.png'}, {out / 'token_energy.png'}")
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from pullback_ext.progress import info
+from pullback_ext.progress import info_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
           f"(min {s['min']:.4f}, {s['count']} images)")
     if out is not None:
         atomic_write_json(out, result)
-        info(f"wrote {out}")
+        info_line(f"wrote {out}")
     return 0
 
 

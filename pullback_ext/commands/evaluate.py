@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pullback_ext.progress import info
+from pullback_ext.progress import info_line
 
 DEFAULT_RATIOS = "0.05,0.1,0.15,0.2,0.3,0.4,0.5"
 LLF_CHOICES = {"on": (True,), "full": ("full",), "off": (False,), "both": (True, False), "all": (True, "full", False)}
@@ -111,12 +111,12 @@ def run(args: argparse.Namespace) -> int:
     write_text(tables, out / "table.md")
     plot_quality(result, out / "quality.png")
     print(tables)
-    info(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'quality.png'}")
+    info_line(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'quality.png'}")
     if args.results_page:
         from pullback_ext.results_pages import publish_command_results
 
         render = lambda r: "\n".join(markdown_table(r, key) for key in r["tables"])  # noqa: E731
-        info("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", render,
+        info_line("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", render,
                                                   args.command_line))
     return 0
 
@@ -145,13 +145,13 @@ def _run_pareto(args: argparse.Namespace, backbone, model, images) -> int:
     write_text(text, out / "pareto.md")
     pareto_report.plot(result, out / "pareto.png")
     print(pareto_report.matched_tables(result))
-    info(f"wrote {out / 'pareto.json'}, {out / 'pareto.md'}, {out / 'pareto.png'}")
+    info_line(f"wrote {out / 'pareto.json'}, {out / 'pareto.md'}, {out / 'pareto.png'}")
     if args.results_page:
         from pullback_ext.results_pages import page_location, publish_command_results
 
         folder, name = page_location(args.results_page)
         plot = pareto_report.plot(result, Path(folder) / f"{name}.png")
         title = f"Matched-cost comparison: {backbone.name}, {args.task}, {images.spec}"
-        info("wrote", plot, *publish_command_results(result, args.results_page, title, pareto_report.page_renderer(plot.name),
+        info_line("wrote", plot, *publish_command_results(result, args.results_page, title, pareto_report.page_renderer(plot.name),
                                                         args.command_line))
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from pullback_ext.progress import info
+from pullback_ext.progress import info_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,5 +71,5 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_json(result, out / "subspace.json")
     print(json.dumps(result["results"], indent=1))
-    info(f"wrote {out / 'subspace.json'}")
+    info_line(f"wrote {out / 'subspace.json'}")
     return 0

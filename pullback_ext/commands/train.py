@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from pullback_ext.progress import info
+from pullback_ext.progress import info_line
 
 
 def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,4 +167,4 @@ def print_results(kind: str, results: dict, out) -> None:
         init = results.get("heldout_at_init", {}).get("mean")
         print(f"held-out {label}: {held['mean']:.4f} ± {held['std']:.4f} over {held['count']} images"
               + (f" (at initialisation: {init:.4f})" if init is not None else ""))
-    info(f"wrote {out / 'results.json'}")
+    info_line(f"wrote {out / 'results.json'}")

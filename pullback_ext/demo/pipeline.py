@@ -21,7 +21,7 @@ from pullback_ext.demo import diagnostic_stage, importance_stage, pruning_stage
 from pullback_ext.demo.stages import DemoInputs
 from pullback_ext.demo.summary import summary
 from pullback_ext.fileio import atomic_write_json
-from pullback_ext.progress import info
+from pullback_ext.progress import info_line
 
 # add a stage with one line here
 STAGES = (diagnostic_stage, importance_stage, pruning_stage)
@@ -109,7 +109,7 @@ def run_demo(out_dir: Path, quick: bool, weights: str | None = None) -> int:
     results_path = Path(out_dir) / "results.json"
     atomic_write_json(results_path, jsonable(results))
     failed = run_stages(inputs, results, results_path, started)
-    info(f"\nwrote {results_path} ({results['seconds']:.0f} s)")
+    info_line(f"\nwrote {results_path} ({results['seconds']:.0f} s)")
     print(summary(results, Path(out_dir)), flush=True)
     if failed:
         print(f"stages failed: {', '.join(failed)}", file=sys.stderr, flush=True)
