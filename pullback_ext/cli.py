@@ -2,7 +2,8 @@
 
 Each subcommand lives in ``pullback_ext/commands/<name>.py`` and exposes
 ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only when their
-subcommand runs, so ``pullback --help`` stays fast. User errors (``PullbackError`` and its
+subcommand runs, so ``pullback --help`` stays fast. Every subcommand also gets ``--threads`` and
+``--quiet`` (``commands.arguments.add_run_arguments``), applied around its ``run``. User errors (``PullbackError`` and its
 subclasses, and files that cannot be opened) become a one-line message on stderr and exit code 2;
 anything else is a bug and keeps its traceback.
 """
