@@ -2,7 +2,8 @@
 
 Each subcommand lives in ``pullback_ext/commands/<name>.py`` and exposes
 ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only when their
-subcommand runs, so ``pullback --help`` stays fast. User errors (``PullbackError`` and its
+subcommand runs, so ``pullback --help`` stays fast. Every subcommand also gets ``--threads`` and
+``--quiet`` (``commands.arguments.add_run_arguments``), applied around its ``run``. User errors (``PullbackError`` and its
 subclasses, and files that cannot be opened) become a one-line message on stderr and exit code 2;
 anything else is a bug and keeps its traceback.
 """
@@ -32,6 +33,7 @@ USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, Permiss
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pullback", description=__doc__.splitlines()[0])
     from pullback_ext import __version__
+    from pullback_ext.commands.arguments import add_run_arguments
 
     parser.add_argument("--version", action="version", version=f"pullback_ext {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -40,17 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         importlib.import_module(module).add_arguments(p)
+        add_run_arguments(p)  # --threads, --quiet: every subcommand
     return parser
 
 
 def main(argv=None) -> int:
+    from pullback_ext.commands.arguments import run_options
     from pullback_ext.errors import PullbackError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command_line = "pullback " + shlex.join(sys.argv[1:] if argv is None else argv)  # as the user typed it
     try:
-        return int(importlib.import_module(args._module).run(args) or 0)
+        with run_options(args):
+            return int(importlib.import_module(args._module).run(args) or 0)
     except (PullbackError, *USER_ERRORS) as exc:
         print(f"pullback {args.command}: error: {exc}", file=sys.stderr)
         return 2

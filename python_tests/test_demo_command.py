@@ -82,10 +82,11 @@ def test_out_must_be_a_folder(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_quick_demo_end_to_end(tmp_path):
+def test_quick_demo_end_to_end(tmp_path, capsys):
     from pullback_ext.demo.diagnostic_stage import PROBE_LAYERS
 
     code = main(["demo", "--quick", "--out", str(tmp_path)])
+    printed = capsys.readouterr()
     results = json.loads((tmp_path / "results.json").read_text())
     assert code == 0, results["stages"]
     assert all(math.isfinite(x) for x in _walk_numbers(results))
@@ -102,3 +103,75 @@ def test_quick_demo_end_to_end(tmp_path):
     for stage in results["stages"].values():
         assert stage["status"] == "ok"
     assert results["stages"]["pruning"]["result"]["heads"] == {"cls": 2}  # the importance stage's head, by value
+    summary = printed.out[printed.out.index("\nSummary\n"):]
+    assert "CLS embedding: κ_cap" in summary and "DPT depth: κ_cap" in summary and "recommended: " in summary
+    assert "importance head" in summary and "the best baseline" in summary and f"Files in {tmp_path}" in summary
+    tables = [block for block in printed.out.split("\n\n") if block.startswith("| strategy |")]
+    assert len(tables) == len(set(tables)), "a quality table is printed twice"
+    assert all(len(line) < 200 for line in printed.err.splitlines()) and "\r" not in printed.err  # plain progress lines
+
+
+def _row(decoder, layer, kappa, regime, name, method):
+    return {"decoder": decoder, "layer": layer, "kappa_cap": kappa, "regime": regime, "regime_name": name, "recommended": method}
+
+
+def _cls_result(importance=True):
+    """The pruning stage's CLS result: cosine ×100 per strategy, the same at every ratio."""
+    errors = {"tome_score": 4e-2, "random": 0.5} | ({"importance": 1e-2} if importance else {})
+    table = {s: {r: {"cosine_x100": {"mean": e}} for r in ("0.1", "0.3", "0.5")} for s, e in errors.items()}
+    return {"ratios": [0.1, 0.3, 0.5], "layers": [2], "tables": {"merge": table}}
+
+
+def test_the_summary_says_what_was_found_the_gain_and_where_the_files_are(tmp_path):
+    from pullback_ext.demo.summary import summary
+    from pullback_ext.diagnostics import REGIMES
+
+    rows = [_row("embedding", 1, 0.95, "v", REGIMES["v"][0], REGIMES["v"][1]), _row("embedding", 6, 0.39, "iii", REGIMES["iii"][0], REGIMES["iii"][1]),
+            _row("depth", 1, 0.99, "v", REGIMES["v"][0], REGIMES["v"][1]), _row("depth", 3, 0.98, "v", REGIMES["v"][0], REGIMES["v"][1])]
+    results = {"stages": {"diagnostic": {"status": "ok", "result": {"table": rows}},
+                          "pruning": {"status": "ok", "result": {"cls": _cls_result()}}}}
+    text = summary(results, tmp_path)
+    lines = text.splitlines()
+    embedding = next(line for line in lines if line.strip().startswith("CLS embedding"))
+    assert "κ_cap 0.95 / 0.39 at layers 1 / 6" in embedding
+    assert f"layer 1: regime (v) {REGIMES['v'][0]}; recommended: {REGIMES['v'][1]}" in embedding
+    assert f"layer 6: regime (iii) {REGIMES['iii'][0]}; recommended: {REGIMES['iii'][1]}" in embedding
+    depth = next(line for line in lines if line.strip().startswith("DPT depth"))
+    assert "layer" not in depth.split("recommended")[0].split(". ", 1)[1]  # one regime for both layers: said once
+    gain = next(line for line in lines if "η = 0.3" in line)
+    assert "importance head 0.01, 4.0× lower than the best baseline (tome_score 0.04)" in gain and "random 0.5" in gain
+    assert f"Files in {tmp_path}:" in text and "pruning/cls/" in text and "results.json" in text
+    no_head = {"stages": {"pruning": {"status": "ok", "result": {"cls": _cls_result(importance=False)}},
+                          "diagnostic": {"status": "failed", "error": "RuntimeError: boom"}}}
+    text = summary(no_head, tmp_path)
+    assert "no importance head ran" in text and "(the diagnostic stage failed: RuntimeError: boom)" in text
+    assert "(the pruning stage did not run)" in summary({"stages": {}}, tmp_path)
+
+
+def test_the_demo_ends_with_the_summary(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(pipeline, "STAGES", (_stage("diagnostic", lambda inputs: StageResult({"table": [
+        _row("embedding", 1, 0.9, "v", "low rank, localised", "either")]})),))
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].strip().startswith("pruning/subspace.json")
+    assert "Summary" in out and "CLS embedding: κ_cap 0.90 at layers 1" in out and "(the pruning stage did not run)" in out
+    assert main(["demo", "--quick", "--quiet", "--out", str(tmp_path)]) == 0
+    quiet = capsys.readouterr()
+    assert "Summary" in quiet.out and "wrote" not in quiet.out and "pullback demo" not in quiet.err
+
+
+def test_a_table_that_repeats_an_earlier_one_is_printed_once():
+    from pullback_ext.demo.pruning_stage import printed_tables
+
+    def cells(silog, cosine):
+        return {"0.5": {"silog_x100": {"mean": silog, "std": 0.0}, "cosine_x100": {"mean": cosine, "std": 0.0}}}
+
+    result = {"task": "depth", "ratios": [0.5], "layers": [2, 4], "seeds": 1, "tables": {
+        "llf": {"tome_score": cells(1.0, 0.25)}, "no_llf": {"tome_score": cells(3.0, 0.25)}}}
+    text = printed_tables(result)
+    assert text.count("| tome_score |") == 3  # silog twice, cosine once
+    assert "**cosine_x100** (no_llf): the same as (llf), not repeated" in text and "3.000 ± 0.000" in text
+    result["tables"]["no_llf"]["tome_score"]["0.5"]["cosine_x100"]["mean"] = 0.25 + 1e-9  # prints the same
+    assert printed_tables(result) == text
+    result["tables"]["no_llf"]["tome_score"]["0.5"]["cosine_x100"]["mean"] = 0.5
+    assert printed_tables(result).count("| tome_score |") == 4 and "not repeated" not in printed_tables(result)

@@ -189,7 +189,7 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, co
 
     ``kernel_breakdown`` (CUDA only) also profiles the unchecked fused call of every case and
     records its kernels and launch gaps (:mod:`pullback_ext.bench.kernel_breakdown`) in ``kernels``."""
-    from tqdm import tqdm
+    from pullback_ext.progress import progress_bar
 
     cuda = device == "cuda"
     if kernel_breakdown and not cuda:
@@ -203,7 +203,7 @@ def run(device: str = "cpu", quick: bool = False, repeats: int | None = None, co
 
     bandwidth = read_bandwidth_gbps(device, repeats)
     rows = []
-    for case in tqdm(cases, desc="bench_ops", unit="case"):
+    for case in progress_bar(cases, desc="bench_ops", unit="case"):
         if progress:
             progress(f"{case.op} {case.shape}")
         rows.append(_time_case(case, repeats, device, kernel_breakdown))

@@ -51,12 +51,12 @@ class Sweep:
 def run_sweep(sweep: Sweep, etas: Sequence[float], tome_rs: Sequence[int], device: torch.device, repeats: int,
               progress: bool = True) -> list[dict]:
     """Every row of ``sweep`` on ``device`` (one dict per cell × method)."""
-    from tqdm import tqdm
+    from pullback_ext.progress import progress_bar
 
     case = MODELS[sweep.model]
     rows: list[dict] = []
     combos = [(s, d) for s in sweep.sizes for d in sweep.dtypes]
-    for size, dtype in tqdm(combos, desc=f"bench {case.key}", disable=not progress, unit="setting"):
+    for size, dtype in progress_bar(combos, desc=f"bench {case.key}", enabled=progress, unit="setting"):
         model = case.build(size).to(device=device, dtype=DTYPES[dtype])
         image = torch.rand(1, 3, size, size, device=device, dtype=DTYPES[dtype])
         patched = {m.name: m.apply(model, case) for m in _methods(case, model, sweep, etas, tome_rs, image)}

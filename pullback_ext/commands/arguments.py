@@ -1,14 +1,18 @@
 """Command-line arguments shared by the commands: where the model and the images come from
 (``--model demo|timm:NAME|hf:DIR``, ``--weights``, ``--img-size``, ``--images PATH|builtin:NAME``,
-``--num-images`` and the deprecated ``--demo``), the output folder ``--out``, renamed options whose
-old spelling still works for one release, and comma-separated numeric values validated with the
-option named in errors. The vocabulary every command shares is the table of docs/cli.md."""
+``--num-images`` and the deprecated ``--demo``), the output folder ``--out``, the run options
+every subcommand has (``--threads``, ``--quiet``: :func:`add_run_arguments`, applied by
+:func:`run_options`), renamed options whose old spelling still works for one release, and
+comma-separated numeric values validated with the option named in errors. The vocabulary every
+command shares is the table of docs/cli.md."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.sources.images import builtin_help, builtin_names
@@ -40,6 +44,35 @@ def add_source_arguments(parser: argparse.ArgumentParser, num_images: int, num_i
     group.add_argument("--images", metavar="PATH|builtin:NAME", help=images_help)
     group.add_argument("--num-images", type=int, default=num_images, help=f"{num_images_help} (default {num_images})")
     group.add_argument("--demo", action="store_true", help=f"deprecated spelling of {DEMO_SPELLING}")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--threads N`` and ``--quiet``. ``pullback_ext.cli`` adds them to every subcommand after its
+    own ``add_arguments`` and runs the command inside :func:`run_options`, so a subcommand gets
+    them without defining them (one that still defines either keeps its own)."""
+    group = parser.add_argument_group("run")
+    for flag, kwargs in (("--threads", dict(type=positive_int, default=None, metavar="N", help="torch CPU threads (default torch's)")),
+                         ("--quiet", dict(action="store_true", help="no progress output and no info lines (which file was written, which "
+                                                                   "stage runs); results, warnings and errors still show"))):
+        try:
+            group.add_argument(flag, **kwargs)
+        except argparse.ArgumentError:  # the subcommand defines it itself
+            pass
+
+
+@contextlib.contextmanager
+def run_options(args: argparse.Namespace) -> Iterator[None]:
+    """Apply :func:`add_run_arguments`'s options around a command: ``--threads`` sets torch's CPU
+    threads; ``--quiet`` silences progress output and info lines inside the block
+    (:func:`pullback_ext.progress.silenced`)."""
+    from pullback_ext.progress import silenced
+
+    if getattr(args, "threads", None) is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    with silenced() if getattr(args, "quiet", False) else contextlib.nullcontext():
+        yield
 
 
 def model_spec(args: argparse.Namespace, required: bool = True):
@@ -93,15 +126,28 @@ def add_renamed(parser, old: str, new: str, **kwargs) -> None:
     parser.add_argument(old, dest=_old_dest(old), default=None, help=f"deprecated spelling of {new}", **kwargs)
 
 
+def _warn_renamed(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; write {new}", FutureWarning, stacklevel=3)
+
+
 def renamed(args: argparse.Namespace, old: str, new: str):
     """The value of ``new``, or of its deprecated spelling ``old`` (with a FutureWarning)."""
     value, old_value = getattr(args, new.lstrip("-").replace("-", "_")), getattr(args, _old_dest(old))
     if old_value is None:
         return value
-    warnings.warn(f"{old} is deprecated and will be removed in the next release; write {new}", FutureWarning, stacklevel=2)
+    _warn_renamed(old, new)
     if value is not None and value != old_value:
         raise PullbackError(f"{old}: conflicts with {new} {value!r}")
     return old_value
+
+
+def renamed_switch(args: argparse.Namespace, old: str, new: str) -> bool:
+    """Whether the switch ``new`` or its deprecated spelling ``old`` (with a FutureWarning) is on;
+    ``old`` added by :func:`add_renamed` with ``action="store_true"``."""
+    if getattr(args, _old_dest(old)):
+        _warn_renamed(old, new)
+        return True
+    return bool(getattr(args, new.lstrip("-").replace("-", "_")))
 
 
 def comma_floats(text: str, name: str) -> tuple:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from pullback_ext.progress import info_line
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats (about a minute)")
@@ -37,12 +39,12 @@ def run(args: argparse.Namespace) -> int:
     print(report.format_table(result))
     if args.out:
         for path in report.write_outputs(result, args.out):
-            print(f"wrote {path}")
+            info_line(f"wrote {path}")
     if args.results_page:
         from pullback_ext.results_pages import publish_command_results
 
         render = lambda r: "```\n" + report.format_table(r) + "\n```"  # noqa: E731
         command = getattr(args, "command_line", None)  # None when run as benchmarks/bench_ops.py
-        print("wrote", *publish_command_results(result, args.results_page, f"Fused-op microbenchmarks ({args.device})", render,
+        info_line("wrote", *publish_command_results(result, args.results_page, f"Fused-op microbenchmarks ({args.device})", render,
                                                   command))
     return 0

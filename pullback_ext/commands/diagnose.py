@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from pullback_ext.progress import info_line
+
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -94,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     import torch
-    from tqdm.auto import tqdm
 
     from pullback_ext import distributed
     from pullback_ext.commands.arguments import output_folder
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_text
     from pullback_ext.plots import plot_spectrum, plot_token_energy
+    from pullback_ext.progress import progress_bar
 
     if args.layer is None and args.decoder != "depth-multi":
         raise PullbackError("--layer: required (the probe layer ℓ) unless --decoder depth-multi")
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         mine = distributed.shard_indices(len(image_set), info.rank, info.world_size)
         per_image = []
         desc = f"diagnose[rank {info.rank}/{info.world_size}]" if info.world_size > 1 else "diagnose"
-        with tqdm(total=len(mine), desc=desc, unit="image", disable=not info.is_main, file=sys.stderr) as bar:
+        with progress_bar(total=len(mine), desc=desc, unit="image", enabled=info.is_main) as bar:
             for start in range(0, len(mine), args.batch_size):
                 indices = mine[start : start + args.batch_size]
                 images = image_set.images(indices).to(dtype)
@@ -148,5 +150,5 @@ def run(args: argparse.Namespace) -> int:
         grid_size=getattr(probe, "grid_size", None), titles=names,
     )
     print(summary_table(full, setup.description))
-    print(f"wrote {out / 'diagnosis.json'}, {out / 'spectrum.png'}, {out / 'token_energy.png'}")
+    info_line(f"wrote {out / 'diagnosis.json'}, {out / 'spectrum.png'}, {out / 'token_energy.png'}")
     return 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from pullback_ext.progress import info_line
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pullback_ext.commands.arguments import add_renamed
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
           f"(min {s['min']:.4f}, {s['count']} images)")
     if out is not None:
         atomic_write_json(out, result)
-        print(f"wrote {out}")
+        info_line(f"wrote {out}")
     return 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pullback_ext.progress import info_line
+
 DEFAULT_RATIOS = "0.05,0.1,0.15,0.2,0.3,0.4,0.5"
 LLF_CHOICES = {"on": (True,), "full": ("full",), "off": (False,), "both": (True, False), "all": (True, "full", False)}
 
@@ -57,17 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--time-repeats", type=int, default=3)
     run.add_argument("--time-strategies", default=None, help="strategies to time (default: all evaluated)")
     run.add_argument("--no-timing", action="store_true", help="skip FLOPs and wall-clock")
-    run.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     run.add_argument("--out", required=True, help="output folder (results.json, table.md, quality.png)")
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.add_argument("--results-page", default=None, metavar="NAME",
                      help="also publish the results as docs/results/NAME.json and a stamped page NAME.md (or DIR/NAME: into DIR)")
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
-
-    import torch
 
     from pullback_ext.commands import evaluate_plan
     from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec, output_folder
@@ -76,8 +74,6 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
     from pullback_ext.prune.report import plot_quality, write_json, write_text
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     spec = model_spec(args)
     output_folder(args.out)
     images = image_source(args, spec)
@@ -115,12 +111,12 @@ def run(args: argparse.Namespace) -> int:
     write_text(tables, out / "table.md")
     plot_quality(result, out / "quality.png")
     print(tables)
-    print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'quality.png'}")
+    info_line(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'quality.png'}")
     if args.results_page:
         from pullback_ext.results_pages import publish_command_results
 
         render = lambda r: "\n".join(markdown_table(r, key) for key in r["tables"])  # noqa: E731
-        print("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", render,
+        info_line("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", render,
                                                   args.command_line))
     return 0
 
@@ -149,13 +145,13 @@ def _run_pareto(args: argparse.Namespace, backbone, model, images) -> int:
     write_text(text, out / "pareto.md")
     pareto_report.plot(result, out / "pareto.png")
     print(pareto_report.matched_tables(result))
-    print(f"wrote {out / 'pareto.json'}, {out / 'pareto.md'}, {out / 'pareto.png'}")
+    info_line(f"wrote {out / 'pareto.json'}, {out / 'pareto.md'}, {out / 'pareto.png'}")
     if args.results_page:
         from pullback_ext.results_pages import page_location, publish_command_results
 
         folder, name = page_location(args.results_page)
         plot = pareto_report.plot(result, Path(folder) / f"{name}.png")
         title = f"Matched-cost comparison: {backbone.name}, {args.task}, {images.spec}"
-        print("wrote", plot, *publish_command_results(result, args.results_page, title, pareto_report.page_renderer(plot.name),
+        info_line("wrote", plot, *publish_command_results(result, args.results_page, title, pareto_report.page_renderer(plot.name),
                                                         args.command_line))
     return 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from pullback_ext.progress import info_line
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pullback_ext.commands.arguments import add_source_arguments
@@ -21,7 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(--model demo: a per-token depth probe fitted on rendered scenes)")
     parser.add_argument("--layer", type=int, default=None, help="block whose output the probe reads (default: the middle block)")
     parser.add_argument("--k", default="1,2,4,8", help="subspace dimensions (default 1,2,4,8)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", required=True, help="output folder (subspace.json)")
 
 
@@ -55,14 +56,10 @@ def subspace_report(probe: str, model, backbone, layer: int, ks: tuple, data: di
 def run(args: argparse.Namespace) -> int:
     import json
 
-    import torch
-
     from pullback_ext.commands.arguments import comma_ints, image_source, model_spec, output_folder
     from pullback_ext.prune.backbones import load_backbone
     from pullback_ext.prune.report import write_json
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     spec = model_spec(args)
     out = output_folder(args.out)
     images = image_source(args, spec)
@@ -74,5 +71,5 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_json(result, out / "subspace.json")
     print(json.dumps(result["results"], indent=1))
-    print(f"wrote {out / 'subspace.json'}")
+    info_line(f"wrote {out / 'subspace.json'}")
     return 0

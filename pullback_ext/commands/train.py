@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from pullback_ext.progress import info_line
+
 
 def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, images and probe definition (shared with ``pullback eval-head``)."""
@@ -29,7 +31,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pullback_ext.commands.arguments import positive_int
+    from pullback_ext.commands.arguments import add_renamed, positive_int
 
     parser.add_argument("kind", choices=["spn", "head", "vae"], help="what to train")
     add_probe_arguments(parser)
@@ -71,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--amp", action="store_true", help="mixed precision (bfloat16 on CPU, float16 on CUDA)")
     train.add_argument("--checkpoint-every", type=positive_int, default=100)
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT")
-    train.add_argument("--no-progress", action="store_true")
+    add_renamed(train, "--no-progress", "--quiet", action="store_true")
 
 
 def probe_spec(args: argparse.Namespace, model):
@@ -89,7 +91,7 @@ def run_config(args: argparse.Namespace):
     """The :class:`~pullback_ext.metric.training_run.TrainingRunConfig` of the arguments."""
     from pathlib import Path
 
-    from pullback_ext.commands.arguments import image_source, model_spec
+    from pullback_ext.commands.arguments import image_source, model_spec, renamed_switch
     from pullback_ext.metric.training import TrainConfig
     from pullback_ext.metric.training_run import TrainingRunConfig
     from pullback_ext.sources.images import open_images
@@ -107,7 +109,7 @@ def run_config(args: argparse.Namespace):
         cache=None if args.cache is None else Path(args.cache), target=args.target, w_rank=args.w_rank,
         w_order=args.w_order, hidden=args.hidden, heads=args.heads, mlp_hidden=args.mlp_hidden, eps=args.eps,
         latent_dim=args.latent_dim, beta=args.beta, diagnose_images=args.diagnose_images, resume=args.resume,
-        progress=not args.no_progress,
+        progress=not renamed_switch(args, "--no-progress", "--quiet"),
     )
 
 
@@ -165,4 +167,4 @@ def print_results(kind: str, results: dict, out) -> None:
         init = results.get("heldout_at_init", {}).get("mean")
         print(f"held-out {label}: {held['mean']:.4f} ± {held['std']:.4f} over {held['count']} images"
               + (f" (at initialisation: {init:.4f})" if init is not None else ""))
-    print(f"wrote {out / 'results.json'}")
+    info_line(f"wrote {out / 'results.json'}")

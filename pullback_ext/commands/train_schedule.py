@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.progress import info_line
 
 
 def parse_stages(text: str) -> tuple:
@@ -86,10 +87,10 @@ def run(args: argparse.Namespace) -> int:
             title = f"stage {k}/{len(stages)} (layer {layer})"
             if args.resume and _finished(folder, args.steps):
                 if info.is_main:
-                    print(f"{title}: finished in {folder}, skipped", flush=True)
+                    info_line(f"{title}: finished in {folder}, skipped")
                 continue
             if info.is_main:
-                print(f"{title}: head on the output of block {layer - 1} -> {folder}", flush=True)
+                info_line(f"{title}: head on the output of block {layer - 1} -> {folder}")
             stage_args = argparse.Namespace(**{
                 **vars(args), "layer": layer - 1, "out": str(folder), "resume": args.resume and (folder / STATE_FILE).exists(),
                 "cache": None if args.cache is None else str(Path(args.cache) / stage_folder(layer))})
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         if info.is_main:
             path = write_schedule(out, stages, {"model": str(model), "decoder": args.decoder or "cls",
                                                 "weights": args.weights})
-            print(f"wrote {path}")
+            info_line(f"wrote {path}")
     finally:
         distributed.shutdown(info)
     return 0

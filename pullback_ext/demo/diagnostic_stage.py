@@ -10,9 +10,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pullback_ext.demo.stages import DemoInputs, StageResult
+from pullback_ext.plots import colour_range, decade_limits, log_floor, log_series, note_floor, pyplot, save_figure
 
 NAME = "diagnostic"
 PROBE_LAYERS = (1, 3, 6)
@@ -66,50 +68,66 @@ def _format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _plot_spectra(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    decoders = list(results)
-    fig, axes = plt.subplots(1, len(decoders), figsize=(4.2 * len(decoders), 3.4), squeeze=False)
-    for ax, decoder in zip(axes[0], decoders):
-        for layer, diag in results[decoder].items():
-            energies = torch.stack([d.sigma**2 / d.trace for d in diag.images]).mean(0)
-            ax.semilogy(range(1, energies.numel() + 1), energies.numpy(), marker="o", ms=3, label=f"layer {layer}")
-        ax.set_title(f"{DECODER_LABELS[decoder]}: σ_j² / T")
-        ax.set_xlabel("j")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+LAYER_STYLES = (("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."))
 
 
-def _plot_importance(results: dict, images: torch.Tensor, grid: int, path: Path) -> None:
-    import matplotlib
+def spectra_figure(energies: dict):
+    """One panel per decoder: the mean captured-energy spectrum σ_j² / T over the images, one line
+    per probe layer (marker and linestyle per layer), log y with whole decades.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    energies: {decoder: {layer: tensor [r] of mean σ_j² / T}}.
+    """
+    fig, axes = pyplot().subplots(1, len(energies), figsize=(4.4 * len(energies), 3.8), squeeze=False, layout="constrained")
+    for ax, (decoder, by_layer) in zip(axes[0], energies.items()):
+        floor, clipped = log_floor([e.numpy() for e in by_layer.values()]), 0
+        for (layer, e), (marker, ls) in zip(by_layer.items(), LAYER_STYLES * len(by_layer)):
+            clipped += log_series(ax, np.arange(1, e.numel() + 1), e.numpy(), floor, marker=marker, ls=ls, ms=3, label=f"layer {layer}")
+        ax.set_yscale("log")
+        decade_limits(ax)
+        note_floor(ax, floor, clipped)
+        ax.set_title(f"{DECODER_LABELS[decoder]}", fontsize=9)
+        ax.set_xlabel("mode j (largest first)")
+        ax.set_ylabel("σ_j² / T (share of the total sensitivity)")
+        ax.legend(fontsize=8, loc="best")
+    fig.suptitle("captured-energy spectrum; T = tr(JᵀJ) = ‖J‖²_F = Σ_j σ_j² over all modes", fontsize=9)
+    return fig
 
-    columns = [(dec, layer) for dec in results for layer in results[dec]]
+
+def importance_figure(images: torch.Tensor, maps: dict):
+    """The images, then one column per (decoder, layer) of imp*(t) over the patch grid, with a
+    colorbar per column (the column shares its colour scale, so images compare within a column).
+
+    images: [n, 3, H, W] in [0, 1]; maps: {(decoder, layer): tensor [n, h, w]}.
+    """
+    from matplotlib.colors import Normalize
+    from matplotlib.ticker import MaxNLocator
+
     n = images.shape[0]
-    fig, axes = plt.subplots(n, len(columns) + 1, figsize=(1.9 * (len(columns) + 1), 1.9 * n), squeeze=False)
+    fig, axes = pyplot().subplots(n, len(maps) + 1, figsize=(1.9 * (len(maps) + 1), 1.9 * n + 0.9), squeeze=False,
+                                  layout="constrained")
     for i in range(n):
         axes[i, 0].imshow(images[i].permute(1, 2, 0).clamp(0, 1).numpy())
-        for j, (decoder, layer) in enumerate(columns, start=1):
-            diag = results[decoder][layer][i]
-            imp = diag.importance[-grid * grid:].reshape(grid, grid)
-            axes[i, j].imshow(imp.numpy(), cmap="magma")
-            if i == 0:
-                axes[i, j].set_title(f"{decoder} L{layer}", fontsize=8)
+    for j, ((decoder, layer), imp) in enumerate(maps.items(), start=1):
+        norm = Normalize(*colour_range(imp))
+        for i in range(n):
+            im = axes[i, j].imshow(imp[i].numpy(), cmap="magma", norm=norm)
+        axes[0, j].set_title(f"{decoder} L{layer}", fontsize=8)
+        fig.colorbar(im, ax=axes[:, j].tolist(), location="bottom", shrink=0.9, label="imp*(t)", ticks=MaxNLocator(3), format="%.2g")
     axes[0, 0].set_title("image", fontsize=8)
     for ax in axes.flat:
         ax.axis("off")
     fig.suptitle("imp*(t) = sqrt(e_t) over patch tokens", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def _write_plots(results: dict, images: torch.Tensor, grid: int, out_dir: Path) -> None:
+    """spectra.png and importance.png of the diagnoses ``results`` {decoder: {layer: diagnosis}}."""
+    energies = {decoder: {layer: torch.stack([d.sigma**2 / d.trace for d in diag.images]).mean(0) for layer, diag in by_layer.items()}
+                for decoder, by_layer in results.items()}
+    save_figure(spectra_figure(energies), out_dir / "spectra.png")
+    maps = {(decoder, layer): torch.stack([d.importance[-grid * grid:].reshape(grid, grid) for d in diag.images])
+            for decoder, by_layer in results.items() for layer, diag in by_layer.items()}
+    save_figure(importance_figure(images, maps), out_dir / "importance.png")
 
 
 def run_demo_stage(inputs: DemoInputs) -> StageResult:
@@ -117,7 +135,7 @@ def run_demo_stage(inputs: DemoInputs) -> StageResult:
 
     Reports {"settings", "table": [row per (decoder, layer)], "per_image": {...}, "plots"}.
     """
-    from tqdm.auto import tqdm
+    from pullback_ext.progress import progress_bar
 
     from pullback_ext.diagnostics import DiagnoseConfig, diagnose
     from pullback_ext.embedded.probes import demo_probe
@@ -131,7 +149,7 @@ def run_demo_stage(inputs: DemoInputs) -> StageResult:
     results: dict[str, dict[int, object]] = {}
     rows = []
     jobs = [(d, layer) for d in settings.decoders for layer in PROBE_LAYERS]
-    for decoder, layer in tqdm(jobs, desc="diagnostic", unit="probe"):
+    for decoder, layer in progress_bar(jobs, desc="diagnostic", unit="probe"):
         started = time.time()
         probe = demo_probe(model, layer, decoder, output_size=settings.depth_output_size if decoder == "depth" else None)
         with torch.no_grad():
@@ -152,8 +170,7 @@ def run_demo_stage(inputs: DemoInputs) -> StageResult:
     table = _format_table(rows)
     print("\nTractability diagnostic (mean ± std over images; regime from κ_cap and the all-token CV):\n" + table, flush=True)
     out_dir = Path(inputs.out_dir)
-    _plot_spectra(results, out_dir / "spectra.png")
-    _plot_importance(results, images, grid, out_dir / "importance.png")
+    _write_plots(results, images, grid, out_dir)
     per_image = {
         f"{decoder}/L{layer}": diag.to_dict()["images"] for decoder in results for layer, diag in results[decoder].items()
     }

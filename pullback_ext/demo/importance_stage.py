@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pullback_ext.demo.stages import DemoInputs, StageResult, TrainedHead
+from pullback_ext.progress import info_line
 
 NAME = "importance_head"
 LAYER = 1
@@ -78,7 +79,7 @@ def run_demo_stage(inputs: DemoInputs, progress: bool = True, settings: StageSet
     head = ImportanceHead(probe.dim, mlp_hidden=settings.mlp_hidden)
     head.set_score_offset(train["importance"])
     count = parameter_count(head)
-    print(f"[importance_head] ImportanceHead(dim={probe.dim}, mlp_hidden={settings.mlp_hidden}): {count:,} parameters", flush=True)
+    info_line(f"[importance_head] ImportanceHead(dim={probe.dim}, mlp_hidden={settings.mlp_hidden}): {count:,} parameters")
     cfg = TrainConfig(steps=settings.steps, batch_size=settings.batch_size, lr=settings.lr, warmup_steps=settings.steps // 20,
                       checkpoint_every=max(settings.steps // 4, 1), log_every=10)
     probe_def = {"model": "demo", "layer": LAYER, "decoder": DECODER}

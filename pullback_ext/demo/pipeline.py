@@ -9,6 +9,7 @@ done so far; a stage that fails is recorded and the later ones still run.
 from __future__ import annotations
 
 import math
+import sys
 import time
 import traceback
 from dataclasses import replace
@@ -18,7 +19,9 @@ import torch
 
 from pullback_ext.demo import diagnostic_stage, importance_stage, pruning_stage
 from pullback_ext.demo.stages import DemoInputs
+from pullback_ext.demo.summary import summary
 from pullback_ext.fileio import atomic_write_json
+from pullback_ext.progress import info_line
 
 # add a stage with one line here
 STAGES = (diagnostic_stage, importance_stage, pruning_stage)
@@ -47,10 +50,10 @@ def jsonable(value):
 def run_stages(inputs: DemoInputs, results: dict, results_path: Path, started: float) -> list[str]:
     """Run :data:`STAGES` in order into ``results["stages"]`` (rewriting ``results_path`` after
     each); returns the names of the stages that failed."""
-    from tqdm.auto import tqdm
+    from pullback_ext.progress import progress_bar
 
     failed = []
-    for stage in tqdm(STAGES, desc="pullback demo", unit="stage"):
+    for stage in progress_bar(STAGES, desc="pullback demo", unit="stage"):
         stage_started = time.time()
         try:
             output = stage.run_demo_stage(inputs)
@@ -58,7 +61,7 @@ def run_stages(inputs: DemoInputs, results: dict, results_path: Path, started: f
             results["stages"][stage.NAME] = {"status": "ok", "seconds": time.time() - stage_started, "result": output.report}
         except Exception as exc:
             traceback.print_exc()
-            print(f"[{stage.NAME}] failed: {type(exc).__name__}: {exc}", flush=True)
+            print(f"[{stage.NAME}] failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             results["stages"][stage.NAME] = {"status": "failed", "seconds": time.time() - stage_started,
                                              "error": f"{type(exc).__name__}: {exc}"}
             failed.append(stage.NAME)
@@ -106,8 +109,9 @@ def run_demo(out_dir: Path, quick: bool, weights: str | None = None) -> int:
     results_path = Path(out_dir) / "results.json"
     atomic_write_json(results_path, jsonable(results))
     failed = run_stages(inputs, results, results_path, started)
-    print(f"\nwrote {results_path} ({results['seconds']:.0f} s)", flush=True)
+    info_line(f"\nwrote {results_path} ({results['seconds']:.0f} s)")
+    print(summary(results, Path(out_dir)), flush=True)
     if failed:
-        print(f"stages failed: {', '.join(failed)}", flush=True)
+        print(f"stages failed: {', '.join(failed)}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pullback_ext.demo.stages import DemoInputs, StageResult
 from pullback_ext.prune.backbones import demo_backbone
-from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
+from pullback_ext.prune.evaluation import METRICS, Plan, check_plan, markdown_table, run_cost, run_quality
 from pullback_ext.prune.report import plot_quality, write_json, write_text
 from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.subspace import subspace_analysis
@@ -44,6 +44,31 @@ def _plan(backbone, task: str, spec: dict, head, results: dict) -> Plan:
                 llf=spec["llf"], scorers=scorers, batch_size=16)
 
 
+def _table_body(result: dict, key: str, metric: str) -> str:
+    """The rows of one metric's table as printed (without its title, which names ``key``)."""
+    return markdown_table(dict(result, wilcoxon={}), key, [metric]).split("\n", 1)[1]
+
+
+def printed_tables(result: dict) -> str:
+    """The quality tables of ``result`` as markdown, a metric's table that prints the same as an
+    earlier one (e.g. the CLS cosine of dense pruning, which LLF does not touch) given once: the
+    later one becomes a line saying so."""
+    seen: dict = {}
+    parts = []
+    for key in result["tables"]:
+        fresh, notes = [], []
+        for metric in METRICS[result["task"]]:
+            body = _table_body(result, key, metric)
+            same = next((earlier for earlier, b in seen.get(metric, []) if b == body), None)
+            if same is None:
+                fresh.append(metric)
+                seen.setdefault(metric, []).append((key, body))
+            else:
+                notes.append(f"**{metric}** ({key}): the same as ({same}), not repeated\n")
+        parts += ([markdown_table(result, key, fresh)] if fresh else []) + notes
+    return "\n".join(parts)
+
+
 def run_demo_stage(inputs: DemoInputs, progress: bool = True) -> StageResult:
     """Run the comparison on rendered held-out scenes and write ``pruning/{cls,depth}/results.json``,
     ``table.md``, ``quality.png`` and ``pruning/subspace.json`` under ``inputs.out_dir``.
@@ -71,9 +96,8 @@ def run_demo_stage(inputs: DemoInputs, progress: bool = True) -> StageResult:
         folder = out / task
         folder.mkdir(parents=True, exist_ok=True)
         write_json(result, folder / "results.json")
-        tables = "\n".join(markdown_table(result, key) for key in result["tables"])
-        write_text(tables, folder / "table.md")
-        print(f"[pruning] {task}: {TITLES[task]}\n{tables}", flush=True)
+        write_text("\n".join(markdown_table(result, key) for key in result["tables"]), folder / "table.md")
+        print(f"[pruning] {task}: {TITLES[task]}\n{printed_tables(result)}", flush=True)
         plot_quality(result, folder / "quality.png")
         results[task] = result
     test = inputs.images.heldout(inputs.preprocess, settings["images"]).load()

@@ -52,12 +52,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def render_training_set(num_images: int, seed: int, chunk: int = 256) -> dict:
     """Render the training scenes (seeds below the held-out range) into a compact cache."""
     import torch
-    from tqdm import tqdm
+    from pullback_ext.progress import progress_bar
 
     from pullback_ext.embedded.scenes import render
 
     images, depth, labels = [], [], []
-    for index in tqdm(range(0, num_images, chunk), desc="render training scenes", unit="chunk"):
+    for index in progress_bar(range(0, num_images, chunk), desc="render training scenes", unit="chunk"):
         part = render(min(chunk, num_images - index), seed * 100_000 + index // chunk)
         images.append((part["images"] * 255).round().to(torch.uint8))
         depth.append(part["depth"].to(torch.float16))
@@ -180,7 +180,7 @@ def train_model(model, data: dict, args: argparse.Namespace, started: float) -> 
     flipped batches of ``data``: cross-entropy on the logits plus L1 on log-depth."""
     import torch
     import torch.nn.functional as Fn
-    from tqdm import tqdm
+    from pullback_ext.progress import progress_bar
 
     decayed = lambda n, p: p.dim() > 1 and "pos_embed" not in n and "token" not in n  # noqa: E731
     decay = [p for n, p in model.named_parameters() if decayed(n, p)]
@@ -190,7 +190,7 @@ def train_model(model, data: dict, args: argparse.Namespace, started: float) -> 
     order = torch.Generator().manual_seed(args.seed + 1)
     n_train = data["labels"].shape[0]
     running = None
-    progress = tqdm(range(args.steps), desc="train", unit="step")
+    progress = progress_bar(range(args.steps), desc="train", unit="step")
     for step in progress:
         index = torch.randint(0, n_train, (args.batch_size,), generator=order)
         flip = torch.rand(args.batch_size, generator=order) < 0.5

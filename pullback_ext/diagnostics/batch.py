@@ -77,7 +77,7 @@ def diagnose(
 
     A rank above M is capped at M (with a warning); the result's settings record both.
     """
-    from tqdm.auto import tqdm
+    from pullback_ext.progress import progress_bar
 
     config = _config(config, overrides)
     features = _features(probe, F)
@@ -87,7 +87,7 @@ def diagnose(
         raise PullbackError(f"indices: expected {B} indices (one per feature map), got {len(indices)}")
     per_image = [
         diagnose_one(image_map(probe, features, b), features.F[b], int(indices[b]), config, keep_vectors)
-        for b in tqdm(range(B), desc="diagnose", unit="image", disable=not progress)
+        for b in progress_bar(range(B), desc="diagnose", unit="image", enabled=progress)
     ]
     _warn_if_capped(config, per_image)
     return Diagnosis.from_images(per_image, config)

@@ -184,12 +184,12 @@ class TargetCache:
         returns None; once every rank is done, rank 0 calls ``write_manifest`` and all ``load``.
         """
         from safetensors import safe_open
-        from tqdm import tqdm
+        from pullback_ext.progress import progress_bar
 
         self.directory.mkdir(parents=True, exist_ok=True)
         key = self._key(config, source)
         mine = [s for i, s in enumerate(self._shards(key, num_images, shard_size)) if i % world_size == rank]
-        for shard in tqdm(mine, desc="targets", unit="shard", disable=not progress):
+        for shard in progress_bar(mine, desc="targets", unit="shard", enabled=progress):
             path = self.directory / shard["file"]
             if not path.exists():
                 F = features(shard["start"], shard["stop"])

@@ -198,7 +198,7 @@ def fit(
     model.safetensors hold the moving average of the weights (state.safetensors both), and ``model``
     ends with the averaged weights. Returns the last logged metrics.
     """
-    from tqdm import tqdm
+    from pullback_ext.progress import progress_bar
 
     rank, world = _world()
     out = Path(out_dir)
@@ -220,7 +220,8 @@ def fit(
         _barrier(world)
 
     model.train()
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {task.kind}", disable=not progress or rank != 0)
+    bar = progress_bar(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {task.kind}", unit="step",
+                       enabled=progress and rank == 0)
     for step in bar:
         lr = learning_rate(step, cfg)
         for group in optimizer.param_groups:

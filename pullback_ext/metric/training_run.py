@@ -15,6 +15,7 @@ from pullback_ext.fileio import atomic_write_json
 from pullback_ext.metric.probe_spec import ProbeSpec, build_probe, features
 from pullback_ext.metric.targets import EXACT_MAX_SIDE, TargetCache, TargetConfig, compute_targets
 from pullback_ext.metric.training import TrainConfig
+from pullback_ext.plots import decade_limits, log_floor, log_series, note_floor, pyplot, save_figure
 from pullback_ext.sources.image_sets import ImageSet, ImageSource
 
 SHARD_SIZE = 32
@@ -29,28 +30,31 @@ def reference_targets(probe, rank: int, power: int, seed: int, block_norms: bool
     return TargetConfig(mode="randnla", rank=rank, power=max(power, 4), seed=seed, block_norms=block_norms)
 
 
-def plot_training(metrics_file: Path, out_file: Path, rho: list[float] | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+def training_figure(rows: list[dict], rho: list[float] | None = None):
+    """The training loss per logged step (``rows``: metrics.jsonl records with "step" and "loss"), log y;
+    with ``rho``, a histogram of the held-out per-image Spearman ρ next to it."""
     panels = 2 if rho else 1
-    fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.4), squeeze=False)
+    fig, axes = pyplot().subplots(1, panels, figsize=(4.8 * panels, 3.6), squeeze=False, layout="constrained")
     ax = axes[0][0]
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    loss = [r["loss"] for r in rows]
+    floor = log_floor(loss)
+    clipped = log_series(ax, [r["step"] for r in rows], loss, floor, marker="." if len(rows) < 30 else None)
     ax.set_yscale("log")
-    ax.set_xlabel("step")
+    decade_limits(ax)
+    note_floor(ax, floor, clipped)
+    ax.set_xlabel("optimiser step")
     ax.set_ylabel("training loss")
     if rho:
         axes[0][1].hist(rho, bins=20)
         axes[0][1].set_xlabel("held-out Spearman ρ per image")
-    fig.tight_layout()
-    tmp = out_file.with_name(f".{out_file.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out_file)
+        axes[0][1].set_ylabel("images")
+    return fig
+
+
+def plot_training(metrics_file: Path, out_file: Path, rho: list[float] | None = None) -> None:
+    """:func:`training_figure` of ``metrics_file`` (metrics.jsonl) written to ``out_file``."""
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    save_figure(training_figure(rows, rho), out_file)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ rules appear side by side.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Sequence
 
 import torch
 
@@ -153,14 +153,14 @@ def _summary(per_seed: list) -> dict:
 def run_quality(backbone: Backbone, image_sets: list, plan: Plan, progress: bool = True) -> dict:
     """Quality tables. ``image_sets``: one dict per seed with ``images [n, 3, H, W]`` and
     optionally ``labels [n]``. Returns JSON-ready results (see module doc)."""
-    from tqdm import tqdm
+    from pullback_ext.progress import progress_bar
 
     check_plan(plan, backbone)
     rows = plan.rows(backbone)
     cells = [(llf, row, r) for llf in plan.llf for row in rows for r in plan.ratios]
     per_image: dict = {}
     knn: dict = {}
-    bar = tqdm(total=len(image_sets) * len(cells), desc="evaluate", disable=not progress, unit="cell")
+    bar = progress_bar(total=len(image_sets) * len(cells), desc="evaluate", enabled=progress, unit="cell")
     with torch.no_grad():
         for seed, data in enumerate(image_sets):
             images, labels = data["images"], data.get("labels")
@@ -238,7 +238,7 @@ def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 6
     """FLOPs per image (torch's flop counter, batch 1) and wall-clock at each batch size for the
     unpruned model and every row × ratio (first LLF setting of the plan) of the given ``strategies``
     (default all), keyed by row."""
-    from tqdm import tqdm
+    from pullback_ext.progress import progress_bar
 
     strategies = plan.strategies if strategies is None else strategies
     inputs = {b: images[torch.arange(b) % images.shape[0]] for b in batches}
@@ -256,7 +256,7 @@ def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 6
         return entry
 
     cells = [(row, r) for row in plan.rows(backbone) if row.strategy in strategies for r in plan.ratios]
-    bar = tqdm(total=len(cells) + 1, desc="cost", disable=not progress, unit="run")
+    bar = progress_bar(total=len(cells) + 1, desc="cost", enabled=progress, unit="run")
     out = {"batches": list(batches), "repeats": repeats, "llf": llf, "unpruned": measure(backbone.full)}
     bar.update(1)
     base = out["unpruned"]
@@ -272,11 +272,11 @@ def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 6
     return out
 
 
-def markdown_table(result: dict, llf_key: str) -> str:
+def markdown_table(result: dict, llf_key: str, metrics: Optional[Sequence[str]] = None) -> str:
     """One quality table (``llf_key`` from :func:`table_key`) as markdown: one row per strategy and
     rule set (named with its selection and averaging), columns ratios, cells mean ± std across
-    seeds; then the Wilcoxon rows."""
-    metrics = METRICS[result["task"]]
+    seeds, for each of ``metrics`` (default the task's); then the Wilcoxon rows."""
+    metrics = METRICS[result["task"]] if metrics is None else metrics
     table = result["tables"][llf_key]
     rules = result.get("rules", {}).get(llf_key, {})
     ratios = [f"{r:g}" for r in result["ratios"]]

@@ -57,13 +57,13 @@ def error_summary(errors: torch.Tensor) -> dict:
 def image_errors(backbone, images: torch.Tensor, points: Sequence[Point], task: str, batch_size: int = 16,
                  progress: bool = True) -> list[dict]:
     """Per point, ``{metric: errors [n]}`` on ``images [n, 3, H, W]`` against the unpruned model."""
-    from tqdm import tqdm
+    from pullback_ext.progress import progress_bar
 
     reductions = [resolve(p.options, backbone) for p in points]
     out = []
     with torch.no_grad():
         full = batched_outputs(backbone.full, images, batch_size)
-        for reduction in tqdm(reductions, desc="pareto quality", disable=not progress, unit="point"):
+        for reduction in progress_bar(reductions, desc="pareto quality", enabled=progress, unit="point"):
             reduced = batched_outputs(lambda x: backbone.reduced(reduction, x), images, batch_size)
             out.append(output_errors(task, reduced, full))
     return out
@@ -74,13 +74,13 @@ def measure_cost(backbone, images: torch.Tensor, points: Sequence[Point], batche
     """``{"unpruned": entry, "points": [entry per point]}``, each entry with ``gflops_per_image``
     (batch 1) and ``batch{b}`` timings; the point entries add ``flop_ratio`` and ``speedup_batch{b}``
     (medians over ``repeats`` interleaved rounds, every point and the unpruned model in each round)."""
-    from tqdm import tqdm
+    from pullback_ext.progress import progress_bar
 
     reductions = [resolve(p.options, backbone) for p in points]
     fns = {"unpruned": backbone.full} | {i: (lambda x, r=r: backbone.reduced(r, x)) for i, r in enumerate(reductions)}
     one = images[:1]
     entries = {key: {"gflops_per_image": count_flops(fn, one) / 1e9} for key, fn in fns.items()}
-    for b in tqdm(batches, desc="pareto timing", disable=not progress, unit="batch size"):
+    for b in progress_bar(batches, desc="pareto timing", enabled=progress, unit="batch size"):
         x = images[torch.arange(b) % images.shape[0]]
         timed = interleaved_wall_clock({key: (lambda fn=fn: fn(x)) for key, fn in fns.items()}, repeats=repeats,
                                        device=images.device)

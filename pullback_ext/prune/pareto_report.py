@@ -75,16 +75,13 @@ def page_renderer(plot_name: str):
     return lambda result: f"![error against speed-up]({plot_name})\n\n" + markdown(result)
 
 
-def plot(result: dict, path: str | os.PathLike) -> Path:
-    """Mean (solid, on the row's frontier) and worst-image (dashed) error against speed-up, log y,
-    one panel per cost axis (the largest measured batch and FLOPs)."""
-    import matplotlib
+def figure(result: dict):
+    """Mean (solid, on the row's frontier) and worst-image (dashed) error against speed-up, log y
+    (whole decades; errors ≤ 0 at a stated floor), one panel per cost axis (the largest measured
+    batch and FLOPs)."""
+    from pullback_ext.plots import decade_limits, note_floor, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from pullback_ext.plots import save_figure
-
+    plt = pyplot()
     axes_shown = [cost_axes(result["batches"])[0], "flop_ratio"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -100,6 +97,8 @@ def plot(result: dict, path: str | os.PathLike) -> Path:
                 ax.plot([xs[j] for j in front], [ys[j] for j in front], style, color=colour,
                         label=row if stat == "mean" else None, lw=1.2)
         ax.set_yscale("log")
+        decade_limits(ax)
+        note_floor(ax, floor, sum(p["error"][stat] <= 0 for p in result["points"] for stat in ("mean", "worst")))
         ax.set_xlabel(axis_title(axis))
         ax.set_ylabel(METRIC_TITLES.get(result["metric"], result["metric"]))
         ax.grid(alpha=0.3, which="both")
@@ -108,4 +107,11 @@ def plot(result: dict, path: str | os.PathLike) -> Path:
                  "(solid: mean on the row's frontier, dashed: worst image)")
     fig.tight_layout()
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=7, frameon=False)  # below the data
-    return save_figure(fig, path)
+    return fig
+
+
+def plot(result: dict, path: str | os.PathLike) -> Path:
+    """:func:`figure` written to ``path``."""
+    from pullback_ext.plots import save_figure
+
+    return save_figure(figure(result), path)
