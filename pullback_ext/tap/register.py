@@ -113,6 +113,11 @@ class TaskRegister(nn.Module):
         alpha = None if self.alpha is None else torch.sigmoid(self.alpha(h)[:, stage])
         return Readout(scores, shares, alpha)
 
+    def forward(self, runner, images: torch.Tensor, rho: float):
+        """Training forward: ``runner(self, images, rho)``, the pruned model's outputs (a call through
+        the module, so that DDP synchronises the register's gradients)."""
+        return runner(self, images, rho)
+
     def block_caller(self, call_block):
         """``call(index, block, state, bias)``: ``call_block`` with the block's LoRA-adapted weights
         (TAP-J), or ``call_block`` itself (TAP-F)."""
