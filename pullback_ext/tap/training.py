@@ -135,8 +135,10 @@ def targets(model, task: str, images: torch.Tensor, batch: int = 16) -> torch.Te
     return torch.cat([o["embedding" if task == "cls" else "depth"] for o in outs])
 
 
-def train(model, images: torch.Tensor, config: TapConfig, out: Path, resume: bool = False, progress: bool = True) -> TaskRegister:
-    """Train a register for the frozen demo ``model`` on ``images [n, 3, H, W]``; checkpoints in ``out``."""
+def train(model, images: torch.Tensor, config: TapConfig, out: Path, resume: bool = False, progress: bool = True,
+          on_step=None) -> TaskRegister:
+    """Train a register for the frozen demo ``model`` on ``images [n, 3, H, W]``; checkpoints in ``out``
+    (``on_step(step)``: as in :func:`~pullback_ext.metric.training.fit`)."""
     from pullback_ext.metric.training import fit
 
     model.eval().requires_grad_(False)
@@ -144,5 +146,5 @@ def train(model, images: torch.Tensor, config: TapConfig, out: Path, resume: boo
     data = {"images": images, "target": targets(model, config.task, images)}
     task = TapTask(DemoRunner(model, config.task), config.task, config.train.seed, tuple(config.rho_range))
     extra = {"tap": {"variant": "TAP-J" if config.adapt else "TAP-F", **{k: v for k, v in asdict(config).items() if k != "train"}}}
-    fit(task, register, data, config.train, out, extra_config=extra, resume=resume, progress=progress)
+    fit(task, register, data, config.train, out, extra_config=extra, resume=resume, progress=progress, on_step=on_step)
     return register
