@@ -120,12 +120,13 @@ class TapConfig:
 
 
 def build_register(model, config: TapConfig) -> TaskRegister:
-    """A fresh register for the demo ``model`` (seeded by ``config.train.seed``)."""
+    """A fresh register for the demo ``model``, in its dtype (seeded by ``config.train.seed``)."""
     bb = model.backbone
     torch.manual_seed(config.train.seed)
     layers = config.layers or default_layers(config.task, len(bb.blocks))
     lora = lora_shapes(bb.blocks) if config.adapt else None
-    return TaskRegister(int(bb.embed_dim), layers, config.task, config.key_dim, lora, config.lora_rank)
+    register = TaskRegister(int(bb.embed_dim), layers, config.task, config.key_dim, lora, config.lora_rank)
+    return register.to(bb.pos_embed.dtype)
 
 
 @torch.no_grad()
