@@ -13,6 +13,7 @@
     patch.timm(model, strategy="pitome", r=16)                         # PiToMe as its authors define it
     patch.timm(model, strategy="expedite", cluster_grid=(8, 8))        # Expedite (clusters, reconstructs)
     patch.timm(model, strategy="asap", ratio=0.5, layers=(4,), rings=4)  # ASAP, reconstructed
+    patch.timm(model, strategy="tap", head="out/tap", ratio=0.5)       # TAP task register (docs/tap.md)
     patch.config(model)             # the options in use, every "auto" chosen
     patch.unpatch(model)            # the original forward again
 

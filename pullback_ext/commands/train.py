@@ -33,7 +33,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pullback_ext.commands.arguments import add_renamed, positive_int
 
-    parser.add_argument("kind", choices=["spn", "head", "vae"], help="what to train")
+    parser.add_argument("kind", choices=["spn", "head", "vae", "tap"], help="what to train (tap: a TAP task register, docs/tap.md)")
     add_probe_arguments(parser)
     parser.add_argument("--stages", default=None, metavar="L1,L2,...",
                         help="head: one head per stage of a schedule instead of --layer: the stage at layer ℓ (0-based block, "
@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--beta", type=float, default=1e-3, help="vae: KL weight")
     model.add_argument("--diagnose-images", type=int, default=2,
                        help="vae: held-out images diagnosed at the features and at the latent afterwards (0: skip)")
+    from pullback_ext.commands import train_tap
+
+    train_tap.add_arguments(parser)
     train = parser.add_argument_group("optimisation")
     train.add_argument("--steps", type=positive_int, default=1000)
     train.add_argument("--batch-size", type=positive_int, default=16, help="global batch (split over torchrun ranks)")
@@ -136,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.errors import PullbackError
     from pullback_ext.metric.training_run import TrainingRun
 
+    if args.kind == "tap":
+        from pullback_ext.commands import train_tap
+
+        return train_tap.run(args)
     _check(args)
     if args.stages is not None:
         from pullback_ext.commands import train_schedule

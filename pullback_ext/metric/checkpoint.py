@@ -31,8 +31,9 @@ def _model_classes() -> dict[str, type]:
     from pullback_ext.metric.head import ImportanceHead
     from pullback_ext.metric.spn import SPN
     from pullback_ext.metric.vae import FeatureVAE
+    from pullback_ext.tap.register import TaskRegister
 
-    return {"spn": SPN, "head": ImportanceHead, "vae": FeatureVAE}
+    return {"spn": SPN, "head": ImportanceHead, "vae": FeatureVAE, "tap": TaskRegister}
 
 
 def atomic_save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -68,7 +69,7 @@ def _read_tensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
 
 
 def save_model(directory: str | os.PathLike, kind: str, model: nn.Module, extra: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` (kind 'spn', 'head' or 'vae', with a ``config()`` method) to ``directory``.
+    """Write ``model`` (kind 'spn', 'head', 'vae' or 'tap', with a ``config()`` method) to ``directory``.
 
     ``extra`` (the probe definition, training settings, results) is stored in the config.
     """

@@ -19,6 +19,7 @@ from pullback_ext.prune import evit, expedite, pitome, timm_vit, tome
 from pullback_ext.prune.pipeline import stage_budgets
 from pullback_ext.prune.reduction_options import ReductionOptions
 from pullback_ext.prune.strategies import ORIGINALS
+from pullback_ext.tap.budget import keep_count
 
 
 def patch_tokens_per_block(options: ReductionOptions, model, num_patches: Optional[int] = None) -> list[int]:
@@ -37,6 +38,9 @@ def patch_tokens_per_block(options: ReductionOptions, model, num_patches: Option
         return pitome.patch_tokens_per_block(o, n, shape.depth)
     if o.strategy == "expedite":
         return expedite.patch_tokens_per_block(o, n, shape.depth)
+    if o.strategy == "tap":
+        raise PullbackError("strategy 'tap' splits its budget over depth from the batch's register states; only its final "
+                            "count (eta) is fixed by the ratio")
     budgets = stage_budgets(reduction, n)
     counts = [n - sum(r for layer, r in budgets.items() if layer <= i) for i in range(shape.depth)]
     if o.mode == "prune" and o.llf and budgets:
@@ -49,6 +53,8 @@ def eta(options: ReductionOptions, model, num_patches: Optional[int] = None) -> 
     ``options`` remove on the timm ``model`` (see the module docstring)."""
     timm_vit.check_model(model)
     n = _num_patches(model, num_patches)
+    if options.strategy == "tap":  # exactly floor(ρN + 0.5) patch tokens after its last reduction
+        return 1.0 - keep_count(1.0 - options.ratio, n) / n
     if options.strategy in ORIGINALS and options.strategy != "asap":  # ASAP: one stage of ratio
         return 1.0 - patch_tokens_per_block(options, model, n)[-1] / n
     return sum(stage_budgets(options.resolve(timm_vit.backbone_shape(model)), n).values()) / n

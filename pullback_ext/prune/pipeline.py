@@ -23,6 +23,7 @@ from pullback_ext.prune.reduction_options import Reduction
 from pullback_ext.prune.split_block import SplitBlock
 from pullback_ext.prune.strategies import ORIGINALS, StageContext, lowest
 from pullback_ext.prune.tokens import TokenState, split_budget
+from pullback_ext.tap import run as tap_run
 
 
 def stage_budgets(reduction: Reduction, num_patch: int) -> dict:
@@ -88,12 +89,14 @@ def run_blocks(
     its head-averaged attention ``[B, K, K]``; ``split`` runs a block in two halves, which the
     originals ``tome``, ``evit`` and ``pitome`` need (they reduce between attention and MLP, in their own loop;
     ``expedite`` clusters between two blocks in its own loop and needs no ``split``; the original
-    ``asap`` reduces once, at a block input, in its own loop too).
+    ``asap`` reduces once, at a block input, in its own loop too; ``tap`` runs :func:`pullback_ext.tap.run.run`).
     Returns ``(final [B, N, D], {i: features after block i [B, N, D] for i in take})``.
     """
     if reduction.strategy.name == "asap":
         budgets = stage_budgets(reduction, x.shape[1] - reduction.backbone.num_prefix)
         return asap.run(reduction, x, blocks, call_block, attention_probs, take, budgets.get(reduction.options.layers[0], 0))
+    if reduction.strategy.name == "tap":
+        return tap_run.run(reduction, x, blocks, call_block, take)
     if reduction.strategy.name in ORIGINALS:
         if split is None and reduction.strategy.name != "expedite":
             raise PullbackError(f"strategy {reduction.strategy.name!r} reduces between attention and MLP, and this "

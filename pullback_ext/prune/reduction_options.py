@@ -35,11 +35,12 @@ CALLABLES = ("head", "spn")  # fields that hold models or functions: never in :m
 METHOD_FIELDS = {"tome": ("r", "schedule", "block_range"), "evit": ("keep_rate", "evit_layers"), "asap": ("rings",),
                  "pitome": ("r", "schedule", "block_range", "margin", "energy_alpha"),
                  "expedite": ("cluster_grid", "cluster_layer", "cluster_iters", "cluster_window", "cluster_tau",
-                              "reconstruct_k")}  # besides strategy
+                              "reconstruct_k"), "tap": ()}  # besides strategy
 ORIGINAL_TITLES = {"tome": "ToMe (r tokens merged in every block)", "evit": "EViT (inattentive tokens fused at 3 blocks)",
                    "asap": "ASAP (the sink-anchored method of its abstract, reconstructed: background pooled per ring or pruned in one shot)",
                    "pitome": "PiToMe (r high-energy tokens merged in every block)",
-                   "expedite": "Expedite (tokens clustered after layer alpha, reconstructed for the dense head)"}
+                   "expedite": "Expedite (tokens clustered after layer alpha, reconstructed for the dense head)",
+                   "tap": "TAP (a trained task register ranks tokens and splits an exact budget over depth)"}
 ASAP_TAKES = ("ratio", "layers", "mode", "llf", "prop_attn", "rings")  # one stage of the single-stage path
 SINGLE_STAGE_FIELDS = ("ratio", "layers", "head", "spn", "matching", "eps", "weights", "selection", "llf", "preset")
 
@@ -238,6 +239,8 @@ def _check_method_fields(fields: dict) -> None:
         return
     if strategy == "asap":
         return _check_asap(fields, changed)
+    if strategy == "tap":
+        return _check_tap(fields, changed)
     for name in SINGLE_STAGE_FIELDS:
         if name in changed:
             raise PullbackError(f"strategy {strategy!r} does not take {name} (an option of the single-stage strategies); "
@@ -269,6 +272,17 @@ def _check_asap(fields: dict, changed: set) -> None:
         raise PullbackError("strategy 'asap' walks the attention of the blocks before its stage, so layers must be 1 or later; got 0")
 
 
+def _check_tap(fields: dict, changed: set) -> None:
+    """TAP takes ``head`` (its trained task register, or the checkpoint folder) and one float
+    ``ratio`` (η = 1 − ρ); its register knows its eligible layers and its task (dense: prune + LLF)."""
+    refused = sorted(changed & (set(SINGLE_STAGE_FIELDS) - {"ratio", "head"}))
+    if refused or fields["mode"] not in ("auto", "prune"):
+        raise PullbackError(f"strategy 'tap' does not take {refused[0] if refused else 'mode'}; it takes head= (a TAP checkpoint "
+                            f"folder or TaskRegister) and ratio= (the fraction of patch tokens removed)")
+    if not isinstance(fields["ratio"], float):
+        raise PullbackError(f"strategy 'tap' takes one float ratio (its register splits it over depth); got {fields['ratio']}")
+
+
 @functools.lru_cache(maxsize=None)
 def _note_new_meaning(strategy: str) -> None:
     """Say once per process that ``tome`` / ``evit`` / ``asap`` changed meaning in this release."""
@@ -286,6 +300,11 @@ def _original_choices(o: ReductionOptions, depth: int) -> dict:
         if stop > depth:
             raise PullbackError(f"block_range must end at or before block {depth} of this {depth}-block model; got {o.block_range}")
         return {"mode": "merge", "prop_attn": o.prop_attn if isinstance(o.prop_attn, bool) else True, "block_range": (start, stop)}
+    if o.strategy == "tap":
+        from pullback_ext.tap.run import check_fits
+
+        check_fits(o.head, depth)
+        return {"mode": "prune", "prop_attn": False}
     if o.strategy == "expedite":
         layer = expedite.default_layer(depth) if o.cluster_layer is None else o.cluster_layer
         _check_layer_range((layer,), depth, False, "cluster_layer")
@@ -393,6 +412,10 @@ def _check_layer_range(layers: tuple, depth: int, llf_in_prune: bool, name: str 
 
 
 def _head(head, strategy: str, layers: tuple):
+    if strategy == "tap":
+        from pullback_ext.tap.checkpoint import as_register
+
+        return as_register(head)
     check_scorer(strategy, head)
     if isinstance(head, (list, tuple)):
         if not head or not all(callable(h) for h in head):

@@ -33,7 +33,7 @@ from pullback_ext.prune.matching import working_precision
 
 StrategyName = Literal["importance", "random", "tome_score", "evit_score", "norm", "cls_sim", "asap_score", "oracle"]
 STRATEGIES = get_args(StrategyName)  # the single-stage keep-score criteria
-OriginalName = Literal["tome", "evit", "asap", "pitome", "expedite"]
+OriginalName = Literal["tome", "evit", "asap", "pitome", "expedite", "tap"]
 ORIGINALS = get_args(OriginalName)
 NEEDS_SCORER = ("importance", "oracle")
 
@@ -216,6 +216,16 @@ class BlockLoopMethod(Strategy):
         raise PullbackError(f"strategy {self.name!r} reduces in its own block loop and has no single-stage keep score")
 
 
+class TapMethod(BlockLoopMethod):
+    """TAP (:mod:`pullback_ext.tap`): the task register's read-out ranks the tokens and splits the
+    budget in TAP's own block loop; ``register`` is the trained
+    :class:`~pullback_ext.tap.register.TaskRegister`."""
+
+    def __init__(self, register):
+        super().__init__("tap")
+        self.register = register
+
+
 _TRAINING_FREE_CLASSES = {
     "random": RandomStrategy,
     "tome_score": ToMeScoreStrategy,
@@ -251,6 +261,8 @@ def make_strategy(name: str, scorer=None) -> Strategy:
     if name not in STRATEGIES + ORIGINALS:
         raise PullbackError(f"strategy must be one of {', '.join(STRATEGIES + ORIGINALS)}; got {name!r}")
     check_scorer(name, scorer)
+    if name == "tap":
+        return TapMethod(scorer)
     if name in ORIGINALS:
         return BlockLoopMethod(name)
     return ScorerStrategy(name, scorer) if name in NEEDS_SCORER else _TRAINING_FREE_CLASSES[name]()

@@ -1,0 +1,88 @@
+"""``pullback train tap``: a TAP task register (TAP-F, or TAP-J with ``--adapt lora``) for the demo model.
+
+Writes OUT/model.safetensors + OUT/config.json (kind ``tap``), the resume state, OUT/metrics.jsonl
+and OUT/results.json (held-out distortion of the deployed model at several keep rates, the
+training time; TAP-J: also the adapted model's unpruned distortion). Deploy with
+``patch.timm(model.backbone, strategy="tap", head=OUT, ratio=0.5)``. Runs under torchrun (DDP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+RHOS = (0.3, 0.5, 0.7, 1.0)  # keep rates of the held-out evaluation
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``tap`` group of ``pullback train`` (the model, images, --out and the optimisation flags are shared)."""
+    group = parser.add_argument_group("tap")
+    group.add_argument("--task", default="cls", choices=["cls", "depth"], help="tap: the task the register serves")
+    group.add_argument("--adapt", default="none", choices=["none", "lora"],
+                       help="tap: none (TAP-F, backbone frozen) or lora (TAP-J: LoRA on every block's attention and MLP)")
+    group.add_argument("--lora-rank", type=int, default=4, help="tap: rank of the TAP-J adapters")
+    group.add_argument("--tap-layers", default=None, metavar="START:STOP",
+                       help="tap: eligible block inputs START..STOP-1 (default 1:depth for cls, 1:depth-1 for depth)")
+    group.add_argument("--rho-range", default="0.3:0.9", metavar="LOW:HIGH", help="tap: keep rates ρ sampled in training")
+
+
+def _pair(text: str, flag: str, kind):
+    from pullback_ext.errors import PullbackError
+
+    try:
+        low, high = (kind(v) for v in text.split(":"))
+    except ValueError:
+        raise PullbackError(f"{flag}: expected two numbers as A:B, got {text!r}") from None
+    return low, high
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pullback_ext import distributed
+    from pullback_ext.commands.arguments import image_source, model_spec
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.fileio import atomic_write_json
+    from pullback_ext.metric.training import TrainConfig
+    from pullback_ext.sources.models import load_model
+    from pullback_ext.tap.evaluation import heldout_report
+    from pullback_ext.tap.training import TapConfig, train
+
+    spec = model_spec(args)
+    if spec.kind != "demo":
+        raise PullbackError(f"--model: TAP trains on the demo model (--model demo); got {spec}")
+    out = Path(args.out)
+    if out.is_dir() and (out / "state.safetensors").exists() and not args.resume:
+        raise PullbackError(f"--out: {str(out)!r} already holds a training run; pass --resume to continue it or choose another folder")
+    model, _ = load_model(spec, args.weights, headless=True)
+    source = image_source(args, spec)
+    train_set = source.training(model_preprocess(model), args.num_images)
+    held = source.heldout(model_preprocess(model), args.heldout, after=args.num_images)
+    config = TapConfig(task=args.task, adapt=args.adapt == "lora", lora_rank=args.lora_rank,
+                       layers=None if args.tap_layers is None else _pair(args.tap_layers, "--tap-layers", int),
+                       rho_range=_pair(args.rho_range, "--rho-range", float),
+                       train=TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+                                         warmup_steps=min(args.warmup, args.steps), seed=args.seed,
+                                         checkpoint_every=args.checkpoint_every))
+    info = distributed.init_from_env()
+    try:
+        start = time.perf_counter()
+        register = train(model, train_set.load()["images"], config, out, resume=args.resume, progress=not args.no_progress)
+        seconds = time.perf_counter() - start
+    finally:
+        distributed.shutdown(info)
+    if info.is_main:
+        report = heldout_report(model, register, held.load()["images"], RHOS)
+        results = {"variant": "TAP-J" if config.adapt else "TAP-F", "task": args.task, "steps": args.steps,
+                   "train_seconds": seconds, "command": args.command_line, "heldout": report}
+        atomic_write_json(out / "results.json", results)
+        for row in report:
+            print(f"ρ = {row['rho']:.2f}: {row['metric']} {row['value']:.4f} ({row['images']} held-out images)")
+        print(f"trained in {seconds:.0f} s; wrote {out / 'results.json'}")
+    return 0
+
+
+def model_preprocess(model):
+    from pullback_ext.sources.preprocess import unit_range_preprocess
+
+    return unit_range_preprocess(int(model.image_size))

@@ -1,0 +1,96 @@
+"""TAP training: the frozen backbone stays bit-identical, a killed run resumes exactly, DDP equals one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pullback_ext.metric import checkpoint
+from pullback_ext.metric.training import TrainConfig
+from pullback_ext.tap.training import TapConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def demo_and_images():
+    from pullback_ext.embedded.model import DemoModel
+
+    torch.manual_seed(0)
+    return DemoModel().eval(), torch.rand(4, 3, 112, 112)
+
+
+def settings(task: str = "cls", adapt: bool = False, steps: int = 3) -> TapConfig:
+    return TapConfig(task, TrainConfig(steps=steps, batch_size=2, lr=1e-2, seed=3, checkpoint_every=1, log_every=1), adapt=adapt,
+                     layers=(2, 4) if task == "cls" else (2, 4), rho_range=(0.4, 0.7))
+
+
+class Killed(Exception):
+    pass
+
+
+def kill_at(stop):
+    def hook(step):
+        if step == stop:
+            raise Killed
+    return hook
+
+
+@pytest.mark.parametrize("task, adapt", [("cls", False), ("depth", False), ("cls", True)])
+def test_training_leaves_the_frozen_backbone_bit_identical(tmp_path, task, adapt):
+    model, images = demo_and_images()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    register = train(model, images, settings(task, adapt, steps=2), tmp_path, progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    trained = dict(register.named_parameters())
+    moved = [k for k, v in trained.items() if k.startswith("lora_b")]
+    assert (not adapt) == (not moved) and all(trained[k].abs().sum() > 0 for k in moved)  # TAP-J's adapters did train
+    stored = checkpoint.read_config(tmp_path)
+    assert stored["kind"] == "tap" and stored["tap"]["variant"] == ("TAP-J" if adapt else "TAP-F")
+
+
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
+    model, images = demo_and_images()
+    full = train(model, images, settings(steps=4), tmp_path / "full", progress=False)
+    with pytest.raises(Killed):
+        train(model, images, settings(steps=4), tmp_path / "cut", progress=False, on_step=kill_at(3))
+    resumed = train(model, images, settings(steps=4), tmp_path / "cut", resume=True, progress=False)
+    for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+WORKER = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    from test_tap_training import demo_and_images, settings
+    from pullback_ext.tap.training import train
+    dist.init_process_group("gloo")
+    model, images = demo_and_images()
+    train(model.double(), images.double(), settings("depth", steps=2), sys.argv[1], progress=False)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.distributed
+def test_two_process_ddp_matches_single_process(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(ROOT / "python_tests")))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), str(tmp_path / "ddp")]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model, images = demo_and_images()
+    single = train(model.double(), images.double(), settings("depth", steps=2), tmp_path / "single", progress=False)
+    ddp, _ = checkpoint.load_model(tmp_path / "ddp", kind="tap")
+    for (name, a), (_, b) in zip(single.state_dict().items(), ddp.state_dict().items()):
+        assert torch.allclose(a, b, rtol=1e-7, atol=1e-9), name
+    losses = lambda d: [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert losses(tmp_path / "ddp") == pytest.approx(losses(tmp_path / "single"), rel=1e-9)
