@@ -128,12 +128,13 @@ def demo_grid(model) -> int:
     return model.image_size // model.backbone.patch_embed.patch_size[0]
 
 
-def fit_depth_probe(model, layer: int, train_n: int) -> tuple:
+def fit_depth_probe(model, layer: int, train_n: int, train: Optional[dict] = None) -> tuple:
     """``(W [4, D], b [4])``: the per-token log-depth probe of :func:`depth_probe_targets`, fitted
-    on block ``layer`` outputs of ``train_n`` rendered training scenes of the embedded ``model``."""
+    on block ``layer`` outputs of ``train_n`` rendered training scenes of the embedded ``model``
+    (``train``: those scenes, ``render(train_n, seed=12345)``, when already rendered)."""
     from pullback_ext.embedded.scenes import render
     from pullback_ext.prune.backbones import block_output_tokens, demo_backbone
 
-    train = render(train_n, seed=12345)
+    train = render(train_n, seed=12345) if train is None else train
     tokens = block_output_tokens(demo_backbone(model), train["images"], layer)
     return fit_linear_probe(tokens, depth_probe_targets(train["depth"], demo_grid(model)))

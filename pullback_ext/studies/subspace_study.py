@@ -116,6 +116,7 @@ class SubspaceStudy:
     seed: int = 0
     train_n: int = 128
     batch_size: int = 16
+    train: Optional[dict] = None  # the rendered training scenes of the demo probe, once rendered
 
     def work(self) -> list[int]:
         return list(range(self.images.shape[0]))
@@ -135,7 +136,11 @@ class SubspaceStudy:
 
         tokens = torch.stack(tokens)
         if self.fit_demo:
-            weight, bias = fit_depth_probe(self.model, layer, self.train_n)
+            if self.train is None:  # rendered once for every layer
+                from pullback_ext.embedded.scenes import render
+
+                self.train = render(self.train_n, seed=12345)
+            weight, bias = fit_depth_probe(self.model, layer, self.train_n, self.train)
             return probe_curves(tokens, weight, bias, self.targets, seed=self.seed)
         half = max(1, tokens.shape[0] // 2)
         weight, bias = fit_linear_probe(tokens[:half].double(), self.targets[:half])
