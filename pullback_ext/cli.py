@@ -24,6 +24,7 @@ COMMANDS = {
     "evaluate": ("pullback_ext.commands.evaluate", "token pruning / merging quality and cost against baselines"),
     "subprobe": ("pullback_ext.commands.subprobe", "interventions on a linear token probe's geometric subspace (Geosubprobe)"),
     "bench": ("pullback_ext.commands.bench", "run the kernel microbenchmarks"),
+    "study": ("pullback_ext.commands.study", "sweep a measurement (diagnose, subspace, criteria) over the layers of a model"),
 }
 
 # Operating-system errors about a path the user named (the message names the path).

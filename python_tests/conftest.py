@@ -165,6 +165,9 @@ SLOW: tuple[str, ...] = (
     "test_spn_training.py::test_randnla_q1_reaches_the_exact_ceiling_and_random_init_does_not",
     "test_spn_training.py::test_energy_branch_learns_the_singular_values",
     "test_spn_training.py::test_learned_columns_pair_with_their_energies",
+    "test_study.py::test_study_diagnose_equals_diagnose_at_each_layer",
+    "test_study.py::test_study_subspace_equals_subprobe_at_each_layer",
+    "test_study.py::test_study_criteria_equals_evaluate_at_each_layer",
     "test_vae.py::test_training_reduces_reconstruction_error",
 )
 

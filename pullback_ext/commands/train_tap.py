@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pullback_ext import distributed
-    from pullback_ext.commands.arguments import image_source, model_spec
+    from pullback_ext.commands.arguments import image_source, model_spec, renamed_switch
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_json
     from pullback_ext.metric.training import TrainConfig
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     info = distributed.init_from_env()
     try:
         start = time.perf_counter()
-        register = train(model, train_set.load()["images"], config, out, resume=args.resume, progress=not args.no_progress)
+        register = train(model, train_set.load()["images"], config, out, resume=args.resume, progress=not renamed_switch(args, "--no-progress", "--quiet"))
         seconds = time.perf_counter() - start
     finally:
         distributed.shutdown(info)

@@ -112,20 +112,29 @@ def subspace_analysis(model, layer: int, train_n: int, test: dict, quick: bool, 
     """Fit a linear per-token depth probe on block ``layer`` outputs of ``train_n`` rendered
     scenes of the embedded model ``model``, then intervene on the held-out ``test`` scenes
     (``images``, ``depth``)."""
+    from pullback_ext.prune.backbones import block_output_tokens, demo_backbone
+
+    weight, bias = fit_depth_probe(model, layer, train_n)
+    depth = test.get("depth")
+    ks = ((1, 2, 4) if quick else (1, 2, 3, 4)) if ks is None else ks
+    targets = None if depth is None else depth_probe_targets(depth, demo_grid(model))
+    result = interventions(block_output_tokens(demo_backbone(model), test["images"], layer), weight, bias, ks=ks, targets=targets)
+    result["layer"] = layer
+    return result
+
+
+def demo_grid(model) -> int:
+    """Patch-grid side of the embedded model ``model`` (14 for the shipped one)."""
+    return model.image_size // model.backbone.patch_embed.patch_size[0]
+
+
+def fit_depth_probe(model, layer: int, train_n: int, train: Optional[dict] = None) -> tuple:
+    """``(W [4, D], b [4])``: the per-token log-depth probe of :func:`depth_probe_targets`, fitted
+    on block ``layer`` outputs of ``train_n`` rendered training scenes of the embedded ``model``
+    (``train``: those scenes, ``render(train_n, seed=12345)``, when already rendered)."""
     from pullback_ext.embedded.scenes import render
     from pullback_ext.prune.backbones import block_output_tokens, demo_backbone
 
-    backbone = demo_backbone(model)
-
-    def tokens(images):
-        return block_output_tokens(backbone, images, layer)
-
-    train = render(train_n, seed=12345)
-    grid = model.image_size // model.backbone.patch_embed.patch_size[0]
-    weight, bias = fit_linear_probe(tokens(train["images"]), depth_probe_targets(train["depth"], grid))
-    depth = test.get("depth")
-    ks = ((1, 2, 4) if quick else (1, 2, 3, 4)) if ks is None else ks
-    targets = None if depth is None else depth_probe_targets(depth, grid)
-    result = interventions(tokens(test["images"]), weight, bias, ks=ks, targets=targets)
-    result["layer"] = layer
-    return result
+    train = render(train_n, seed=12345) if train is None else train
+    tokens = block_output_tokens(demo_backbone(model), train["images"], layer)
+    return fit_linear_probe(tokens, depth_probe_targets(train["depth"], demo_grid(model)))

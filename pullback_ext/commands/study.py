@@ -1,0 +1,261 @@
+"""``pullback study KIND``: one measurement swept over the layers of a model (docs/studies.md).
+
+KIND: ``diagnose`` (the tractability diagnostic per layer and decoder), ``subspace``
+(Geosubprobe: a per-token linear probe's quality on its top-k singular subspace, several models
+side by side) or ``criteria`` (training-free pruning criteria at one layer at a time, per task,
+with the dense recovery endpoints). Each finished layer is one JSON unit under ``--out``, so a
+killed sweep continues with ``--resume``; under ``torchrun`` the images are shared over ranks.
+Writes DIR/study.json (every per-image figure), DIR/study.png and DIR/table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+KINDS = ("diagnose", "subspace", "criteria")
+# options that say how the run goes, not what it measures: a resumed sweep may change them
+RUN_OPTIONS = ("out", "resume", "quiet", "threads", "results_page", "command_line", "command", "_module", "layers",
+               "batch_size", "chunk_size")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pullback_ext.commands.arguments import IMAGES_HELP, positive_int
+    from pullback_ext.studies.models import STUDY_GRAMMAR
+
+    parser.add_argument("kind", choices=KINDS, help="what to sweep over the layers")
+    src = parser.add_argument_group("model, images, layers")
+    src.add_argument("--model", action="append", metavar="SPEC", help=f"{STUDY_GRAMMAR} (demo:random: the demo architecture, "
+                     "untrained); subspace: repeat to compare models side by side")
+    src.add_argument("--weights", metavar="FILE", help="local model weights (one --model only)")
+    src.add_argument("--img-size", type=positive_int, default=None, help="timm models: build for this input size")
+    src.add_argument("--images", metavar="PATH|builtin:NAME", help=IMAGES_HELP)
+    src.add_argument("--num-images", type=positive_int, default=16, help="images per layer (criteria: per seed) (default 16)")
+    src.add_argument("--layers", default="all", help="all, or a comma list of 0-based blocks whose output is studied")
+    _add_diagnose_arguments(parser.add_argument_group("study diagnose"))
+    sub = parser.add_argument_group("study subspace")
+    sub.add_argument("--probe-targets", metavar="FILE", help="per-token targets [num_images, N, C] (.npy or safetensors), "
+                     "aligned with the sorted image list (default on the demo: the depth probe fitted on rendered scenes)")
+    crit = parser.add_argument_group("study criteria")
+    crit.add_argument("--tasks", default=None, help="comma list of cls, depth (default: the model's tasks)")
+    crit.add_argument("--criteria", default=None, help="comma list of single-stage criteria (default: every training-free "
+                      "one, plus importance with --head and oracle with --oracle)")
+    crit.add_argument("--ratio", type=float, default=0.3, help="prune ratio η of every cell (default 0.3)")
+    crit.add_argument("--alphas", default="0,0.25,0.5,0.75,1", help="depth: recovery endpoints α (default 0,0.25,0.5,0.75,1)")
+    crit.add_argument("--head", help="importance head checkpoint (enables the criterion importance)")
+    crit.add_argument("--oracle", action="store_true", help="add the imp* oracle (--model demo; slow)")
+    crit.add_argument("--seeds", type=positive_int, default=1, help="image sets (and random-criterion seeds) (default 1)")
+    run = parser.add_argument_group("run")
+    run.add_argument("--seed", type=int, default=0, help="random streams (diagnose: image i from (seed, i); demo:random's weights)")
+    run.add_argument("--batch-size", type=positive_int, default=8, help="images per forward batch")
+    run.add_argument("--out", required=True, help="output folder (layers/layer-NN.json, study.json, study.png, table.md)")
+    run.add_argument("--resume", action="store_true", help="continue a killed sweep in --out: finished layers are read back")
+    run.add_argument("--results-page", default=None, metavar="NAME",
+                     help="also publish the results as docs/results/NAME.json, NAME.md and NAME.png (or DIR/NAME: into DIR)")
+
+
+def _add_diagnose_arguments(group) -> None:
+    from pullback_ext.commands.arguments import positive_int
+
+    group.add_argument("--decoders", default=None, help="comma list of diagnose decoders, plus probe (demo: the per-token "
+                       "depth probe fitted at each layer) (default: demo cls,depth,probe; otherwise cls)")
+    group.add_argument("--output-size", type=positive_int, default=None, help="resize dense outputs to S×S (M = S²)")
+    group.add_argument("--rank", type=int, default=20, help="r: captured subspace for κ_cap(r), CV")
+    group.add_argument("--kappa-ranks", default="1,2,5,10,20", help="also report κ_cap at these r (default 1,2,5,10,20)")
+    group.add_argument("--oversample", type=int, default=10, help="randomized-SVD oversampling p")
+    group.add_argument("--power", type=int, default=2, help="q power rounds")
+    group.add_argument("--adaptive-tol", type=float, default=None, help="stop power rounds when the subspace defect is below this")
+    group.add_argument("--probes", type=int, default=100, help="m probes (stochastic trace, SLQ)")
+    group.add_argument("--slq-steps", type=int, default=30, help="Lanczos steps for r_eff^SLQ (0 skips it)")
+    group.add_argument("--trace", default="auto", choices=["auto", "exact", "hutchinson", "hutch++", "xnystrace"])
+    group.add_argument("--svd", default="auto", choices=["auto", "randomized", "dense"])
+    group.add_argument("--chunk-size", type=int, default=32, help="tangents per vmap call (bounds memory)")
+    group.add_argument("--kappa-threshold", type=float, default=0.9, help="regimes: κ_cap(r) at or above is low rank")
+    group.add_argument("--cv-threshold", type=float, default=1.0, help="regimes: CV at or above is localised")
+    group.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+
+
+def settings_of(args: argparse.Namespace, **extra) -> dict:
+    """What identifies a study (a resumed sweep must match it): every option but the run options."""
+    return {k: v for k, v in vars(args).items() if k not in RUN_OPTIONS} | extra
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pullback_ext.commands.arguments import output_folder
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.studies.models import parse_study_model
+
+    if not args.model:
+        raise PullbackError("--model: required (demo | timm:NAME | hf:DIR | demo:random)")
+    models = [parse_study_model(m) for m in args.model]
+    if len(models) > 1 and args.kind != "subspace":
+        raise PullbackError(f"--model: study {args.kind} takes one model; only study subspace compares several")
+    if args.weights is not None and len(models) > 1:
+        raise PullbackError("--weights: applies to one --model; give one model with its weights")
+    out = output_folder(args.out)
+    result = {"diagnose": _diagnose, "subspace": _subspace, "criteria": _criteria}[args.kind](args, models, out)
+    if result is None:  # a torchrun rank other than 0
+        return 0
+    _report(args, result, out)
+    return 0
+
+
+def _sweep(args, store, layers, study, desc: str):
+    from pullback_ext.studies.engine import run_sweep
+
+    units = run_sweep(store, layers, study.work(), study.measure, study.finish, resume=args.resume, progress=not args.quiet,
+                      desc=desc)
+    return None if units is None else {str(layer): unit for layer, unit in units.items()}
+
+
+def _images(args, model):
+    from pullback_ext.commands.arguments import image_source
+
+    return image_source(argparse.Namespace(images=args.images, num_images=args.num_images), model.spec)
+
+
+def _diagnose(args, models, out) -> dict | None:
+    import torch
+
+    from pullback_ext.commands.diagnose import diagnose_config
+    from pullback_ext.commands.arguments import comma_ints
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.prune.backbones import load_backbone
+    from pullback_ext.sources.probe_setup import build_probe_setup
+    from pullback_ext.studies import diagnose_study as ds
+    from pullback_ext.studies.engine import UnitStore
+    from pullback_ext.studies.layers import parse_layers
+
+    (model,) = models
+    if model.random:
+        raise PullbackError("--model demo:random: only study subspace compares against the untrained control")
+    config = diagnose_config(args)
+    dtype = torch.float64 if args.dtype == "float64" else torch.float32
+    demo = model.spec.kind == "demo"
+    decoders = tuple(d.strip() for d in (args.decoders or ("cls,depth,probe" if demo else "cls")).split(",") if d.strip())
+    if ds.FIT_DECODER in decoders and not demo:
+        raise PullbackError("--decoders: probe (the fitted per-token depth probe) needs --model demo; give linear:FILE otherwise")
+    backbone, net = load_backbone(model.spec, args.weights)
+    layers = parse_layers(args.layers, 0, backbone.depth - 1)
+
+    def setup(layer: int, decoder: str):
+        if decoder == ds.FIT_DECODER:
+            decoder = f"linear:{ds.fitted_probe_file(net, layer, out / 'probes')}"
+        return build_probe_setup(model.spec, args.weights, layer, decoder, args.output_size, args.img_size, dtype)
+
+    checked = [setup(layers[0], "cls" if d == ds.FIT_DECODER else d) for d in decoders]  # bad decoders fail before the sweep
+    config.check_rank(checked[0].probe.ambient_dim)
+    source = _images(args, model)
+    image_set = source.heldout(checked[0].preprocess, args.num_images, partial=True)
+    study = ds.DiagnoseStudy(setup, image_set, decoders, config, dtype, args.batch_size, comma_ints(args.kappa_ranks, "--kappa-ranks"))
+    units = _sweep(args, UnitStore(out, "diagnose", settings_of(args, decoders=list(decoders))), layers, study, "study diagnose")
+    if units is None:
+        return None
+    return {"kind": "diagnose", "model": str(model), "images": source.spec, "files": image_set.names(), "layers": list(layers),
+            "decoders": list(decoders), "settings": settings_of(args), "summary": ds.summary({int(k): v for k, v in units.items()}, decoders),
+            "units": units}
+
+
+def _slug(model) -> str:
+    return str(model).replace(":", "-").replace("/", "_")
+
+
+def _subspace(args, models, out) -> dict | None:
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.studies import subspace_study as ss
+    from pullback_ext.studies.engine import UnitStore
+    from pullback_ext.studies.layers import parse_layers
+    from pullback_ext.studies.models import load_study_backbone
+
+    loaded = [load_study_backbone(model, args.weights, args.seed) for model in models]
+    plans = [parse_layers(args.layers, 0, backbone.depth - 1) for backbone, _ in loaded]  # every model's layers, checked first
+    result = {"kind": "subspace", "settings": settings_of(args), "models": {}}
+    for model, (backbone, net), layers in zip(models, loaded, plans):
+        source = _images(args, model)
+        data = source.heldout(backbone.preprocess, args.num_images, partial=True).load()
+        if args.probe_targets is not None:
+            num_patch = backbone.block_tokens(data["images"][:1], 0).shape[1]
+            targets, fit_demo = ss.read_targets(args.probe_targets, data["images"].shape[0], num_patch, backbone.num_prefix), False
+        elif backbone.name == "demo":
+            targets, fit_demo = ss.demo_depth_targets(net, data.get("depth")), True
+        else:
+            raise PullbackError(f"--probe-targets: required with --model {model} (only the demo fits its depth probe on rendered scenes)")
+        study = ss.SubspaceStudy(backbone, net, data["images"], targets, fit_demo, args.seed, batch_size=args.batch_size)
+        store = UnitStore(out / _slug(model), "subspace", settings_of(args, model=str(model)))
+        units = _sweep(args, store, layers, study, f"study subspace {model}")
+        if units is None:
+            continue
+        result["images"] = source.spec
+        result["models"][str(model)] = {"layers": list(layers), "units": units, "summary": ss.summary(units),
+                                        "quality_name": "R² vs targets" if targets is not None else "fidelity (R² vs unprojected)"}
+    return result if result["models"] else None
+
+
+def _criteria(args, models, out) -> dict | None:
+    from pullback_ext.commands import evaluate_plan
+    from pullback_ext.commands.arguments import comma_floats
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.prune.evaluation import check_plan
+    from pullback_ext.studies import criteria_study as cs
+    from pullback_ext.studies.engine import UnitStore
+    from pullback_ext.studies.layers import parse_layers
+    from pullback_ext.studies.models import load_study_backbone
+
+    (model,) = models
+    backbone, net = load_study_backbone(model, args.weights, args.seed)
+    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else backbone.tasks
+    for task in tasks:
+        if task not in backbone.tasks:
+            raise PullbackError(f"--tasks: {task!r} needs a model with that decoder; {backbone.name} supports {', '.join(backbone.tasks)}")
+    layers = parse_layers(args.layers, 0, cs.eligible_last(backbone.depth, tasks))
+    available = {name: None for name, given in (("importance", args.head), ("oracle", args.oracle)) if given}
+    criteria = evaluate_plan.strategy_list(args.criteria, available)
+    cache: dict = {}
+
+    def scorers(task: str, stage: int) -> dict:
+        if available and (task, stage) not in cache:
+            cache[task, stage] = evaluate_plan.load_scorers(args.head, None, net, backbone, (stage,), task, args.oracle)[0]
+        return cache.get((task, stage), {})
+
+    alphas = comma_floats(args.alphas, "--alphas") if backbone.name == "demo" and "depth" in tasks else ()
+    if any(not 0 <= a <= 1 for a in alphas):
+        raise PullbackError(f"--alphas: every α must lie in [0, 1]; got {args.alphas!r}")
+    sets = [s.load() for s in _images(args, model).seed_sets(backbone.preprocess, args.num_images, args.seeds)]
+    study = cs.CriteriaStudy(backbone, net, sets, tasks, criteria, args.ratio, alphas, args.batch_size, scorers)
+    for task in tasks:
+        check_plan(study.plan(task, layers[0]), backbone)
+    units = _sweep(args, UnitStore(out, "criteria", settings_of(args)), layers, study, "study criteria")
+    if units is None:
+        return None
+    return {"kind": "criteria", "model": str(model), "images": args.images or "builtin:scenes", "tasks": list(tasks),
+            "criteria": list(criteria), "layers": list(layers), "settings": settings_of(args),
+            "summary": cs.summary(units, tasks, criteria), "units": units}
+
+
+TITLES = {"diagnose": "Layer study: the diagnostic against depth", "subspace": "Layer study: probe subspaces against depth (Geosubprobe)",
+          "criteria": "Layer study: pruning criteria one layer at a time"}
+
+
+def _report(args, result: dict, out) -> None:
+    from pathlib import Path
+
+    from pullback_ext.fileio import atomic_write_json, atomic_write_text
+    from pullback_ext.studies import figures, pages
+
+    result["command"] = args.command_line
+    plot = {"diagnose": figures.plot_diagnose_study, "subspace": figures.plot_subspace_study,
+            "criteria": figures.plot_criteria_study}[args.kind]
+    atomic_write_json(out / "study.json", result, indent=1)
+    plot(result, out / "study.png")
+    text = pages.render(result)
+    atomic_write_text(out / "table.md", text + "\n")
+    print(text)
+    print(f"wrote {out / 'study.json'}, {out / 'study.png'}, {out / 'table.md'}")
+    if args.results_page:
+        from pullback_ext.results_pages import page_location, publish_command_results
+
+        folder, name = page_location(args.results_page)
+        picture = plot(result, Path(folder) / f"{name}.png")
+        print("wrote", picture, *publish_command_results(result, args.results_page, TITLES[args.kind],
+                                                          lambda r: pages.render(r, picture.name), args.command_line))

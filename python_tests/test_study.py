@@ -1,0 +1,171 @@
+"""``pullback study``: the sweep engine (units, resume, layer lists) and the three kinds against
+the single-layer commands they sweep (diagnose, subprobe, evaluate) and the subspace closed form."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pullback_ext.cli import main
+from pullback_ext.errors import PullbackError
+from pullback_ext.studies.engine import UnitStore, run_sweep
+from pullback_ext.studies.layers import parse_layers
+from pullback_ext.studies.subspace_study import power_ks, probe_curves
+
+
+# ---- layers -------------------------------------------------------------------------------------
+
+def test_layer_lists():
+    assert parse_layers("all", 0, 3) == (0, 1, 2, 3)
+    assert parse_layers("3, 1", 0, 7) == (1, 3)
+
+
+@pytest.mark.parametrize("text, why", [("8", "out of range"), ("-1", "out of range"), ("", "empty"), ("1,1", "twice"),
+                                       ("a", "integers")])
+def test_bad_layer_lists_name_the_valid_range(text, why):
+    with pytest.raises(PullbackError, match=f"{why}.*valid layers are 0..7"):
+        parse_layers(text, 0, 7)
+
+
+@pytest.mark.parametrize("layers", ["8", "", "2,2"])
+def test_bad_layers_on_the_command_line_is_one_line_and_exit_2(layers, tmp_path, capsys):
+    argv = ["study", "subspace", "--model", "demo", "--layers", layers, "--num-images", "2", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "--layers" in err and "0..7" in err, err
+
+
+# ---- engine -------------------------------------------------------------------------------------
+
+class Counting:
+    """A measurement that records every (layer, items) call and can fail after some layer."""
+
+    def __init__(self, fail_after=None):
+        self.calls, self.fail_after = [], fail_after
+
+    def measure(self, layer, items):
+        if self.fail_after is not None and layer > self.fail_after:
+            raise RuntimeError("killed")
+        self.calls.append(layer)
+        return [layer * 10 + i for i in items]
+
+    @staticmethod
+    def finish(layer, records):
+        return {"layer": layer, "records": records}
+
+
+def test_a_killed_sweep_resumes_without_recomputing_finished_layers(tmp_path):
+    store = UnitStore(tmp_path, "toy", {"a": 1})
+    first = Counting(fail_after=2)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_sweep(store, [0, 1, 2, 3, 4], [0, 1, 2], first.measure, first.finish, progress=False)
+    assert first.calls == [0, 1, 2]
+    assert [p.name for p in store.existing()] == ["layer-00.json", "layer-01.json", "layer-02.json"]
+    with pytest.raises(PullbackError, match="--resume"):
+        run_sweep(store, [0, 1, 2, 3, 4], [0, 1, 2], first.measure, first.finish, progress=False)
+    second = Counting()
+    units = run_sweep(store, [0, 1, 2, 3, 4], [0, 1, 2], second.measure, second.finish, resume=True, progress=False)
+    assert second.calls == [3, 4]
+    assert units == {layer: {"layer": layer, "records": [layer * 10 + i for i in range(3)]} for layer in range(5)}
+    assert not list(tmp_path.glob("layers/.*tmp*"))  # atomic writes leave no temporary files
+
+
+def test_resume_refuses_units_of_other_settings(tmp_path):
+    toy = Counting()
+    run_sweep(UnitStore(tmp_path, "toy", {"a": 1}), [0], [0], toy.measure, toy.finish, progress=False)
+    with pytest.raises(PullbackError, match=r"settings differing in \['a'\]"):
+        run_sweep(UnitStore(tmp_path, "toy", {"a": 2}), [0, 1], [0], toy.measure, toy.finish, resume=True, progress=False)
+
+
+# ---- subspace closed form -----------------------------------------------------------------------
+
+def _white(n: int, d: int, seed: int) -> torch.Tensor:
+    """n × d features, centred, with sample covariance exactly I (x = sqrt(n)·Q of a centred QR)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    q = torch.linalg.qr(x - x.mean(0)).Q
+    return q * n ** 0.5
+
+
+@pytest.mark.parametrize("with_targets", [False, True])
+def test_subspace_curve_of_a_linear_probe_on_white_features_is_its_closed_form(with_targets):
+    """For centred white features the quality of a projector P is ‖W P‖²_F / ‖W‖²_F: on the top-k
+    subspace Σ_{j≤k} σ_j² / Σ σ_j², on its complement one minus that."""
+    import numpy as np
+
+    d, c, images, tokens = 12, 5, 4, 50
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(c, d, generator=g, dtype=torch.float64) * torch.tensor([4.0, 2.0, 1.0, 0.5, 0.1])[:, None]
+    bias = torch.randn(c, generator=g, dtype=torch.float64)
+    x = _white(images * tokens, d, 2)
+    targets = (x @ weight.T + bias).reshape(images, tokens, c) if with_targets else None
+    out = probe_curves(x.reshape(images, tokens, d), weight, bias, targets)
+    sigma = np.linalg.svd(weight.numpy(), compute_uv=False)
+    share = np.cumsum(sigma**2) / np.sum(sigma**2)
+    assert out["ks"] == [1, 2, 4, 5] and out["rank"] == 5
+    expected = share[[k - 1 for k in out["ks"]]]
+    np.testing.assert_allclose(out["curves"]["subspace"], expected, atol=1e-10)
+    np.testing.assert_allclose(out["curves"]["complement"], 1 - expected, atol=1e-10)
+    np.testing.assert_allclose(out["curves"]["random"], [r["energy"] for r in out["interventions"]["random"]], atol=1e-10)
+    assert out["quality"] == pytest.approx(1.0)
+    assert out["k95"] == next(k for k, q in zip(out["ks"], expected) if q >= 0.95)
+
+
+def test_power_ks():
+    assert power_ks(1) == (1,) and power_ks(4) == (1, 2, 4) and power_ks(6) == (1, 2, 4, 6)
+
+
+# ---- the sweeps equal the single-layer commands -------------------------------------------------
+
+def _run(argv):
+    assert main([str(a) for a in argv]) == 0
+
+
+def test_study_diagnose_equals_diagnose_at_each_layer(tmp_path):
+    common = ["--model", "demo", "--num-images", "2", "--output-size", "4", "--probes", "4", "--slq-steps", "0"]
+    _run(["study", "diagnose", *common, "--layers", "1,4", "--decoders", "cls,depth", "--out", tmp_path / "study", "--quiet"])
+    study = json.loads((tmp_path / "study" / "study.json").read_text())
+    for layer in (1, 4):
+        for decoder in ("cls", "depth"):
+            _run(["diagnose", *common, "--layer", layer, "--decoder", decoder, "--out", tmp_path / f"d{layer}{decoder}"])
+            single = json.loads((tmp_path / f"d{layer}{decoder}" / "diagnosis.json").read_text())
+            swept = study["units"][str(layer)][decoder]
+            assert swept["regime"] == single["regime"]
+            for name, value in single["aggregate"].items():
+                assert f"{swept['aggregate'][name]['mean']:.3f}" == f"{value['mean']:.3f}", (layer, decoder, name)
+
+
+def test_study_subspace_equals_subprobe_at_each_layer(tmp_path):
+    _run(["study", "subspace", "--model", "demo", "--num-images", "3", "--layers", "2,5", "--out", tmp_path / "study", "--quiet"])
+    study = json.loads((tmp_path / "study" / "study.json").read_text())["models"]["demo"]
+    for layer in (2, 5):
+        _run(["subprobe", "--model", "demo", "--probe", "fit", "--num-images", "3", "--layer", layer, "--k", "1,2,4",
+              "--out", tmp_path / f"p{layer}"])
+        single = json.loads((tmp_path / f"p{layer}" / "subspace.json").read_text())["results"]
+        swept = study["units"][str(layer)]["interventions"]
+        for kind, rows in single.items():
+            for a, b in zip(rows, swept[kind]):
+                assert a["k"] == b["k"] and f"{a['rmse']:.4f}" == f"{b['rmse']:.4f}"
+                assert f"{a['output_change']:.4f}" == f"{b['output_change']:.4f}"
+
+
+def test_study_criteria_equals_evaluate_at_each_layer(tmp_path):
+    criteria = "random,norm,evit_score"
+    _run(["study", "criteria", "--model", "demo", "--num-images", "4", "--layers", "0,3", "--criteria", criteria, "--tasks", "depth",
+          "--alphas", "0,1", "--batch-size", "2", "--out", tmp_path / "study", "--quiet"])
+    study = json.loads((tmp_path / "study" / "study.json").read_text())
+    for layer in (0, 3):
+        _run(["evaluate", "--model", "demo", "--num-images", "4", "--task", "depth", "--stages", layer + 1, "--absolute-layers",
+              "--ratios", "0.3", "--strategies", criteria, "--seeds", "1", "--batch-size", "2", "--no-timing", "--quiet",
+              "--out", tmp_path / f"e{layer}"])
+        single = json.loads((tmp_path / f"e{layer}" / "results.json").read_text())["tables"]["llf"]
+        unit = study["units"][str(layer)]
+        for c in criteria.split(","):
+            for metric in ("silog_x100", "cosine_x100"):
+                assert f"{unit['tasks']['depth'][c][metric]['mean']:.3f}" == f"{single[c]['0.3'][metric]['mean']:.3f}"
+            # α = 1 re-inserts the frozen copy: the prune path itself
+            assert unit["recovery"][c]["1"]["silog_x100"]["images"] == unit["tasks"]["depth"][c]["silog_x100"]["images"]
+    assert set(study["summary"]["recovery"]["norm"]["silog_x100"]) == {"0", "1"}
