@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.metric import Killed, kill_at
 from pullback_ext.errors import CheckpointError
 from pullback_ext.metric import ImportanceHead, SPN, TrainConfig, fit, load_model
 from pullback_ext.metric.tasks import HeadTask, SPNTask, VAETask
@@ -56,18 +57,6 @@ CASES = {
     "spn": (lambda: SPN(4, 2, hidden=16, heads=2), SPNTask(TargetConfig(rank=2)), _spn_data),
     "vae": (lambda: FeatureVAE(8, 3, hidden=8), VAETask(beta=0.1), _head_data),
 }
-
-
-class Killed(Exception):
-    pass
-
-
-def kill_at(stop):
-    """An ``on_step`` hook that interrupts training after step ``stop``."""
-    def hook(step):
-        if step == stop:
-            raise Killed
-    return hook
 
 
 def fresh(build):

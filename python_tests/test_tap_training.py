@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.metric import Killed, kill_at
 from pullback_ext.metric import checkpoint
 from pullback_ext.metric.training import TrainConfig
 from pullback_ext.tap.training import TapConfig, train
@@ -28,18 +29,7 @@ def demo_and_images():
 
 def settings(task: str = "cls", adapt: bool = False, steps: int = 3) -> TapConfig:
     return TapConfig(task, TrainConfig(steps=steps, batch_size=2, lr=1e-2, seed=3, checkpoint_every=1, log_every=1), adapt=adapt,
-                     layers=(2, 4) if task == "cls" else (2, 4), rho_range=(0.4, 0.7))
-
-
-class Killed(Exception):
-    pass
-
-
-def kill_at(stop):
-    def hook(step):
-        if step == stop:
-            raise Killed
-    return hook
+                     layers=(2, 4), rho_range=(0.4, 0.7))
 
 
 @pytest.mark.parametrize("task, adapt", [("cls", False), ("depth", False), ("cls", True)])

@@ -45,3 +45,15 @@ def dense_importance(J: torch.Tensor, rank: int, num_tokens: int) -> torch.Tenso
     _, S, Vh = torch.linalg.svd(J.double(), full_matrices=False)
     V = Vh[:rank].T
     return (V.pow(2) * S[:rank].pow(2)).view(num_tokens, -1, rank).sum((1, 2)).sqrt()
+
+
+class Killed(Exception):
+    """Raised by :func:`kill_at` to simulate a killed training run."""
+
+
+def kill_at(stop):
+    """An ``on_step`` hook that interrupts training after step ``stop``."""
+    def hook(step):
+        if step == stop:
+            raise Killed
+    return hook
