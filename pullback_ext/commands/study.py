@@ -80,8 +80,6 @@ def settings_of(args: argparse.Namespace, **extra) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from pullback_ext.commands.arguments import output_folder
     from pullback_ext.errors import PullbackError
     from pullback_ext.studies.models import parse_study_model

@@ -22,7 +22,7 @@ around its attention sink in one shot. They have no keep score; :func:`make_stra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional, get_args
+from typing import Literal, Optional, get_args
 
 import torch
 

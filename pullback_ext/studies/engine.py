@@ -17,7 +17,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from pullback_ext import distributed
 from pullback_ext.errors import DataError, PullbackError
