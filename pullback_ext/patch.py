@@ -128,6 +128,10 @@ def timm(model, options: Optional[ReductionOptions] = None, /, **overrides):
         unpatch(model)
     options = with_overrides(options, **overrides)
     timm_vit.check_strategy(model, options.strategy)
+    if options.prop_attn == "folded":
+        from pullback_ext.prune.folded_attention import check_foldable
+
+        check_foldable(model.blocks)
     reduction = options.resolve(timm_vit.backbone_shape(model))
     model.forward_features = types.MethodType(_with_reduction(timm_vit.forward_features, reduction), model)
     model.forward_intermediates = types.MethodType(_with_reduction(timm_vit.forward_intermediates, reduction), model)
@@ -259,6 +263,9 @@ def _patch_hf(model, encoder, options: Optional[ReductionOptions], overrides: di
     dense = encoder.feeds_dense_neck if dense_neck is None else dense_neck
     shape = BackboneShape(depth=len(encoder.layers), num_prefix=encoder.num_prefix, has_cls=encoder.has_cls, dense_neck=dense)
     reduction = with_overrides(options, **overrides).resolve(shape)
+    if reduction.options.prop_attn == "folded":
+        raise PullbackError("prop_attn='folded' needs timm's standard Block and Attention (patch.timm); "
+                            "Hugging Face layers take prop_attn=True")
     if reduction.options.strategy in ORIGINALS:
         score = f"{reduction.options.strategy}_score"
         instead = f"the single-stage {score!r}" if score in STRATEGIES else "the single-stage strategies"

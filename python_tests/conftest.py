@@ -47,6 +47,7 @@ SLOW: tuple[str, ...] = (
     "test_compile_patched.py::test_fullgraph_compile_equals_eager[hf_dinov2_merge]",
     "test_compile_patched.py::test_fullgraph_compile_equals_eager[hf_dinov2_registers_prune_llf]",
     "test_compile_patched.py::test_inductor_compiles_the_patched_merge",
+    "test_compile_patched.py::test_fullgraph_compile_equals_eager[merge_folded]",
     "test_compile_patched.py::test_fullgraph_compile_equals_eager[random]",
     "test_compile_patched.py::test_fullgraph_compile_equals_eager[tome_score]",
     "test_compile_patched.py::test_fullgraph_compile_equals_eager[evit_score]",

@@ -33,7 +33,7 @@ def test_sweep_rows_cover_every_method_with_consistent_ratios(tiny):
     assert names[0] == "unpruned" and rows[0]["speedup"] == 1.0 and rows[0]["flop_ratio"] == 1.0
     assert rows[0]["kernel_share"] is None  # the unpruned forward calls none of our ops
     assert {"importance merge η=0.5 @2", "importance prune+LLF η=0.5 @2", "importance merge η=0.5 3 stages [1, 3, 4]",
-            "ToMe r=2 constant"} <= set(names)
+            "importance merge η=0.5 @2 folded prop-attn", "ToMe r=2 constant"} <= set(names)
     matched = next(r for r in rows if r["method"].startswith("importance merge @2 at ToMe r=2 constant's FLOPs"))
     tome = next(r for r in rows if r["method"] == "ToMe r=2 constant")
     assert abs(matched["gflops_per_image"] / tome["gflops_per_image"] - 1) <= 0.03  # one of 64 tokens is ~1% of the FLOPs

@@ -13,8 +13,6 @@ kernel that copies to the host, a pinned-memory wait), which the CUDA tests at t
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -26,6 +24,7 @@ MERGE = dict(strategy="importance", head=norm_scorer, ratio=0.25, layers=(1,), m
 TIMM_CASES = {
     "merge": MERGE,
     "merge_lowest": dict(MERGE, selection="lowest", weights="importance"),
+    "merge_folded": dict(MERGE, prop_attn="folded"),
     "prune_llf_masked": dict(MERGE, mode="prune", llf=True),
     "prune_llf_full": dict(MERGE, mode="prune", llf="full"),
     "three_stages": dict(MERGE, ratio=0.5, layers=(0, 1, 2)),
@@ -160,54 +159,6 @@ def test_inductor_compiles_the_patched_merge():
     expected = forward(x)
     compiled = torch.compile(forward, fullgraph=True, backend="inductor")(x)
     torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)
-
-
-# --- proportional attention folded into the dot product -------------------------------------------
-
-
-def folded_size_attention(q, k, v, log_sizes, scale: float, multiple: int = 8):
-    """Proportional attention without a mask: ``softmax(scale·q kᵀ + log s) v`` as one maskless SDPA
-    call on one extra head channel, ``q̃ = [q, 1]``, ``k̃ = [k, log s / scale]`` (so that
-    ``scale · q̃·k̃ = scale · q·k + log s``), ``ṽ = [v, 0]``, zero-padded to a head dim that is a
-    multiple of ``multiple`` and the output sliced back. ``q, k, v [B, H, K, d]``, ``log_sizes [B, K]``."""
-    b, h, n, d = q.shape
-    width = math.ceil((d + 1) / multiple) * multiple
-    pad = torch.nn.functional.pad
-    q_t = pad(torch.cat([q, torch.ones_like(q[..., :1])], dim=-1), (0, width - d - 1))
-    k_t = pad(torch.cat([k, (log_sizes / scale)[:, None, :, None].expand(b, h, n, 1).to(k.dtype)], dim=-1),
-              (0, width - d - 1))
-    v_t = pad(v, (0, width - d))
-    out = torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, scale=scale)
-    return out[..., :d]
-
-
-@pytest.mark.parametrize("head_dim", [16, 64, 7])
-def test_folded_proportional_attention_equals_the_log_size_mask(head_dim):
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 11, head_dim, generator=g, dtype=torch.float64) for _ in range(3))
-    sizes = torch.randint(1, 9, (2, 11), generator=g).double()
-    scale = head_dim ** -0.5
-    masked = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=sizes.log()[:, None, None, :])
-    torch.testing.assert_close(folded_size_attention(q, k, v, sizes.log(), scale), masked, rtol=1e-12, atol=1e-12)
-    # the scale must be the original one: SDPA's default for the padded width is another
-    wrong = folded_size_attention(q, k, v, sizes.log(), (head_dim + 1) ** -0.5)
-    assert not torch.allclose(wrong, masked, atol=1e-6)
-
-
-def test_masked_llf_equals_two_maskless_attention_calls():
-    """The masked-LLF mask (kept queries do not see stale keys) as two maskless calls: kept queries
-    over the kept keys, stale queries over every key."""
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    stale = torch.zeros(9, dtype=torch.bool)
-    stale[[2, 5, 6]] = True
-    mask = torch.zeros(9, 9, dtype=torch.float64).masked_fill(~stale[:, None] & stale[None, :], float("-inf"))
-    masked = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    kept = (~stale).nonzero()[:, 0]
-    split = torch.empty_like(masked)
-    split[:, :, kept] = torch.nn.functional.scaled_dot_product_attention(q[:, :, kept], k[:, :, kept], v[:, :, kept])
-    split[:, :, stale] = torch.nn.functional.scaled_dot_product_attention(q[:, :, stale], k, v)
-    torch.testing.assert_close(split, masked, rtol=1e-12, atol=1e-12)
 
 
 # --- CUDA: a GPU run picks these up -------------------------------------------------------------

@@ -1,10 +1,12 @@
 """The models and methods of the end-to-end pruning benchmark (``benchmarks/bench_prune.py``).
 
 Every model has random weights (the cost of a forward does not depend on them) and is built at
-the image size asked for. A *method* is one setting of the patch API; the grid is the issue's: the
-unpruned model, our importance merge and prune + masked LLF at several η (one stage, and three
-stages), the original ToMe at several ``r`` with its constant schedule, and our merge at the
-FLOPs of ToMe ``r = 16`` (η found by bisection on the FLOP count). The importance heads are
+the image size asked for. A *method* is one setting of the patch API; the grid: the unpruned
+model, our importance merge and prune + masked LLF at several η (one stage, and three stages),
+the merge with proportional attention folded into the dot product (``prop_attn="folded"``, which
+keeps SDPA's fast kernels) beside the mask form, the original ToMe at several ``r`` with its
+constant schedule, and our merge at the FLOPs of ToMe ``r = 16`` (η found by bisection on the
+FLOP count). The importance heads are
 untrained (``ImportanceHead``'s default size): a trained head costs exactly as much.
 """
 
@@ -112,6 +114,9 @@ def method_grid(case: ModelCase, etas: tuple[float, ...], tome_rs: tuple[int, ..
         methods.append(Method(f"importance prune+LLF η={eta:g} @{one[0]}",
                               dict(strategy="importance", mode="prune", llf=True, ratio=eta, layers=one), heads=1))
     top = max(etas)
+    if not case.dense:  # proportional attention as a mask (above) against folded into the dot product
+        methods.append(Method(f"importance merge η={top:g} @{one[0]} folded prop-attn",
+                              dict(strategy="importance", mode="merge", ratio=top, layers=one, prop_attn="folded"), heads=1))
     mode = dict(mode="prune", llf=True) if case.dense else dict(mode="merge")
     methods.append(Method(f"importance {mode['mode']} η={top:g} 3 stages {list(three)}",
                           dict(strategy="importance", ratio=top, layers=three, **mode), heads=3))

@@ -65,7 +65,10 @@ class ReductionOptions:
     - ``matching``: ``pullback`` or ``cosine`` (``auto``: pullback with ``spn``, else cosine).
     - ``eps``: isotropic floor of the pullback distance (None: the SPN's ``eps``).
     - ``prop_attn``: add ``log(size)`` to attention logits after merges (``auto``: in merge mode; a
-      merged token keeps the attention mass of every token it absorbed, as in ToMe).
+      merged token keeps the attention mass of every token it absorbed, as in ToMe). ``folded``:
+      the same, folded into the dot product instead of an additive mask, so that SDPA keeps its
+      fast kernels (single-stage merges of timm ``VisionTransformer`` blocks;
+      :mod:`pullback_ext.prune.folded_attention`).
     - ``weights``: merged averages by ``size`` or ``importance`` (``auto``: size; importance for the
       ``importance``/``oracle`` strategies under ``preset="paper"``, whose literal rule it is).
     - ``selection``: which tokens a scorer strategy merges away: ``lowest`` importance, or the lowest
@@ -115,7 +118,7 @@ class ReductionOptions:
     spn: Optional[Callable] = None
     matching: Literal["pullback", "cosine", "auto"] = "auto"
     eps: Optional[float] = None
-    prop_attn: bool | Literal["auto"] = "auto"
+    prop_attn: bool | Literal["auto", "folded"] = "auto"
     weights: Literal["size", "importance", "auto"] = "auto"
     selection: Literal["lowest", "bound", "auto"] = "auto"
     seed: Optional[int] = 0
@@ -235,6 +238,9 @@ def _check_method_fields(fields: dict) -> None:
         methods = [method for method, names in METHOD_FIELDS.items() if name in names]
         if name in changed and strategy not in methods:
             raise PullbackError(f"{name} is an option of strategy {' or '.join(map(repr, methods))}; got strategy {strategy!r}")
+    if fields["prop_attn"] == "folded" and (strategy in ORIGINALS or fields["mode"] == "prune"):
+        raise PullbackError(f"prop_attn='folded' applies to the single-stage merges (mode='merge'); got strategy {strategy!r}, "
+                            f"mode {fields['mode']!r} (use prop_attn=True)")
     if strategy not in ORIGINALS:
         return
     if strategy == "asap":
@@ -443,8 +449,8 @@ def _eps(eps) -> Optional[float]:
 
 
 def _prop_attn(prop_attn):
-    if not isinstance(prop_attn, bool) and prop_attn != "auto":
-        raise PullbackError(f"prop_attn must be True, False or 'auto'; got {prop_attn!r}")
+    if not isinstance(prop_attn, bool) and prop_attn not in ("auto", "folded"):
+        raise PullbackError(f"prop_attn must be True, False, 'auto' or 'folded'; got {prop_attn!r}")
     return prop_attn
 
 

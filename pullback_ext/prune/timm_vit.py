@@ -15,6 +15,7 @@ from typing import Callable, List, NamedTuple, Optional, Union
 import torch
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.prune.folded_attention import FoldedSizes, folded_block
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import BackboneShape, Reduction
 from pullback_ext.prune.split_block import Attended, SplitBlock
@@ -70,6 +71,8 @@ def attention_probs(block, x: torch.Tensor, bias: Optional[torch.Tensor]) -> tor
     attn = getattr(block, "attn", None)
     if attn is None or not all(hasattr(attn, a) for a in ("qkv", "num_heads", "head_dim", "scale")):
         raise PullbackError(f"attention-based strategies need timm Attention blocks with a fused qkv; got {type(attn).__name__}")
+    if isinstance(bias, FoldedSizes):
+        bias = bias.as_mask()
     h = block.norm1(x)
     b, k, _ = h.shape
     qkv = attn.qkv(h).reshape(b, k, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
@@ -80,8 +83,11 @@ def attention_probs(block, x: torch.Tensor, bias: Optional[torch.Tensor]) -> tor
     return logits.softmax(dim=-1).mean(dim=1)
 
 
-def call_block(block, state, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """Run a timm ``Block`` on the current tokens (with the proportional-attention bias)."""
+def call_block(block, state, bias) -> torch.Tensor:
+    """Run a timm ``Block`` on the current tokens (with the proportional-attention bias: a mask, or
+    :class:`FoldedSizes` to fold into the attention)."""
+    if isinstance(bias, FoldedSizes):
+        return folded_block(block, state.x, bias)
     return block(state.x) if bias is None else block(state.x, attn_mask=bias)
 
 

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from pullback_ext import ops
+from pullback_ext.prune.folded_attention import FoldedSizes
 
 
 @dataclass
@@ -138,12 +139,16 @@ class TokenState:
             state.stale = torch.zeros(b, n, dtype=torch.bool, device=state.x.device).scatter(1, self.frozen_positions, True)
         return state
 
-    def attention_bias(self, proportional: bool = True) -> Optional[torch.Tensor]:
+    def attention_bias(self, proportional: bool | str = True):
         """Additive attention mask for the current tokens, or None when there is nothing to add.
 
-        Proportional attention (``proportional``, merge mode): ``log(size)``, ``[B, 1, 1, K]``.
-        Masked LLF: ``-inf`` where a kept query meets a stale key, ``[B, 1, K, K]``.
+        Proportional attention (``proportional``, merge mode): ``log(size)``, ``[B, 1, 1, K]``, or with
+        ``proportional="folded"`` a :class:`~pullback_ext.prune.folded_attention.FoldedSizes` for the
+        block to fold into its attention. Masked LLF: ``-inf`` where a kept query meets a stale key,
+        ``[B, 1, K, K]``.
         """
+        if proportional == "folded" and self.owner is not None:
+            return FoldedSizes(self.sizes.log())  # merge mode: no stale tokens
         bias = self.sizes.log()[:, None, None, :] if (proportional and self.owner is not None) else None
         if self.stale is not None:
             hidden = ~self.stale[:, :, None] & self.stale[:, None, :]
