@@ -26,7 +26,7 @@ def _fail(argv, capsys, *names):
 @pytest.fixture
 def timm_args(timm_weights):
     name, weights = timm_weights
-    return ["--model", f"timm:{name}", "--weights", weights, "--img-size", "32", "--layer", "10", "--decoder", "cls",
+    return ["--model", f"timm:{name}", "--weights", weights, "--img-size", "32", "--layer", "10", "--task", "cls",
             "--rank", "2", "--probes", "4", "--slq-steps", "0"]
 
 
@@ -53,7 +53,7 @@ def _copy_hf(hf_dir, tmp_path, edit):
 
 
 def _diagnose_hf(folder, images, out):
-    return ["diagnose", "--model", f"hf:{folder}", "--layer", "0", "--decoder", "cls", "--images", images,
+    return ["diagnose", "--model", f"hf:{folder}", "--layer", "0", "--task", "cls", "--images", images,
             "--num-images", "1", "--rank", "2", "--probes", "4", "--slq-steps", "0", "--out", out]
 
 

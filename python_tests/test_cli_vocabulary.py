@@ -18,7 +18,7 @@ PAGE = ROOT / "docs" / "cli.md"
 DEPRECATED_HELP = "deprecated spelling of"
 # Options that name a concept several commands share even where only one command has them today.
 CONCEPTS = {"--model", "--weights", "--images", "--num-images", "--head", "--spn", "--layer", "--layers", "--stages",
-            "--task", "--decoder", "--targets", "--seed", "--seeds", "--out", "--threads", "--quiet", "--no-progress"}
+            "--task", "--targets", "--seed", "--seeds", "--out", "--threads", "--quiet", "--no-progress"}
 
 
 def _cells(line: str) -> list[str]:
@@ -105,3 +105,31 @@ def test_eval_head_checkpoint_is_the_old_spelling_of_head():
     with pytest.warns(FutureWarning), pytest.raises(PullbackError, match="--checkpoint: conflicts with --head"):
         renamed(args, "--checkpoint", "--head")
     assert renamed(build_parser().parse_args(["eval-head", "--head", "runs/b"]), "--checkpoint", "--head") == "runs/b"
+
+
+def test_task_means_the_cls_embedding_for_every_model_and_the_old_decoder_keeps_its_meaning():
+    import argparse
+
+    import pytest
+
+    from pullback_ext.commands.arguments import add_task_argument, probe_decoder
+    from pullback_ext.errors import PullbackError
+
+    parser = argparse.ArgumentParser()
+    add_task_argument(parser)
+    parse = parser.parse_args
+    assert probe_decoder(parse(["--task", "cls"]), "demo") == "embedding"  # the demo probe's CLS embedding
+    assert probe_decoder(parse(["--task", "logits"]), "demo") == "cls"  # the demo probe's class logits
+    assert probe_decoder(parse(["--task", "cls"]), "timm:vit_small_patch16_224") == "cls"
+    assert probe_decoder(parse([]), "demo", default="cls") == "embedding" and probe_decoder(parse([]), "demo") is None
+    assert probe_decoder(parse(["--task", "depth"]), "demo") == "depth"
+    with pytest.raises(PullbackError, match="--task logits"):
+        probe_decoder(parse(["--task", "logits"]), "timm:vit_small_patch16_224")
+    with pytest.raises(PullbackError, match="spelled cls"):
+        probe_decoder(parse(["--task", "embedding"]), "demo")
+    with pytest.warns(FutureWarning, match="write --task logits"):
+        assert probe_decoder(parse(["--decoder", "cls"]), "demo") == "cls"  # old meaning kept
+    with pytest.warns(FutureWarning, match="write --task cls"):
+        assert probe_decoder(parse(["--decoder", "embedding"]), "demo") == "embedding"
+    with pytest.raises(PullbackError, match="conflicts with --task"):
+        probe_decoder(parse(["--decoder", "cls", "--task", "cls"]), "demo")

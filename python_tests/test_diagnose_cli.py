@@ -84,7 +84,7 @@ def test_linear_decoder(image_dir, timm_weights, tmp_path):
     save_file({"weight": W}, str(tmp_path / "probe.safetensors"))
     out = tmp_path / "out"
     linear = f"linear:{tmp_path / 'probe.safetensors'}"
-    assert main(timm_args(image_dir, timm_weights, out, "--decoder", linear, "--dtype", "float64")) == 0
+    assert main(timm_args(image_dir, timm_weights, out, "--task", linear, "--dtype", "float64")) == 0
     first = json.loads((out / "diagnosis.json").read_text())["images"][0]
     s = torch.linalg.svdvals(W.double())
     # J = I_5 ⊗ W has rank 10 <= r + oversample: the sketch captures its range exactly
@@ -92,7 +92,7 @@ def test_linear_decoder(image_dir, timm_weights, tmp_path):
     assert first["trace"] == pytest.approx(5 * float((s**2).sum()), rel=1e-10)
     capped = tmp_path / "capped"
     with pytest.warns(UserWarning, match="rank"):
-        assert main(timm_args(image_dir, timm_weights, capped, "--decoder", linear, "--rank", "12")) == 0
+        assert main(timm_args(image_dir, timm_weights, capped, "--task", linear, "--rank", "12")) == 0
     data = json.loads((capped / "diagnosis.json").read_text())
     # --rank 12 on M = 10 outputs: the diagnosis used r = 10 and says so
     assert (data["settings"]["rank"], data["settings"]["rank_requested"]) == (10, 12)
@@ -103,12 +103,12 @@ def test_hf_dpt_cli(image_dir, tmp_path):
     folder = tmp_path / "dpt"
     tiny_dpt(dtype=torch.float32).save_pretrained(folder)
     out = tmp_path / "out"
-    args = ["diagnose", "--model", f"hf:{folder}", "--layer", "1", "--decoder", "depth", "--output-size", "4",
+    args = ["diagnose", "--model", f"hf:{folder}", "--layer", "1", "--task", "depth", "--output-size", "4",
             "--images", str(image_dir), "--num-images", "2", "--out", str(out), *FAST]
     assert main(args) == 0
     data = json.loads((out / "diagnosis.json").read_text())
     assert len(data["images"]) == 2 and data["images"][0]["M"] == 16 and data["images"][0]["N"] == 17
-    multi = ["diagnose", "--model", f"hf:{folder}", "--decoder", "depth-multi", "--output-size", "4",
+    multi = ["diagnose", "--model", f"hf:{folder}", "--task", "depth-multi", "--output-size", "4",
              "--images", str(image_dir), "--num-images", "1", "--out", str(tmp_path / "multi"), *FAST]
     assert main(multi) == 0
     first = json.loads((tmp_path / "multi" / "diagnosis.json").read_text())["images"][0]
@@ -123,7 +123,7 @@ def test_demo_cli(image_dir, tmp_path):
     save_weights(DemoModel(), tmp_path / "demo.safetensors")
     out = tmp_path / "out"
     args = ["diagnose", "--model", "demo", "--weights", str(tmp_path / "demo.safetensors"), "--layer", "2",
-            "--decoder", "depth", "--output-size", "8", "--images", str(image_dir), "--num-images", "1", "--out", str(out), *FAST]
+            "--task", "depth", "--output-size", "8", "--images", str(image_dir), "--num-images", "1", "--out", str(out), *FAST]
     assert main(args) == 0
     first = json.loads((out / "diagnosis.json").read_text())["images"][0]
     assert first["N"] == 197 and first["M"] == 64
@@ -131,7 +131,7 @@ def test_demo_cli(image_dir, tmp_path):
 
 def test_demo_model_defaults_to_builtin_scenes(tmp_path):
     out = tmp_path / "out"
-    args = ["diagnose", "--model", "demo", "--layer", "2", "--decoder", "depth", "--output-size", "4", "--num-images", "2",
+    args = ["diagnose", "--model", "demo", "--layer", "2", "--task", "depth", "--output-size", "4", "--num-images", "2",
             "--out", str(out), *FAST]
     assert main(args) == 0
     data = json.loads((out / "diagnosis.json").read_text())
@@ -160,7 +160,7 @@ def bad_cases(image_dir, weights, tmp):
         "garbage_weights": (swap("--weights", str(garbage)), "--weights"),
         "wrong_weights": (swap("--weights", str(other)), "does not fit"),
         "missing_weights": (swap("--weights", str(tmp / "none.pt")), "--weights"),
-        "decoder": (swap("--decoder", "segmentation") if "--decoder" in base else base + ["--decoder", "segmentation"], "--decoder"),
+        "decoder": (swap("--task", "segmentation") if "--task" in base else base + ["--task", "segmentation"], "--task"),
         "model": (swap("--model", "resnet:50"), "--model"),
         "probes": (swap("--probes", "1"), "probes: expected an int >= 2"),
         "chunk_size": (base + ["--chunk-size", "0"], "chunk_size: expected a positive int"),

@@ -10,7 +10,7 @@ import torch
 from pullback_ext.cli import main
 from pullback_ext.errors import CheckpointError, PullbackError
 
-TRAIN = ["train", "head", "--model", "demo", "--decoder", "embedding", "--num-images", "2", "--heldout", "2", "--rank", "2",
+TRAIN = ["train", "head", "--model", "demo", "--task", "cls", "--num-images", "2", "--heldout", "2", "--rank", "2",
          "--power", "0", "--steps", "1", "--batch-size", "2", "--hidden", "8", "--heads", "2", "--warmup", "0", "--no-progress"]
 EVALUATE = ["evaluate", "--model", "demo", "--strategies", "importance", "--ratios", "0.1", "--num-images", "2", "--seeds", "1",
             "--no-timing", "--quiet"]

@@ -92,7 +92,7 @@ def test_bad_arguments_exit_2_with_a_one_line_message(tmp_path, image_dir, capsy
 
 
 def test_train_head_on_the_demo_model_defaults_to_rendered_scenes(tmp_path):
-    argv = ["train", "head", "--model", "demo", "--layer", "1", "--decoder", "embedding", "--num-images", "2", "--heldout", "2",
+    argv = ["train", "head", "--model", "demo", "--layer", "1", "--task", "cls", "--num-images", "2", "--heldout", "2",
             "--rank", "2", "--power", "0", "--steps", "1", "--batch-size", "2", "--hidden", "8", "--heads", "2", "--warmup", "0",
             "--no-progress"]
     assert main(argv + ["--out", str(tmp_path / "new")]) == 0

@@ -85,11 +85,11 @@ def test_diagnose_train_and_evaluate_a_dinov2_folder(image_dir, tmp_path, capsys
     folder = tmp_path / "dinov2"
     tiny_dinov2().float().save_pretrained(folder)
     model = ["--model", f"hf:{folder}"]
-    assert main(["diagnose", *model, "--layer", "1", "--decoder", "cls", "--images", str(image_dir), "--num-images", "2",
+    assert main(["diagnose", *model, "--layer", "1", "--task", "cls", "--images", str(image_dir), "--num-images", "2",
                  "--rank", "3", "--power", "1", "--probes", "6", "--slq-steps", "4", "--out", str(tmp_path / "diag")]) == 0
     first = json.loads((tmp_path / "diag" / "diagnosis.json").read_text())["images"][0]
     assert (first["N"], first["D"], first["M"]) == (17, 32, 32)
-    assert main(["train", "head", *model, "--layer", "0", "--decoder", "cls", "--images", str(image_dir), "--num-images",
+    assert main(["train", "head", *model, "--layer", "0", "--task", "cls", "--images", str(image_dir), "--num-images",
                  "4", "--heldout", "2", "--steps", "4", "--batch-size", "2", "--hidden", "16", "--heads", "2", "--warmup",
                  "1", "--rank", "3", "--power", "1", "--no-progress", "--out", str(tmp_path / "head")]) == 0
     assert main(["evaluate", *model, "--head", str(tmp_path / "head"), "--images", str(image_dir), "--num-images", "2",
@@ -98,7 +98,7 @@ def test_diagnose_train_and_evaluate_a_dinov2_folder(image_dir, tmp_path, capsys
     cells = json.loads((tmp_path / "eval" / "results.json").read_text())["tables"]["merge"]
     assert cells["importance"]["0.25"]["cosine_x100"]["mean"] >= 0.0 and "tome_score" in cells
     capsys.readouterr()
-    assert main(["diagnose", *model, "--layer", "1", "--decoder", "depth", "--images", str(image_dir),
+    assert main(["diagnose", *model, "--layer", "1", "--task", "depth", "--images", str(image_dir),
                  "--out", str(tmp_path / "x")]) == 2
     assert "DINOv2 models offer cls, tokens, pooled and linear:FILE" in capsys.readouterr().err
 
@@ -114,7 +114,7 @@ def test_a_cropping_image_processor_sets_the_input_size(image_dir, tmp_path):
         "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}))
     preprocess = hf_crop_preprocess((32, 32), folder)
     assert (preprocess.size, preprocess.resize, preprocess.mean) == ((24, 24), 28, (0.485, 0.456, 0.406))
-    assert main(["diagnose", "--model", f"hf:{folder}", "--layer", "1", "--decoder", "pooled", "--images", str(image_dir),
+    assert main(["diagnose", "--model", f"hf:{folder}", "--layer", "1", "--task", "pooled", "--images", str(image_dir),
                  "--num-images", "1", "--rank", "3", "--power", "1", "--probes", "6", "--slq-steps", "4",
                  "--out", str(tmp_path / "diag")]) == 0
     first = json.loads((tmp_path / "diag" / "diagnosis.json").read_text())["images"][0]

@@ -12,7 +12,7 @@ import argparse
 import contextlib
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.sources.images import builtin_help, builtin_names
@@ -118,6 +118,43 @@ def output_folder(path: str, flag: str = "--out") -> Path:
 
 def _old_dest(old: str) -> str:
     return "deprecated_" + old.lstrip("-").replace("-", "_")
+
+
+TASK_HELP = ("cls (the CLS embedding, every model) | logits (the classifier output; the demo model) | tokens | pooled | "
+             "depth | depth-multi | linear:FILE")
+_DEMO_DECODERS = {"cls": "embedding", "logits": "cls"}  # --task on the demo model -> the demo probe's decoder
+
+
+def add_task_argument(parser, extra: str = "") -> None:
+    """``--task NAME``, the probe output ψ (see :data:`TASK_HELP`; ``extra`` adds to the help), and its
+    old spelling ``--decoder``."""
+    parser.add_argument("--task", default=None, help=f"the probe output ψ: {TASK_HELP}{extra}")
+    add_renamed(parser, "--decoder", "--task")
+
+
+def probe_decoder(args: argparse.Namespace, model: Optional[str], default: Optional[str] = None) -> Optional[str]:
+    """The probe's decoder for ``--task`` (default ``default``) on ``model`` (its canonical spelling).
+
+    On the demo model ``cls`` is the CLS embedding (the probe's ``embedding``) and ``logits`` the
+    classifier (the probe's ``cls``), so that ``cls`` means the CLS embedding for every model. The old
+    ``--decoder`` keeps its old meaning for this release (a FutureWarning gives the ``--task`` spelling).
+    """
+    demo = model == "demo"
+    old = getattr(args, _old_dest("--decoder"), None)
+    if old is not None:
+        if args.task is not None:
+            raise PullbackError(f"--decoder: conflicts with --task {args.task!r}; write --task only")
+        new = {v: k for k, v in _DEMO_DECODERS.items()}.get(old, old) if demo else old
+        warnings.warn(f"--decoder is deprecated and will be removed in the next release; write --task {new}",
+                      FutureWarning, stacklevel=2)
+        return old
+    task = args.task if args.task is not None else default
+    if task == "embedding":
+        raise PullbackError("--task: the CLS embedding is spelled cls (for every model)")
+    if task == "logits" and not demo:
+        raise PullbackError(f"--task logits: the classifier output is probed on the demo model only; "
+                            f"for {model or 'this model'} write --task cls (the CLS embedding)")
+    return _DEMO_DECODERS.get(task, task) if demo else task
 
 
 def add_renamed(parser, old: str, new: str, **kwargs) -> None:

@@ -21,11 +21,11 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pullback_ext.commands.arguments import add_source_arguments
+    from pullback_ext.commands.arguments import add_source_arguments, add_task_argument
 
     add_source_arguments(parser, 50, "the first N images (a folder's sorted by name)", img_size=True)
     parser.add_argument("--layer", type=int, default=None, help="probe layer ℓ (0-based block index; F is its output)")
-    parser.add_argument("--decoder", default="cls", help="cls | tokens | pooled (timm) | embedding (demo) | depth | depth-multi (hf) | linear:FILE")
+    add_task_argument(parser)
     parser.add_argument("--output-size", type=_positive, default=None, help="resize dense outputs to S×S (M = S²)")
     parser.add_argument("--rank", type=int, default=20, help="r: captured subspace for κ_cap(r), CV, importance")
     parser.add_argument("--oversample", type=int, default=10, help="randomized-SVD oversampling p (sketch r + p)")
@@ -81,13 +81,14 @@ def diagnose_config(args: argparse.Namespace):
 def probe_and_images(args: argparse.Namespace, dtype):
     """``(ProbeSetup, ImageSource, ImageSet)`` of ``--model``/``--weights``/``--images``: the
     probe, where the images come from, and up to ``--num-images`` of them prepared for the model."""
-    from pullback_ext.commands.arguments import image_source, model_spec
+    from pullback_ext.commands.arguments import image_source, model_spec, probe_decoder
     from pullback_ext.sources.probe_setup import build_probe_setup
 
     model = model_spec(args)
     source = image_source(args, model)
     layer = args.layer if args.layer is not None else 0
-    setup = build_probe_setup(model, args.weights, layer, args.decoder, args.output_size, args.img_size, dtype)
+    decoder = probe_decoder(args, str(model), default="cls")
+    setup = build_probe_setup(model, args.weights, layer, decoder, args.output_size, args.img_size, dtype)
     return setup, source, source.heldout(setup.preprocess, args.num_images, partial=True)
 
 
@@ -105,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.plots import plot_spectrum, plot_token_energy
     from pullback_ext.progress import progress_bar
 
-    if args.layer is None and args.decoder != "depth-multi":
-        raise PullbackError("--layer: required (the probe layer ℓ) unless --decoder depth-multi")
+    if args.layer is None and "depth-multi" not in (args.task, args.deprecated_decoder):
+        raise PullbackError("--layer: required (the probe layer ℓ) unless --task depth-multi")
     config = diagnose_config(args)
     out = output_folder(args.out)
     dtype = torch.float64 if args.dtype == "float64" else torch.float32

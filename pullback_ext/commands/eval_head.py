@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pullback_ext import distributed
-    from pullback_ext.commands.arguments import image_source, model_spec, renamed
+    from pullback_ext.commands.arguments import image_source, model_spec, probe_decoder, renamed
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_json
     from pullback_ext.metric.checkpoint import load_model
@@ -51,12 +51,15 @@ def run(args: argparse.Namespace) -> int:
         raise PullbackError(f"--rank/--power: expected rank >= 1 and power >= 0, got {args.rank}, {args.power}")
     head, config = load_model(args.head, kind="head")
     if "probe" not in config:
-        raise PullbackError(f"--head: {args.head!r} has no probe definition; pass --model/--layer/--decoder")
+        raise PullbackError(f"--head: {args.head!r} has no probe definition; pass --model/--layer/--task")
     spec = ProbeSpec.from_dict(config["probe"])
-    overrides = {k: getattr(args, k) for k in ("weights", "layer", "decoder", "output_size", "img_size", "vae") if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in ("weights", "layer", "output_size", "img_size", "vae") if getattr(args, k) is not None}
     model = model_spec(args, required=False)
     if model is not None:
         overrides["model"] = str(model)
+    decoder = probe_decoder(args, overrides.get("model", spec.model))
+    if decoder is not None:
+        overrides["decoder"] = decoder
     spec = replace(spec, **overrides)
     # with a folder the held-out images are the files after the --num-images training ones
     images = image_source(args, parse_model(spec.model))

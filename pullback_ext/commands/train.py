@@ -16,13 +16,13 @@ from pullback_ext.progress import info_line
 
 def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, images and probe definition (shared with ``pullback eval-head``)."""
-    from pullback_ext.commands.arguments import BUILTIN_HELP, add_source_arguments, positive_int
+    from pullback_ext.commands.arguments import BUILTIN_HELP, add_source_arguments, add_task_argument, positive_int
 
     add_source_arguments(parser, 256, "training images",
                          images_help=f"a folder of images (training images first, then held-out) or a built-in set: {BUILTIN_HELP}",
                          img_size=True)
     parser.add_argument("--layer", type=int, default=None, help="probe layer ℓ (0-based block index; F is its output)")
-    parser.add_argument("--decoder", default=None, help="cls | embedding (demo) | tokens | pooled | depth | depth-multi | linear:FILE")
+    add_task_argument(parser, "; train tap: cls or depth, the task the register serves (default cls)")
     parser.add_argument("--output-size", type=positive_int, default=None, help="resize dense outputs to S×S (M = S²)")
     parser.add_argument("--vae", default=None, metavar="DIR", help="take the probe at the latent of this trained feature VAE")
     parser.add_argument("--heldout", type=positive_int, default=32, help="held-out images for the final evaluation")
@@ -81,12 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def probe_spec(args: argparse.Namespace, model):
     """The :class:`~pullback_ext.metric.probe_spec.ProbeSpec` of the arguments, for ``model``."""
+    from pullback_ext.commands.arguments import probe_decoder
     from pullback_ext.errors import PullbackError
     from pullback_ext.metric.probe_spec import ProbeSpec
 
     if args.layer is None:
         raise PullbackError("--layer: required (the probe layer ℓ; or --stages for one head per stage)")
-    return ProbeSpec(model=str(model), layer=args.layer, decoder=args.decoder or "cls", weights=args.weights,
+    return ProbeSpec(model=str(model), layer=args.layer, decoder=probe_decoder(args, str(model), default="cls"), weights=args.weights,
                      output_size=args.output_size, img_size=args.img_size, vae=args.vae)
 
 

@@ -72,6 +72,7 @@ def _check_out(out: Path, stages: tuple, resume: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train the heads of ``--stages`` one after the other, then write ``OUT/schedule.json``."""
     from pullback_ext import distributed
+    from pullback_ext.commands.arguments import probe_decoder
     from pullback_ext.commands.train import print_results, run_config
     from pullback_ext.metric.checkpoint import STATE_FILE
     from pullback_ext.metric.schedule import stage_folder, write_schedule
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             if info.is_main:
                 print_results("head", results, folder)
         if info.is_main:
-            path = write_schedule(out, stages, {"model": str(model), "decoder": args.decoder or "cls",
+            path = write_schedule(out, stages, {"model": str(model), "decoder": probe_decoder(args, str(model), default="cls"),
                                                 "weights": args.weights})
             info_line(f"wrote {path}")
     finally:

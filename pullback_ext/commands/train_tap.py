@@ -15,9 +15,9 @@ RHOS = (0.3, 0.5, 0.7, 1.0)  # keep rates of the held-out evaluation
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``tap`` group of ``pullback train`` (the model, images, --out and the optimisation flags are shared)."""
+    """The ``tap`` group of ``pullback train`` (the model, images, --task, --out and the optimisation flags are
+    shared; ``--task`` is ``cls`` or ``depth`` here, the task the register serves, default cls)."""
     group = parser.add_argument_group("tap")
-    group.add_argument("--task", default="cls", choices=["cls", "depth"], help="tap: the task the register serves")
     group.add_argument("--adapt", default="none", choices=["none", "lora"],
                        help="tap: none (TAP-F, backbone frozen) or lora (TAP-J: LoRA on every block's attention and MLP)")
     group.add_argument("--lora-rank", type=int, default=4, help="tap: rank of the TAP-J adapters")
@@ -49,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.tap.training import TapConfig, train
 
     spec = model_spec(args)
+    args.task = args.task or "cls"
+    if args.task not in ("cls", "depth"):
+        raise PullbackError(f"--task: a TAP register serves cls or depth; got {args.task!r}")
     if spec.kind != "demo":
         raise PullbackError(f"--model: TAP trains on the demo model (--model demo); got {spec}")
     out = Path(args.out)

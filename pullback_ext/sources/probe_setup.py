@@ -33,17 +33,17 @@ class ProbeSetup:
 def _linear_weights(spec: str, dim: int, dtype: torch.dtype) -> tuple[Tensor, Optional[Tensor]]:
     path = spec.split(":", 1)[1]
     if not path:
-        raise PullbackError("--decoder: expected linear:FILE with a weights file, got 'linear:'")
-    state = read_state_dict(path, flag="--decoder")
+        raise PullbackError("--task: expected linear:FILE with a weights file, got 'linear:'")
+    state = read_state_dict(path, flag="--task")
     W = state.get("weight", state.get("W"))
     if W is None or W.dim() != 2 or W.shape[1] != dim:
         raise CheckpointError(
-            f"--decoder: {path!r} must hold 'weight' of shape [C, {dim}] (D of the probe layer), got "
+            f"--task: {path!r} must hold 'weight' of shape [C, {dim}] (D of the probe layer), got "
             + (str(tuple(W.shape)) if W is not None else f"keys {sorted(state)[:5]}")
         )
     bias = state.get("bias")
     if bias is not None and tuple(bias.shape) != (W.shape[0],):
-        raise CheckpointError(f"--decoder: bias in {path!r} must have shape [{W.shape[0]}], got {tuple(bias.shape)}")
+        raise CheckpointError(f"--task: bias in {path!r} must have shape [{W.shape[0]}], got {tuple(bias.shape)}")
     return W.to(dtype), None if bias is None else bias.to(dtype)
 
 
@@ -63,7 +63,7 @@ OFFERED = {
     "timm": (("cls", "tokens", "pooled"), "timm models offer cls, tokens, pooled and linear:FILE"),
     "dinov2": (("cls", "tokens", "pooled"), "DINOv2 models offer cls, tokens, pooled and linear:FILE"),
     "hf-depth": (("depth", "depth-multi"), "hf depth models support depth and depth-multi"),
-    "demo": (("cls", "embedding", "depth"), "the demo model supports cls, embedding, depth and linear:FILE"),
+    "demo": (("cls", "embedding", "depth"), "the demo model supports cls, logits, depth and linear:FILE"),
 }
 
 
@@ -71,11 +71,11 @@ def _check_decoder(decoder: str, family: Optional[str] = None) -> None:
     """``decoder`` is a known name and (given a ``family`` of :data:`OFFERED`) one it offers."""
     linear = decoder.startswith("linear:")
     if decoder not in DECODERS[:-1] and not linear:
-        raise PullbackError(f"--decoder: expected one of {', '.join(DECODERS)}, got {decoder!r}")
+        raise PullbackError(f"--task: expected one of cls, logits (demo), tokens, pooled, depth, depth-multi, linear:FILE; got {decoder!r}")
     if family is not None:
         offered, message = OFFERED[family]
         if decoder not in offered and not (linear and family != "hf-depth"):
-            raise PullbackError(f"--decoder: {message}, got {decoder!r}")
+            raise PullbackError(f"--task: {message}, got {decoder!r}")
 
 
 def _timm_probe(model, layer: int, decoder: str, dtype: torch.dtype):
