@@ -50,8 +50,8 @@ TABLE = {_flag(row["flag"]): row for row in _table("| flag |")}
 
 
 def _expected(action: argparse.Action | None) -> str:
-    if action is None:
-        return "—"
+    if action is None or (action.help or "").startswith(DEPRECATED_HELP):
+        return "—"  # a deprecated spelling lives in the old-spellings table
     if action.required:
         return "required"
     if isinstance(action, argparse._StoreTrueAction):

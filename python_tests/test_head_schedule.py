@@ -79,7 +79,7 @@ def test_resume_skips_finished_stages_and_continues_the_rest(trained, capsys):
 
 def test_evaluate_and_pareto_take_a_schedule_folder(tmp_path, capsys):
     heads = _handmade_schedule(tmp_path / "heads")
-    assert main(EVALUATE + ["--head", str(heads), "--stages", "2,4", "--absolute-layers", "--out", str(tmp_path / "e")]) == 0
+    assert main(EVALUATE + ["--head", str(heads), "--layers", "2,4", "--out", str(tmp_path / "e")]) == 0
     assert json.loads((tmp_path / "e" / "results.json").read_text())["layers"] == [2, 4]
     assert main(["evaluate", "--model", "demo", "--pareto", "--methods", "importance", "--head", str(heads), "--ratios", "0.1",
                  "--num-images", "2", "--seeds", "1", "--no-timing", "--quiet", "--out", str(tmp_path / "p")]) == 0
@@ -87,14 +87,14 @@ def test_evaluate_and_pareto_take_a_schedule_folder(tmp_path, capsys):
     assert pareto["layers"] == [2, 4] and "warning" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("stages, shown", [(["--stages", "2,5", "--absolute-layers"], "[2, 5]"), (["--stages", "2,4"], "[1, 2]")],
+@pytest.mark.parametrize("stages, shown", [(["--layers", "2,5"], "[2, 5]"), (["--stages", "2,4"], "[1, 2]")],
                          ids=["absolute", "scaled"])
 def test_evaluate_refuses_stages_that_do_not_match_the_schedule(tmp_path, capsys, stages, shown):
     heads = _handmade_schedule(tmp_path / "heads")
     for pareto in ([], ["--pareto"]):
         assert main(EVALUATE + pareto + ["--head", str(heads), *stages, "--out", str(tmp_path / "e")]) == 2
         err = capsys.readouterr().err.strip()
-        assert "--stages" in err and shown in err and "[2, 4]" in err and len(err.splitlines()) == 1
+        assert stages[0] in err and shown in err and "[2, 4]" in err and len(err.splitlines()) == 1
 
 
 def test_a_schedule_folder_must_be_the_only_head(tmp_path):

@@ -93,7 +93,7 @@ def test_diagnose_train_and_evaluate_a_dinov2_folder(image_dir, tmp_path, capsys
                  "4", "--heldout", "2", "--steps", "4", "--batch-size", "2", "--hidden", "16", "--heads", "2", "--warmup",
                  "1", "--rank", "3", "--power", "1", "--no-progress", "--out", str(tmp_path / "head")]) == 0
     assert main(["evaluate", *model, "--head", str(tmp_path / "head"), "--images", str(image_dir), "--num-images", "2",
-                 "--seeds", "2", "--ratios", "0.25", "--stages", "1", "--absolute-layers", "--strategies", "importance,tome_score",
+                 "--seeds", "2", "--ratios", "0.25", "--layers", "1", "--strategies", "importance,tome_score",
                  "--no-timing", "--quiet", "--out", str(tmp_path / "eval")]) == 0
     cells = json.loads((tmp_path / "eval" / "results.json").read_text())["tables"]["merge"]
     assert cells["importance"]["0.25"]["cosine_x100"]["mean"] >= 0.0 and "tome_score" in cells

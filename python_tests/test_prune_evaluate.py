@@ -135,6 +135,9 @@ def image_dir(tmp_path_factory):
         (["--ratios", "0.2,1.5"], "ratio must lie in"),
         (["--ratios", "a"], "--ratios must be comma-separated numbers"),
         (["--stages", "11"], "schedule layers must lie in"),
+        (["--layers", "12"], "--layers: expected distinct 0-based block indices in 0..11"),
+        (["--layers", "3,3"], "--layers: expected distinct"),
+        (["--layers", "4", "--stages", "4"], "--layers: conflicts with --stages"),
         (["--stages", "12", "--absolute-layers"], "layers must lie in [0, 11]"),
         (["--stages", "11", "--absolute-layers", "--task", "cls", "--mode", "prune"], "layers must lie in [0, 10]"),
         (["--strategies", "importance"], "needs --head"),
@@ -309,3 +312,19 @@ def test_cli_publishes_a_stamped_results_page(tmp_path):
     published = json.loads((tmp_path / "pages" / "demo-eval.json").read_text())
     assert published["stamp"]["command"].startswith("pullback evaluate --model demo --images builtin:scenes")
     assert "tome_score" in text and published["tables"] == json.loads((tmp_path / "o" / "results.json").read_text())["tables"]
+
+
+def test_layers_are_blocks_of_the_model_and_stages_is_the_deprecated_scaled_spelling():
+    import argparse
+
+    from pullback_ext.commands.evaluate_plan import reduction_layers
+
+    def ns(**kw):
+        return argparse.Namespace(**{"layers": None, "stages": None, "absolute_layers": False, "head": None, **kw})
+
+    assert reduction_layers(ns(layers="2,5"), 8) == (2, 5)
+    assert reduction_layers(ns(), 8) == (2,) and reduction_layers(ns(), 12) == (4,)  # block depth/3
+    with pytest.warns(FutureWarning, match="write --layers 2,5 "):
+        assert reduction_layers(ns(stages="4,8"), 8) == (2, 5)  # ViT-B numbering, scaled to 8 blocks
+    with pytest.warns(FutureWarning, match="write --layers 4,8 "):
+        assert reduction_layers(ns(stages="4,8", absolute_layers=True), 12) == (4, 8)

@@ -26,9 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     red.add_argument("--strategies", default=None, help="comma list (default: importance when --head is given, oracle with --oracle, and every training-free rule)")
     red.add_argument("--oracle", action="store_true", help="add the imp* oracle (--model demo only; slow: a randomized SVD per image)")
     red.add_argument("--ratios", default=DEFAULT_RATIOS, help=f"comma list of prune ratios (default {DEFAULT_RATIOS})")
-    red.add_argument("--stages", default=None, help="stage layers for a 12-block ViT-B (e.g. 4, 4,8, 1,4,7,10, 2stage), scaled to the "
-                                                      "model's depth (default 4, or the layers of a --head schedule folder)")
-    red.add_argument("--absolute-layers", action="store_true", help="use --stages as the model's own block indices, unscaled")
+    red.add_argument("--layers", default=None, metavar="L1,L2,...",
+                     help="the blocks at whose input tokens are reduced: 0-based block indices of the model at hand, as patch's "
+                          "layers= (default: block depth/3, e.g. 4 of 12 and 2 of 8, or the layers of a --head schedule folder)")
+    red.add_argument("--stages", default=None, help="deprecated spelling of --layers: layers on a 12-block ViT-B numbering (e.g. 4,8 or "
+                                                      "2stage), scaled to the model's depth")
+    red.add_argument("--absolute-layers", action="store_true", help="deprecated spelling of --layers (with --stages: its indices unscaled)")
     red.add_argument("--llf", choices=tuple(LLF_CHOICES), default=None,
                      help="Last-Layer Fusion in prune mode: on (masked: kept tokens do not attend to the re-inserted ones), "
                           "full (every token attends to every token), off; both: on and off; all: all three (one table each); "
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_pareto(args, backbone, model, images)
     if args.methods is not None or args.sweep or args.device != "cpu":
         raise PullbackError("--methods, --sweep and --device need --pareto")
-    layers = evaluate_plan.stage_layers(args.stages, backbone.depth, args.absolute_layers, args.head)
+    layers = evaluate_plan.reduction_layers(args, backbone.depth)
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
     scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)
     strategies = evaluate_plan.strategy_list(args.strategies, scorers)

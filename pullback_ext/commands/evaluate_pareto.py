@@ -109,7 +109,7 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     from pullback_ext.prune.evaluation import PRIMARY
 
     ratios = comma_floats(args.ratios, "--ratios")
-    layers = evaluate_plan.stage_layers(args.stages, backbone.depth, args.absolute_layers, args.head)
+    layers = evaluate_plan.reduction_layers(args, backbone.depth)
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
     scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, False)
     scorers = {name: _on(s, images.device) for name, s in scorers.items()}

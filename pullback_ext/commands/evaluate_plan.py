@@ -3,7 +3,9 @@ checkpoints (importance head, SPN, head schedule folder, oracle) and the strateg
 
 from __future__ import annotations
 
+import argparse
 import sys
+import warnings
 from typing import Optional
 
 from pullback_ext.errors import CheckpointError, PullbackError
@@ -23,22 +25,42 @@ def schedule_folder(head: Optional[str]) -> Optional[str]:
     return paths[0] if paths and is_schedule(paths[0]) else None
 
 
-def stage_layers(text: Optional[str], depth: int, absolute: bool = False, head: Optional[str] = None) -> tuple:
-    """Stage layers from ``--stages`` (ViT-B numbering scaled to ``depth`` unless ``absolute``;
-    default 4). With ``head`` a schedule folder they are its layers, as given, and ``--stages``
-    (when given) must resolve to the same."""
+def stage_layers(text: Optional[str], depth: int, absolute: bool = False, head: Optional[str] = None,
+                 flag: str = "--stages") -> tuple:
+    """Stage layers from ``text`` (ViT-B numbering scaled to ``depth`` unless ``absolute``;
+    default 4). With ``head`` a schedule folder they are its layers, as given, and ``text``
+    (when given) must resolve to the same; ``flag`` names the option in errors."""
     folder = schedule_folder(head)
     scheduled = None if folder is None else read_schedule(folder)[1]
     if scheduled is not None and text is None:
         return scheduled
     layers = parse_layers(DEFAULT_STAGES if text is None else text)
     if not layers:
-        raise PullbackError("--stages must name at least one layer")
+        raise PullbackError(f"{flag} must name at least one layer")
     layers = tuple(layers) if absolute else scale_layers(layers, depth)
     if scheduled is not None and layers != scheduled:
-        how = "" if absolute else f" (scaled to this {depth}-block model; --absolute-layers takes them as given)"
-        raise PullbackError(f"--stages {text} gives layers {list(layers)}{how}, but the head schedule {folder} has stages "
-                            f"{list(scheduled)}; leave --stages out to use the schedule's")
+        how = "" if absolute else f" (scaled to this {depth}-block model; --layers takes them as given)"
+        raise PullbackError(f"{flag} {text} gives layers {list(layers)}{how}, but the head schedule {folder} has stages "
+                            f"{list(scheduled)}; leave {flag} out to use the schedule's")
+    return layers
+
+
+def reduction_layers(args: argparse.Namespace, depth: int) -> tuple:
+    """The blocks whose input is reduced: ``--layers`` (0-based blocks of the model at hand), the
+    deprecated ``--stages`` (ViT-B numbering, scaled unless ``--absolute-layers``; a FutureWarning
+    gives the ``--layers`` spelling), else block depth/3 or a ``--head`` schedule's layers."""
+    if args.layers is not None:
+        if args.stages is not None:
+            raise PullbackError(f"--layers: conflicts with --stages {args.stages!r}; write --layers only")
+        layers = parse_layers(args.layers)
+        if not layers or isinstance(layers, str) or len(set(layers)) != len(layers) or not all(0 <= b < depth for b in layers):
+            raise PullbackError(f"--layers: expected distinct 0-based block indices in 0..{depth - 1} of this {depth}-block model; "
+                                f"got {args.layers!r}")
+        return stage_layers(",".join(map(str, layers)), depth, True, args.head, flag="--layers")
+    layers = stage_layers(args.stages, depth, args.absolute_layers, args.head)
+    if args.stages is not None or args.absolute_layers:
+        warnings.warn(f"--stages/--absolute-layers are deprecated and will be removed in the next release; write --layers "
+                      f"{','.join(map(str, layers))} (0-based blocks of this {depth}-block model)", FutureWarning, stacklevel=2)
     return layers
 
 
@@ -70,7 +92,7 @@ def load_scorers(head: Optional[str], spn: Optional[str], model, backbone: Backb
             trained_on = config.get("probe", {}).get("layer")
             if isinstance(trained_on, int) and layers[stage] != trained_on + 1:
                 print(f"warning: --head {path} was trained on the output of block {trained_on}, i.e. stage layer {trained_on + 1}, "
-                      f"but stage {stage} is at layer {layers[stage]} (use --absolute-layers with matching --stages)", file=sys.stderr)
+                      f"but stage {stage} is at layer {layers[stage]} (use matching --layers)", file=sys.stderr)
         scorers["importance"] = loaded[0][0] if len(loaded) == 1 else [scorer for scorer, _ in loaded]
         if len(loaded) == 1 and loaded[0][1]["kind"] == "spn":
             spn_model = loaded[0][0]
