@@ -153,3 +153,20 @@ def test_cuda_breakdown_of_a_compiled_op_names_its_kernels():
         assert any(name.startswith("single_column_products_kernel<float, float,") for name in names), names
     assert result.calls == result.profiled == 5
     assert result.span_us >= result.busy_us > 0 and result.gaps_us >= 0 and len(names) >= 1
+
+
+def test_out_is_a_folder_and_a_json_file_is_the_old_spelling(tmp_path):
+    import warnings
+
+    import pytest
+
+    from pullback_ext.commands.arguments import result_file
+    from pullback_ext.errors import PullbackError
+
+    assert result_file(str(tmp_path / "run")) == tmp_path / "run" / "results.json"
+    with pytest.warns(FutureWarning, match="name a folder"):
+        assert result_file(str(tmp_path / "old.json")) == tmp_path / "old.json"
+    (tmp_path / "taken").write_text("x")
+    with warnings.catch_warnings(), pytest.raises(PullbackError, match="existing file"):
+        warnings.simplefilter("error")
+        result_file(str(tmp_path / "taken"))

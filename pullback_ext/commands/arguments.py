@@ -116,6 +116,16 @@ def output_folder(path: str, flag: str = "--out") -> Path:
     return folder
 
 
+def result_file(out: str, name: str = "results.json") -> Path:
+    """``--out DIR`` -> ``DIR/name``; a ``FILE.json`` (the spelling of the last release) is written
+    as before, with a FutureWarning."""
+    if out.endswith(".json") and not Path(out).is_dir():
+        warnings.warn(f"--out {out}: a file is deprecated and will be refused in the next release; name a folder "
+                      f"(the result goes to FOLDER/{name})", FutureWarning, stacklevel=2)
+        return Path(out)
+    return output_folder(out) / name
+
+
 def _old_dest(old: str) -> str:
     return "deprecated_" + old.lstrip("-").replace("-", "_")
 

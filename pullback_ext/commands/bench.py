@@ -1,6 +1,6 @@
 """``pullback bench``: the kernel microbenchmarks (fused ops vs eager and torch.compile references).
 
-Prints a table and, with ``--out FILE``, writes the JSON there and a speed-up plot next to it;
+Prints a table and, with ``--out DIR``, writes ``DIR/results.json`` and the speed-up plot ``DIR/results.png``;
 ``--results-page NAME`` also publishes a stamped page ``docs/results/NAME.md`` from that JSON.
 """
 
@@ -13,7 +13,8 @@ from pullback_ext.progress import info_line
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats (about a minute)")
-    parser.add_argument("--out", default=None, metavar="FILE", help="write the results as JSON (plus FILE's .png plot)")
+    parser.add_argument("--out", default=None, metavar="DIR", help="write DIR/results.json and the speed-up plot DIR/results.png "
+                                                                 "(a FILE.json, the old spelling, still works with a warning)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device to benchmark (default: cpu)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default: 15 on the CPU, 50 on CUDA, quick: 3)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile(reference) column")
@@ -38,7 +39,11 @@ def run(args: argparse.Namespace) -> int:
     result = ops.run(args.device, args.quick, args.repeats, not args.no_compile, kernel_breakdown=args.kernels)
     print(report.format_table(result))
     if args.out:
-        for path in report.write_outputs(result, args.out):
+        from pullback_ext.commands.arguments import result_file
+
+        out = result_file(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for path in report.write_outputs(result, str(out)):
             info_line(f"wrote {path}")
     if args.results_page:
         from pullback_ext.results_pages import publish_command_results

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pullback_ext import distributed
-    from pullback_ext.commands.arguments import image_source, model_spec, probe_decoder, renamed
+    from pullback_ext.commands.arguments import image_source, model_spec, probe_decoder, renamed, result_file
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_json
     from pullback_ext.metric.checkpoint import load_model
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     args.head = renamed(args, "--checkpoint", "--head")
     if args.head is None:
         raise PullbackError("--head: required (a head trained with `pullback train head`)")
-    out = _result_file(args.out) if args.out else None
+    out = result_file(args.out) if args.out else None
     if args.rank < 1 or args.power < 0:
         raise PullbackError(f"--rank/--power: expected rank >= 1 and power >= 0, got {args.rank}, {args.power}")
     head, config = load_model(args.head, kind="head")
@@ -96,18 +96,3 @@ def run(args: argparse.Namespace) -> int:
         atomic_write_json(out, result)
         info_line(f"wrote {out}")
     return 0
-
-
-def _result_file(out: str):
-    """``--out DIR`` -> DIR/results.json; a ``FILE.json`` (the spelling of the last release) is
-    written as before, with a FutureWarning."""
-    import warnings
-    from pathlib import Path
-
-    from pullback_ext.commands.arguments import output_folder
-
-    if out.endswith(".json") and not Path(out).is_dir():
-        warnings.warn(f"--out {out}: a file is deprecated and will be refused in the next release; name a folder "
-                      "(the result goes to FOLDER/results.json)", FutureWarning, stacklevel=2)
-        return Path(out)
-    return output_folder(out) / "results.json"
