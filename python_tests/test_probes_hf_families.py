@@ -103,7 +103,7 @@ def image_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("images")
     g = torch.Generator().manual_seed(0)
     for i in range(6):
-        Image.fromarray((torch.rand(40, 40, 3, generator=g) * 255).to(torch.uint8).numpy()).save(folder / f"{i}.png")
+        Image.fromarray((torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()).save(folder / f"{i}.png")
     return folder
 
 
@@ -131,14 +131,24 @@ def test_diagnose_a_timm_eva(image_dir, tmp_path):
     assert (first["N"], first["D"], first["M"]) == (17, 192, 192)
 
 
-@pytest.mark.parametrize("kind", ["siglip", "clip_projection"])
-def test_train_a_head_and_evaluate_on_a_folder(kind, image_dir, tmp_path):
-    model = ["--model", saved(kind, tmp_path / kind)]
-    assert main(["train", "head", *model, "--layer", "0", "--decoder", "cls", "--images", str(image_dir), "--num-images",
-                 "4", "--heldout", "2", "--steps", "3", "--batch-size", "2", "--hidden", "16", "--heads", "2", "--warmup",
-                 "1", "--rank", "3", "--power", "1", "--no-progress", "--out", str(tmp_path / "head")]) == 0
-    assert main(["evaluate", *model, "--head", str(tmp_path / "head"), "--images", str(image_dir), "--num-images", "2",
-                 "--seeds", "1", "--ratios", "0.25", "--stages", "1", "--absolute-layers", "--strategies",
+def train_and_evaluate(model: str, image_dir, tmp_path, *train_extra) -> dict:
+    """``train head`` at layer 0 then ``evaluate`` with that head: the merge table."""
+    assert main(["train", "head", "--model", model, "--layer", "0", "--decoder", "cls", "--images", str(image_dir),
+                 "--num-images", "4", "--heldout", "2", "--steps", "3", "--batch-size", "2", "--hidden", "16", "--heads", "2",
+                 "--warmup", "1", "--rank", "3", "--power", "1", "--no-progress", *train_extra,
+                 "--out", str(tmp_path / "head")]) == 0
+    assert main(["evaluate", "--model", model, "--head", str(tmp_path / "head"), "--images", str(image_dir), "--num-images",
+                 "2", "--seeds", "1", "--ratios", "0.25", "--stages", "1", "--absolute-layers", "--strategies",
                  "importance,norm", "--no-timing", "--quiet", "--out", str(tmp_path / "eval")]) == 0
-    cells = json.loads((tmp_path / "eval" / "results.json").read_text())["tables"]["merge"]
-    assert set(cells) >= {"importance", "norm"}
+    return json.loads((tmp_path / "eval" / "results.json").read_text())["tables"]["merge"]
+
+
+@pytest.mark.parametrize("kind", ["vit_cls", "clip_projection", "siglip", "dinov3"])
+def test_train_a_head_and_evaluate_on_a_folder(kind, image_dir, tmp_path):
+    cells = train_and_evaluate(saved(kind, tmp_path / kind), image_dir, tmp_path)
+    assert set(cells) >= {"importance", "norm"} and cells["norm"]["0.25"]["cosine_x100"]["mean"] > 0.0
+
+
+def test_train_a_head_and_evaluate_on_a_timm_eva(image_dir, tmp_path):
+    cells = train_and_evaluate("timm:eva02_tiny_patch14_224", image_dir, tmp_path, "--img-size", "56")
+    assert set(cells) >= {"importance", "norm"} and cells["norm"]["0.25"]["cosine_x100"]["mean"] > 0.0
