@@ -50,7 +50,10 @@ def test_probe_reproduces_the_model_outputs(kind):
             torch.testing.assert_close(from_hf_vision(model, layer, "tokens")(F), tokens.flatten(1), rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(from_hf_vision(model, layer, "pooled")(F), tokens[:, prefix:].mean(1))
     if kind == "clip_projection":  # the projected embedding, not the pooled output
+        torch.testing.assert_close(expected, model(pixel_values=x).image_embeds, rtol=0, atol=0)
         assert expected.shape[1] == model.config.projection_dim and probe.output_dim == model.config.projection_dim
+    if kind == "vit_cls":  # what the classifier reads
+        torch.testing.assert_close(model.classifier(expected), model(pixel_values=x).logits, rtol=1e-12, atol=1e-12)
 
 
 def relative_jacobian_check(probe, F: torch.Tensor) -> None:

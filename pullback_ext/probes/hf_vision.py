@@ -43,7 +43,8 @@ class VisionFamily:
     ``norm``: the base's norm on all tokens after the loop (None: none); ``pool``: the base's map of
     the last hidden state to ``pooler_output`` (None: its normed CLS row), ``head`` the base's
     attribute it needs; ``projection``: the wrapper's attribute projecting the pooled output (None:
-    none); ``rotary``: the layers read the base's ``rope_embeddings``."""
+    none); ``pooler``: the image embedding is the base's ``pooler_output`` (False: the CLS row of its
+    ``last_hidden_state``); ``rotary``: the layers read the base's ``rope_embeddings``."""
 
     name: str
     bases: tuple
@@ -54,6 +55,7 @@ class VisionFamily:
     head: Optional[str] = None
     projection: Optional[str] = None
     has_cls: bool = True
+    pooler: bool = True
     rotary: bool = False
 
 
@@ -69,11 +71,11 @@ FAMILIES = {
     family.name: family
     for family in (
         VisionFamily("dinov2", ("Dinov2Model", "Dinov2WithRegistersModel"), "dinov2", "encoder.layer", "layernorm"),
-        VisionFamily("vit", ("ViTModel",), "vit", "layers", "layernorm"),
+        VisionFamily("vit", ("ViTModel",), "vit", "layers", "layernorm", pooler=False),
         VisionFamily("clip", ("CLIPVisionModel",), "vision_model", "encoder.layers", None, _clip_pool,
                      projection="visual_projection"),
-        VisionFamily("siglip", ("SiglipVisionModel",), "vision_model", "encoder.layers", "post_layernorm", _siglip_pool, "head",
-                     has_cls=False),
+        VisionFamily("siglip", ("SiglipVisionModel",), "vision_model", "encoder.layers", "post_layernorm",
+                     _siglip_pool, "head", has_cls=False),
         VisionFamily("dinov3", ("DINOv3ViTModel",), None, "model.layer", "norm", rotary=True),
     )
 }
@@ -104,12 +106,13 @@ def _attribute(module: torch.nn.Module, path: str):
 
 
 def embedding(model: torch.nn.Module, images: Tensor) -> Tensor:
-    """The ``cls`` output of the family's model, from its own forward: images[B,3,H,W] -> [B,E]."""
+    """The ``cls`` output of the family's model, from its base model's own forward (then the
+    wrapper's projection, if any): images[B,3,H,W] -> [B,E]."""
     family, base = _resolve(model, tuple(FAMILIES))
-    if family.projection is not None and getattr(model, family.projection, None) is not None:
-        return model(pixel_values=images).image_embeds
     out = base(pixel_values=images)
-    return out.last_hidden_state[:, 0] if family.name == "vit" else out.pooler_output
+    pooled = out.pooler_output if family.pooler else out.last_hidden_state[:, 0]
+    projection = getattr(model, family.projection, None) if family.projection else None
+    return pooled if projection is None else projection(pooled)
 
 
 @contextlib.contextmanager
