@@ -9,14 +9,18 @@
 # `--system-site-packages` would expose the base interpreter's packages instead, and the project
 # venv's own site-packages holds the editable install (its path finder would import the sources).
 #
-#   bash .ci/wheel_smoke.sh            everything, `pullback demo --quick` included (~2 min of it)
-#   bash .ci/wheel_smoke.sh --no-demo  without the demo run
+# From the wheel it runs: the import, one op against its reference, patch.auto on a timm ViT,
+# `pullback --help` and `pullback diagnose` on the demo model's shipped weights (one image).
+# `pullback demo --quick` takes about 2 min on 2 idle cores (over 10 when they are shared), and
+# the test suite runs it already (test_demo_command.py), so it runs here only with --demo.
+#   bash .ci/wheel_smoke.sh          the checks above
+#   bash .ci/wheel_smoke.sh --demo   also `pullback demo --quick`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PULLBACK_VENV:-.venv}/bin/python
-run_demo=1
-[ "${1:-}" = "--no-demo" ] && run_demo=0
+run_demo=0
+[ "${1:-}" = "--demo" ] && run_demo=1
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/pullback-wheel-smoke.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 say() { echo "[wheel-smoke] $*"; }
@@ -45,7 +49,7 @@ fi
 compiled=$(grep -cE '^\[[0-9]+/[0-9]+\] .*(c\+\+|nvcc) ' "$WORK/build.log" || true)
 wheel=$(ls "$WORK"/dist/pullback_ext-*.whl)
 say "built $(basename "$wheel") in $((SECONDS - start)) s ($compiled objects compiled)"
-label=$("$PY" -c "import runpy, torch; print(runpy.run_path('setup.py', run_name='wheel_smoke')['local_version']('auto', torch.__version__, torch.version.cuda, getattr(torch.version, 'hip', None)))")
+label=$("$PY" -c "import runpy, torch; print(runpy.run_path('setup.py', run_name='wheel_smoke')['local_version']('auto', torch.__version__, torch.version.cuda, getattr(torch.version, 'hip', None)))" 2>/dev/null)
 case $(basename "$wheel") in
   "pullback_ext-0.1.0+$label-"*) ;;
   *) say "expected the local version +$label in the wheel's name" >&2; exit 1 ;;
@@ -120,10 +124,14 @@ with torch.no_grad():
 print(f"[wheel-smoke] pullback_ext {found[0]} from {where.parent}: requirements met, ops.gather_tokens = reference, "
       f"patch.auto on a timm ViT")
 EOF
-PATH="$WORK/venv/bin:$PATH" pullback --help >/dev/null
-say "pullback --help ok"
+export PATH="$WORK/venv/bin:$PATH"
+pullback --help >/dev/null
+pullback diagnose --model demo --layer 2 --decoder embedding --images builtin:scenes --num-images 1 --rank 3 --power 1 \
+  --probes 6 --slq-steps 4 --out "$WORK/diagnose" >"$WORK/diagnose.log" 2>&1 || { tail -n 40 "$WORK/diagnose.log" >&2; exit 1; }
+test -s "$WORK/diagnose/diagnosis.json"
+say "pullback --help, pullback diagnose --model demo (the shipped weights, from the wheel) ok"
 if [ $run_demo = 1 ]; then
   start=$SECONDS
-  PATH="$WORK/venv/bin:$PATH" pullback demo --quick --out "$WORK/demo" >"$WORK/demo.log" 2>&1 || { tail -n 40 "$WORK/demo.log" >&2; exit 1; }
+  pullback demo --quick --out "$WORK/demo" >"$WORK/demo.log" 2>&1 || { tail -n 40 "$WORK/demo.log" >&2; exit 1; }
   say "pullback demo --quick ok in $((SECONDS - start)) s (shipped weights found in the wheel)"
 fi
