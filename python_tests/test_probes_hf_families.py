@@ -89,6 +89,8 @@ def test_bad_arguments_are_refused():
     with pytest.raises(PullbackError, match="'cls' of a SiglipVisionModel is its attention-pooling head's output"):
         from_hf_vision(model_of("siglip", vision_use_head=False), 1, "cls")
     assert from_hf_vision(model_of("siglip", vision_use_head=False), 1, "pooled").output_dim == 32
+    with pytest.raises(PullbackError, match="SiglipVisionModel has no pooled output"):
+        embedding(model_of("siglip", vision_use_head=False), pixels(1))
     with pytest.raises(PullbackError, match=r"layer: expected an int in \[0, 3\]"):
         from_hf_vision(model_of("clip"), 4)
     with pytest.raises(PullbackError, match="output: expected one of cls, tokens, pooled"):

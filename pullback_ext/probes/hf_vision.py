@@ -111,6 +111,9 @@ def embedding(model: torch.nn.Module, images: Tensor) -> Tensor:
     family, base = _resolve(model, tuple(FAMILIES))
     out = base(pixel_values=images)
     pooled = out.pooler_output if family.pooler else out.last_hidden_state[:, 0]
+    if pooled is None:
+        raise PullbackError(f"model: this {type(base).__name__} has no pooled output (its config leaves out the "
+                            f"pooling head), so no image embedding")
     projection = getattr(model, family.projection, None) if family.projection else None
     return pooled if projection is None else projection(pooled)
 
