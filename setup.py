@@ -8,10 +8,17 @@ without a GPU). ``TORCH_CUDA_ARCH_LIST`` and ``MAX_JOBS`` are honoured; the defa
 Build into an environment that already has the torch you will run with::
 
     pip install --no-build-isolation -e .
+
+``PULLBACK_LOCAL_VERSION`` gives the wheel a local version naming the torch it was built for
+(a wheel runs with that torch only): ``auto`` derives it from the torch building it, as
+``0.1.0+pt2.14cu130`` (CUDA 13.0 build of torch 2.14) or ``0.1.0+pt2.13cpu`` (CPU build), in
+pytorch_scatter's ``+ptXYcuZZ`` convention; any other value is used as given (``0.1.0+VALUE``);
+unset or empty, the version has no local part.
 """
 
 import glob
 import os
+import re
 import sys
 
 from setuptools import setup
@@ -35,6 +42,33 @@ def _want_cuda() -> bool:
             sys.exit(f"FORCE_CUDA=1 but the installed torch {torch.__version__} is a CPU-only build")
         return True
     return torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
+
+
+def local_version(setting: str, torch_version: str, cuda_version, hip_version=None) -> str:
+    """The local version label (after the ``+``) for ``PULLBACK_LOCAL_VERSION=setting`` and the
+    building torch (``torch.__version__``, ``torch.version.cuda``, ``torch.version.hip``); empty
+    for no label."""
+    setting = setting.strip().lstrip("+")
+    if setting != "auto":
+        if setting and not re.fullmatch(r"[A-Za-z0-9]+(\.[A-Za-z0-9]+)*", setting):
+            sys.exit(f"PULLBACK_LOCAL_VERSION: expected 'auto' or a local version label (letters and digits, "
+                     f"dot-separated, e.g. pt2.14cu130), got {setting!r}")
+        return setting
+    major_minor = ".".join(torch_version.split("+")[0].split(".")[:2])
+    if cuda_version:
+        flavour = "cu" + cuda_version.replace(".", "")
+    elif hip_version:
+        flavour = "rocm" + ".".join(str(hip_version).split(".")[:2])
+    else:
+        flavour = "cpu"
+    return f"pt{major_minor}{flavour}"
+
+
+def _egg_info_options() -> dict:
+    """setuptools options that append the local version to the project's (pyproject.toml) version."""
+    label = local_version(os.environ.get("PULLBACK_LOCAL_VERSION", ""), torch.__version__, torch.version.cuda,
+                          getattr(torch.version, "hip", None))
+    return {"egg_info": {"tag_build": f"+{label}"}} if label else {}
 
 
 def _write_build_info(with_cuda: bool, archs: str) -> None:
@@ -96,12 +130,14 @@ def _extension():
     return ext
 
 
-if os.environ.get("PULLBACK_SKIP_EXTENSION") == "1":
-    # The bootstrap builds the extension in place first (only when its inputs changed) and then
-    # installs the package in editable mode without compiling it a second time.
-    setup()
-else:
-    setup(
-        ext_modules=[_extension()],
-        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-    )
+if __name__ == "__main__":  # (pip runs this file as __main__ too; tests import it for local_version)
+    if os.environ.get("PULLBACK_SKIP_EXTENSION") == "1":
+        # The bootstrap builds the extension in place first (only when its inputs changed) and then
+        # installs the package in editable mode without compiling it a second time.
+        setup(options=_egg_info_options())
+    else:
+        setup(
+            ext_modules=[_extension()],
+            cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+            options=_egg_info_options(),
+        )

@@ -18,6 +18,11 @@ class BuildMismatchError(ImportError):
     """The compiled extension was built for a different torch than the one running."""
 
 
+# A wheel's local version names the torch it was built for (0.1.0+pt2.14cu130: torch 2.14, CUDA 13.0).
+_REMEDY = ("install the pullback_ext wheel whose local version names the running torch (+ptX.YcuZZZ or +ptX.Ycpu), "
+           "or rebuild with `pip install --no-build-isolation --force-reinstall -e .`")
+
+
 def _base_version(version: str) -> str:
     return version.split("+")[0]
 
@@ -36,17 +41,18 @@ def load_compiled():
         )
         return None
     built, running = info.TORCH_VERSION, torch.__version__
-    if _base_version(built) != _base_version(running):
+    built_cuda = info.CUDA_VERSION if info.WITH_CUDA else None
+    if _base_version(built) != _base_version(running) or (built_cuda is not None and built_cuda != torch.version.cuda):
         raise BuildMismatchError(
-            f"pullback_ext._C was built against torch {built} but torch {running} is running; "
-            "rebuild with `pip install --no-build-isolation --force-reinstall -e .`"
+            f"pullback_ext._C was built against torch {built} (CUDA kernels: {built_cuda or 'none'}) but torch "
+            f"{running} (CUDA {torch.version.cuda or 'none'}) is running; {_REMEDY}"
         )
     try:
         return importlib.import_module("pullback_ext._C")
     except ImportError as exc:
         raise BuildMismatchError(
             f"pullback_ext._C failed to load ({exc}); it was built for torch {built}"
-            f" (CUDA {info.CUDA_VERSION}) and torch {running} (CUDA {torch.version.cuda}) is running"
+            f" (CUDA {info.CUDA_VERSION}) and torch {running} (CUDA {torch.version.cuda}) is running; {_REMEDY}"
         ) from exc
 
 

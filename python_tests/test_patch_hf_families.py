@@ -146,7 +146,7 @@ def test_attention_probs_match_transformers_eager_attention(family):
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", ["vit", "clip", "dinov3"])
+@pytest.mark.parametrize("family", ["vit", "clip", "siglip", "dinov3"])
 def test_proportional_attention_through_the_attention_mask_equals_duplicates(family, attn):
     model = tiny_hf(family, attn)
     _, layers, _, _, pe = parts(model, family, images(1))
@@ -157,7 +157,7 @@ def test_proportional_attention_through_the_attention_mask_equals_duplicates(fam
     if pe is not None:
         return  # a duplicate at another position is another token under RoPE
     x[:, 4] = x[:, 3]  # one token twice: merging it away with log(size) bias changes nothing
-    state = TokenState.start(x, num_prefix=1).merge(torch.tensor([[4], [4]]), torch.tensor([[3], [3]]))
+    state = TokenState.start(x, num_prefix=PREFIX[family]).merge(torch.tensor([[4], [4]]), torch.tensor([[3], [3]]))
     torch.testing.assert_close(masked_layer_forward(layers[0], state.x, state.attention_bias(), family),
                                layers[0](x, None)[:, :4], rtol=1e-5, atol=1e-5)
 

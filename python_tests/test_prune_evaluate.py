@@ -249,11 +249,11 @@ def test_cli_end_to_end_on_hugging_face_dinov2_and_depth_anything(image_dir, tmp
 
 
 def test_cli_rejects_an_unsupported_hugging_face_model(image_dir, tmp_path, capsys):
-    from transformers import ViTConfig, ViTModel
+    from transformers import DeiTConfig, DeiTModel
 
-    vit = _save_hf(ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                      image_size=32, patch_size=8)), tmp_path / "vit")
-    assert main(["evaluate", "--model", vit, "--images", str(image_dir), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    deit = _save_hf(DeiTModel(DeiTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                         image_size=32, patch_size=8)), tmp_path / "deit")
+    assert main(["evaluate", "--model", deit, "--images", str(image_dir), "--out", str(tmp_path / "o"), "--quiet"]) == 2
     assert "hf model type must be one of" in capsys.readouterr().err
     assert main(["evaluate", "--model", f"hf:{tmp_path / 'nothing'}", "--images", str(image_dir), "--out",
                  str(tmp_path / "o"), "--quiet"]) == 2

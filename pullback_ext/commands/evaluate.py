@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_source_arguments(parser, 32, "images per seed",
                          model_help="demo (cls and depth tasks), timm:NAME (random weights unless --weights; cls task) or hf:DIR, "
-                                    "a local transformers folder (DINOv2: cls; DPT / Depth Anything: depth)",
+                                    "a local transformers folder (DINOv2, ViT, CLIP, SigLIP, DINOv3: cls; DPT / Depth Anything: depth)",
                          images_help=f"a folder of images (class subfolders give k-NN labels) or a built-in set: {BUILTIN_HELP}")
     red = parser.add_argument_group("reduction")
     red.add_argument("--task", choices=("cls", "depth"), default="cls")

@@ -6,6 +6,7 @@ from pullback_ext.probes.callable_probe import CallableProbe, from_callable
 from pullback_ext.probes.features import Features, as_features, image_map
 from pullback_ext.probes.hf_dinov2 import HFDinov2Probe, from_hf_dinov2
 from pullback_ext.probes.hf_dpt import HFDepthProbe, from_hf_dpt
+from pullback_ext.probes.hf_vision import HFVisionProbe, from_hf_vision
 from pullback_ext.probes.linear import LinearTokenProbe, linear_probe
 from pullback_ext.probes.timm_vit import TimmViTProbe, from_timm
 
@@ -14,6 +15,7 @@ __all__ = [
     "Features",
     "HFDepthProbe",
     "HFDinov2Probe",
+    "HFVisionProbe",
     "LinearTokenProbe",
     "Probe",
     "TimmViTProbe",
@@ -21,6 +23,7 @@ __all__ = [
     "from_callable",
     "from_hf_dinov2",
     "from_hf_dpt",
+    "from_hf_vision",
     "from_timm",
     "image_map",
     "jvp_friendly",

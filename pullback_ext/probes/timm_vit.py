@@ -1,4 +1,9 @@
-"""Probe maps for timm VisionTransformer models (ViT/DeiT, DINOv2 with or without registers, CLIP)."""
+"""Probe maps for timm VisionTransformer models (ViT/DeiT, DINOv2 with or without registers, CLIP)
+and timm ``Eva`` models (EVA-02, the RoPE ViTs, timm's DINOv3 ports).
+
+An ``Eva``'s blocks also read the rotary position table of the patch grid (one table, or one per
+block for the "mixed" RoPE): a constant of the image size, computed once and kept as a buffer.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from pullback_ext.probes.cls_row import run_blocks_for_cls_row
 from pullback_ext.probes.features import Features
 from pullback_ext.probes.modes import evaluation, jvp_friendly
 from pullback_ext.errors import PullbackError
+from pullback_ext.prune.timm_eva import is_eva
 
 OUTPUTS = ("cls", "tokens", "pooled")
 
@@ -25,8 +31,20 @@ def _check_timm_vit(model: torch.nn.Module) -> None:
         )
 
 
+def _rotary_table(model: torch.nn.Module) -> Optional[Tensor]:
+    """The rotary table an ``Eva``'s blocks read ([n, d], or [depth, H, n, d] for the mixed RoPE);
+    None for a model without RoPE."""
+    if not is_eva(model) or model.rope is None:
+        return None
+    param = next(model.parameters())
+    size = tuple(int(s) for s in model.patch_embed.img_size)
+    with torch.no_grad(), evaluation(model):
+        _, rope = model._pos_embed(model.patch_embed(param.new_zeros(1, 3, *size)))
+    return rope
+
+
 class TimmViTProbe(Probe):
-    """ψ_ℓ for a timm VisionTransformer: blocks ℓ+1.., final norm, then the chosen output.
+    """ψ_ℓ for a timm VisionTransformer or Eva: blocks ℓ+1.., final norm, then the chosen output.
 
     output: "cls" -> y = CLS token [B,D]; "tokens" -> all normed tokens flattened [B,N·D];
     "pooled" -> the model's own pre-logits pooling (token / avg / map + fc_norm) [B,D];
@@ -66,6 +84,19 @@ class TimmViTProbe(Probe):
         self.model = model
         self.output = output
         self.cls_row = bool(cls_row)
+        self.eva = is_eva(model)
+        self.register_buffer("rotary", _rotary_table(model), persistent=False)
+
+    def _run_blocks(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """x[B,N,D] through blocks ``start``..``stop - 1`` (an Eva's with their rotary rows)."""
+        for index in range(start, stop):
+            block = self.model.blocks[index]
+            if not self.eva:
+                x = block(x)
+            else:
+                per_block = self.rotary is not None and getattr(self.model, "rope_mixed", False)
+                x = block(x, rope=self.rotary[index] if per_block else self.rotary)
+        return x
 
     @torch.no_grad()
     def features(self, images: Tensor) -> Features:
@@ -77,12 +108,13 @@ class TimmViTProbe(Probe):
             )
         m = self.model
         with evaluation(m):
-            x = m.patch_embed(images)
-            x = m._pos_embed(x)
-            x = m.patch_drop(x) if hasattr(m, "patch_drop") else x
+            x = m._pos_embed(m.patch_embed(images))
+            if self.eva:  # an Eva's also returns its rotary table (kept as self.rotary) and drops patches itself
+                x = x[0]
+            else:
+                x = m.patch_drop(x) if hasattr(m, "patch_drop") else x
             x = m.norm_pre(x) if hasattr(m, "norm_pre") else x
-            for block in m.blocks[: self.layer + 1]:
-                x = block(x)
+            x = self._run_blocks(x, 0, self.layer + 1)
         return Features(x)
 
     def outputs(self, F: Tensor) -> Tensor:
@@ -91,9 +123,7 @@ class TimmViTProbe(Probe):
             blocks = m.blocks[self.layer + 1 :]
             x = run_blocks_for_cls_row(blocks, F) if self.output == "cls" and self.cls_row else None
             if x is None:
-                x = F
-                for block in blocks:
-                    x = block(x)
+                x = self._run_blocks(F, self.layer + 1, len(m.blocks))
             x = m.norm(x)
             if callable(self.output):
                 y = self.output(x)
@@ -113,5 +143,5 @@ def from_timm(
     output_transform: Optional[Tensor] = None,
     cls_row: bool = True,
 ) -> TimmViTProbe:
-    """Probe at block ``layer`` (0-based; F is that block's output) of a timm VisionTransformer."""
+    """Probe at block ``layer`` (0-based; F is that block's output) of a timm VisionTransformer or Eva."""
     return TimmViTProbe(model, layer, output, output_transform, cls_row)

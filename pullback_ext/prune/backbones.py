@@ -84,19 +84,20 @@ def timm_backbone(model) -> Backbone:
 
 
 def hf_backbone(model, folder: str | None = None) -> Backbone:
-    """A Hugging Face model: a DINOv2 model (CLS task: the pooled CLS embedding) or a DPT / Depth
-    Anything depth model (depth task: the predicted depth, and as the embedding the CLS token after
-    the last encoder layer). ``folder`` holds its image processor config (mean and std)."""
+    """A Hugging Face model: a model of one of the ViT families of :mod:`pullback_ext.probes.hf_vision`
+    (CLS task: the family's image embedding, the probes' ``cls`` output) or a DPT / Depth Anything depth
+    model (depth task: the predicted depth, and as the embedding the CLS token after the last encoder
+    layer). ``folder`` holds its image processor config (mean and std)."""
+    from pullback_ext.probes.hf_vision import embedding
     from pullback_ext.prune.hf_encoders import find_encoder, install, restore
+    from pullback_ext.prune.hf_families import FAMILIES
 
-    encoder = find_encoder(model)
+    encoder = find_encoder(model, tuple(FAMILIES))
     dense = hasattr(model, "head") and type(model).__name__.endswith("ForDepthEstimation")
-    if not dense and encoder.family != "dinov2":
-        raise PullbackError(f"--model: a Hugging Face model must be a DINOv2 model or a depth model; got {type(model).__name__}")
 
     def full(images: torch.Tensor) -> dict:
         if not dense:
-            return {"embedding": model(pixel_values=images).pooler_output}
+            return {"embedding": embedding(model, images)}
         out = model(pixel_values=images, output_hidden_states=True)
         return {"depth": out.predicted_depth, "embedding": out.hidden_states[-1][:, 0]}
 
@@ -114,7 +115,7 @@ def hf_backbone(model, folder: str | None = None) -> Backbone:
     size = int(config.image_size if isinstance(config.image_size, int) else config.image_size[0])
     preprocess = hf_preprocess((size, size), folder) if dense else hf_crop_preprocess((size, size), folder)
     return Backbone(
-        name=type(model).__name__, depth=len(encoder.module.layer), num_prefix=encoder.num_prefix, has_cls=True,
+        name=type(model).__name__, depth=len(encoder.layers), num_prefix=encoder.num_prefix, has_cls=encoder.has_cls,
         image_size=preprocess.size[0], tasks=("depth",) if dense else ("cls",), full=full, reduced=reduced,
         features_dim=int(config.hidden_size), block_tokens=block_tokens, preprocess=preprocess,
     )
@@ -122,8 +123,8 @@ def hf_backbone(model, folder: str | None = None) -> Backbone:
 
 def load_backbone(spec: ModelSpec, weights: Optional[str] = None) -> tuple[Backbone, torch.nn.Module]:
     """``(Backbone, model)`` of ``spec``: the demo model, a timm VisionTransformer without its
-    classifier (random weights unless ``weights``), or a local transformers folder (DINOv2, DPT or
-    Depth Anything; weights from ``weights`` or the folder)."""
+    classifier (random weights unless ``weights``), or a local transformers folder (a ViT-family CLS
+    model, DPT or Depth Anything; weights from ``weights`` or the folder)."""
     model, _ = load_model(spec, weights, headless=True)
     if spec.kind == "demo":
         return demo_backbone(model), model

@@ -11,10 +11,25 @@ import torch
 from pullback_ext.errors import CheckpointError, PullbackError
 from pullback_ext.sources.weights import read_state_dict
 
-# transformers model types and the class built for each (by name: transformers is imported lazily).
-HF_DEPTH_MODELS = {"dpt": "DPTForDepthEstimation", "depth_anything": "DepthAnythingForDepthEstimation"}
-HF_CLS_MODELS = {"dinov2": "Dinov2Model", "dinov2_with_registers": "Dinov2WithRegistersModel"}
+# transformers model types and the classes built for each (by name: transformers is imported lazily):
+# the one of the config's ``architectures`` when it is listed, else the first.
+HF_DEPTH_MODELS = {"dpt": ("DPTForDepthEstimation",), "depth_anything": ("DepthAnythingForDepthEstimation",)}
+HF_CLS_MODELS = {
+    "dinov2": ("Dinov2Model",),
+    "dinov2_with_registers": ("Dinov2WithRegistersModel",),
+    "vit": ("ViTModel", "ViTForImageClassification"),
+    "clip_vision_model": ("CLIPVisionModel", "CLIPVisionModelWithProjection"),
+    "siglip_vision_model": ("SiglipVisionModel",),
+    "dinov3_vit": ("DINOv3ViTModel",),
+}
 HF_MODELS = {**HF_DEPTH_MODELS, **HF_CLS_MODELS}
+
+
+def model_class_name(config) -> str:
+    """The class :func:`load_hf_model` builds for ``config`` (of a model type in :data:`HF_MODELS`)."""
+    offered = HF_MODELS[config.model_type]
+    listed = [name for name in (getattr(config, "architectures", None) or ()) if name in offered]
+    return listed[0] if listed else offered[0]
 
 
 def load_hf_model(folder: str, weights: Optional[str]) -> tuple[torch.nn.Module, Optional[str]]:
@@ -35,7 +50,8 @@ def load_hf_model(folder: str, weights: Optional[str]) -> tuple[torch.nn.Module,
     config = _read_config(path)
     if config.model_type not in HF_MODELS:
         raise PullbackError(f"--model: hf model type must be one of {sorted(HF_MODELS)}, got {config.model_type!r}")
-    cls = getattr(transformers, HF_MODELS[config.model_type])
+    name = model_class_name(config)
+    cls = getattr(transformers, name)
     if weights is None:
         found = [p for p in (path / "model.safetensors", path / "pytorch_model.bin") if p.is_file()]
         weights = str(found[0]) if found else None
@@ -49,7 +65,7 @@ def load_hf_model(folder: str, weights: Optional[str]) -> tuple[torch.nn.Module,
                  for label, keys in (("missing", info["missing_keys"]), ("unexpected", info["unexpected_keys"]),
                                      ("wrong shape", info["mismatched_keys"])) if keys]
         if parts:
-            raise CheckpointError(f"--weights: {weights!r} does not fit the {HF_MODELS[config.model_type]}: {'; '.join(parts)}")
+            raise CheckpointError(f"--weights: {weights!r} does not fit the {name}: {'; '.join(parts)}")
     return model.eval().requires_grad_(False), weights
 
 
@@ -92,5 +108,5 @@ def _read_config(path: Path):
 
 
 def is_depth_model(model: torch.nn.Module) -> bool:
-    """Whether a model from :func:`load_hf_model` is one of the depth models (else DINOv2)."""
-    return type(model).__name__ in HF_DEPTH_MODELS.values()
+    """Whether a model from :func:`load_hf_model` is one of the depth models (else a CLS model)."""
+    return any(type(model).__name__ in names for names in HF_DEPTH_MODELS.values())

@@ -1,6 +1,7 @@
 """A model and a decoder name -> the probe map the diagnostics and the learned metric work on.
 
-Decoders: ``cls``, ``tokens``, ``pooled`` (timm, DINOv2), ``embedding`` (demo), ``depth``
+Decoders: ``cls``, ``tokens``, ``pooled`` (timm, the Hugging Face ViT families of
+:mod:`pullback_ext.probes.hf_vision`), ``embedding`` (demo), ``depth``
 (demo, DPT / Depth Anything), ``depth-multi`` (DPT / Depth Anything, all hooked layers) and
 ``linear:FILE`` (a linear token probe ``weight [C, D]``, optional ``bias [C]``, on any model).
 """
@@ -58,10 +59,13 @@ def _linear_probe(base, decoder: str, layer: int, dtype: torch.dtype, keep_grid:
     return probe
 
 
-# what each kind of model offers besides linear:FILE, and the error naming it
+_HF_CLS_TITLES = {"dinov2": "DINOv2", "vit": "ViT", "clip": "CLIP", "siglip": "SigLIP", "dinov3": "DINOv3"}
+
+# what each kind of model (a Hugging Face CLS model: its family) offers besides linear:FILE, and the error naming it
 OFFERED = {
     "timm": (("cls", "tokens", "pooled"), "timm models offer cls, tokens, pooled and linear:FILE"),
-    "dinov2": (("cls", "tokens", "pooled"), "DINOv2 models offer cls, tokens, pooled and linear:FILE"),
+    **{family: (("cls", "tokens", "pooled"), f"{title} models offer cls, tokens, pooled and linear:FILE")
+       for family, title in _HF_CLS_TITLES.items()},
     "hf-depth": (("depth", "depth-multi"), "hf depth models support depth and depth-multi"),
     "demo": (("cls", "embedding", "depth"), "the demo model supports cls, logits, depth and linear:FILE"),
 }
@@ -87,19 +91,20 @@ def _timm_probe(model, layer: int, decoder: str, dtype: torch.dtype):
 
 
 def _hf_probe(model, folder: str, layer: int, decoder: str, output_size: Optional[int], dtype: torch.dtype):
-    from pullback_ext.probes import from_hf_dinov2, from_hf_dpt
+    from pullback_ext.probes import from_hf_dpt, from_hf_vision
+    from pullback_ext.probes.hf_vision import family_name
     from pullback_ext.sources.hf_models import is_depth_model
 
     if is_depth_model(model):
         _check_decoder(decoder, "hf-depth")
         probe = from_hf_dpt(model, layer, output_size=output_size, multi_layer=decoder == "depth-multi")
         return probe, hf_preprocess(probe.image_size, folder)
-    _check_decoder(decoder, "dinov2")
+    _check_decoder(decoder, family_name(model))
     preprocess = hf_crop_preprocess((model.config.image_size,) * 2, folder)
     if decoder.startswith("linear:"):
-        base = from_hf_dinov2(model, layer, "tokens", image_size=preprocess.size)
+        base = from_hf_vision(model, layer, "tokens", image_size=preprocess.size)
         return _linear_probe(base, decoder, layer, dtype), preprocess
-    return from_hf_dinov2(model, layer, decoder, image_size=preprocess.size), preprocess
+    return from_hf_vision(model, layer, decoder, image_size=preprocess.size), preprocess
 
 
 def _demo_probe(model, layer: int, decoder: str, output_size: Optional[int], dtype: torch.dtype):
