@@ -43,7 +43,7 @@ def test_options_are_frozen_and_normalised():
         ("matching", "euclid", "matching must be one of auto, pullback, cosine"),
         ("eps", -1.0, "eps must be None or a finite float >= 0"),
         ("eps", float("nan"), "eps must be None or a finite float >= 0"),
-        ("prop_attn", "sometimes", "prop_attn must be True, False or 'auto'"),
+        ("prop_attn", "sometimes", "prop_attn must be True, False, 'auto' or 'folded'"),
         ("weights", "mass", "weights must be one of auto, size, importance"),
         ("selection", "best", "selection must be one of auto, lowest, bound"),
         ("seed", 1.5, "seed must be an int or None"),
