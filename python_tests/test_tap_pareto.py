@@ -133,7 +133,13 @@ def test_tap_flag_parses_and_bad_uses_are_refused(tmp_path, trained, capsys):
     for flags, message in cases:
         assert main(base + flags) == 2, flags
         assert message in capsys.readouterr().err, flags
-    with pytest.raises(PullbackError, match="--tap: expected TAP checkpoint folders"):
-        from pullback_ext.commands.evaluate_pareto import load_taps
+    from pullback_ext.commands.evaluate_pareto import load_taps
 
+    with pytest.raises(PullbackError, match="--tap: expected TAP checkpoint folders"):
         load_taps(" , ", demo_backbone(demo()), demo(), "cls")
+    import shutil
+
+    twins = [shutil.copytree(trained["tapf"], tmp_path / side / "tapf") for side in ("a", "b")]
+    model = demo()
+    assert [name for name, _ in load_taps(f"{twins[0]},{twins[1]}", demo_backbone(model), model, "cls")] == [str(t) for t in twins]
+    assert [name for name, _ in load_taps(f"{twins[0]},{trained['tapj']}", demo_backbone(model), model, "cls")] == ["tapf", "tapj"]

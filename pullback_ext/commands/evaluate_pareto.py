@@ -108,7 +108,8 @@ def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ra
 
 def load_taps(text: str, backbone, model, task: str) -> list:
     """``[(name, TaskRegister)]`` from the comma list of TAP checkpoint folders ``text`` (``--tap``),
-    each checked to serve ``task`` on ``backbone`` (of ``model``: the demo model or a timm VisionTransformer)."""
+    each checked to serve ``task`` on ``backbone`` (of ``model``: the demo model or a timm
+    VisionTransformer); ``name`` is the folder's own name, or the folder as given where two share one."""
     from pathlib import Path
 
     from timm.models.vision_transformer import VisionTransformer
@@ -120,12 +121,14 @@ def load_taps(text: str, backbone, model, task: str) -> list:
         raise PullbackError(f"--tap: expected TAP checkpoint folders (a comma list); got {text!r}")
     if backbone.name != "demo" and not isinstance(model, VisionTransformer):
         raise PullbackError(f"--tap: TAP's block loop runs on timm VisionTransformers (--model demo or timm:NAME); got {backbone.name}")
+    names = [Path(folder).name or folder for folder in folders]
+    names = names if len(set(names)) == len(names) else folders  # rows must not share a label
     taps = []
-    for folder in folders:
+    for folder, name in zip(folders, names):
         register = load_register(folder)
         if register.task != task:
             raise PullbackError(f"--tap {folder}: that register serves task {register.task!r}, but --task is {task!r}")
-        taps.append((Path(folder).name or folder, register))
+        taps.append((name, register))
     return taps
 
 

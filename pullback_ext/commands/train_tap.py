@@ -2,7 +2,8 @@
 
 Writes OUT/model.safetensors + OUT/config.json (kind ``tap``), the resume state, OUT/metrics.jsonl
 and OUT/results.json (held-out distortion of the deployed model at several keep rates, on the
-``--images`` after the training ones or on the first ``--eval-images``; the training time; TAP-J: also the adapted model's unpruned distortion). Deploy with
+``--images`` after the training ones or on the first ``--eval-images``; the training time; TAP-J:
+also the adapted model's unpruned distortion). Deploy with
 ``patch.timm(model.backbone, strategy="tap", head=OUT, ratio=0.5)``. Runs under torchrun (DDP).
 """
 
