@@ -119,6 +119,8 @@ SLOW: tuple[str, ...] = (
     "test_metric_training.py::test_two_process_ddp_matches_single_process_on_the_global_batch",
     "test_tap_training.py::test_two_process_ddp_matches_single_process",
     "test_tap_training.py::test_training_leaves_the_frozen_backbone_bit_identical",
+    "test_tap_pareto.py::test_each_checkpoint_gets_a_labelled_row_over_rho_and_its_unpruned_drop",
+    "test_tap_training.py::test_train_tap_command_reports_on_the_eval_images",
     "test_metric_training.py::test_mixed_precision_trains_with_finite_losses[spn]",
     "test_metric_training.py::test_sigkill_while_writing_a_checkpoint_resumes_to_the_uninterrupted_result",
     "test_ops.py::test_paper_sized_cpu_operands_match_reference",

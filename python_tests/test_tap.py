@@ -92,6 +92,24 @@ def test_budget_is_exact_for_every_image(depth, registers, task, rho):
     assert final.shape == (5, base[0], 32)
 
 
+@pytest.mark.parametrize("task, layers", [("cls", (1, 4)), ("depth", (1, 3)), ("cls", (2, 3))])
+@pytest.mark.parametrize("rho", [0.37, 0.81, 1.0])
+def test_patch_tokens_per_block_is_exact_where_the_batch_does_not_decide(task, layers, rho):
+    from pullback_ext.prune.eta import patch_tokens_per_block
+
+    model, register = small_vit(4), register_for(task, layers)
+    options = ReductionOptions(strategy="tap", head=register, ratio=1.0 - rho)
+    counts = patch_tokens_per_block(options, model)
+    patch.timm(model, strategy="tap", head=register, ratio=1.0 - rho)
+    seen = [[n - 2 for n in entering_lengths(model, torch.randn(b, 3, 8 * GRID, 8 * GRID, dtype=torch.float64))] for b in (1, 5)]
+    keep, start, stop = math.floor(rho * GRID * GRID + 0.5), *layers
+    for i, count in enumerate(counts):
+        unknown = start <= i < stop - 1 and keep < GRID * GRID
+        assert (count is None) == unknown and all(count in (None, s[i]) for s in seen)  # each batch its own split
+    assert counts[stop - 1] == keep  # exactly floor(ρN + 0.5) after the last eligible layer
+    assert counts[-1] == (GRID * GRID if task == "depth" else keep)  # dense: Last-Layer Fusion runs the last block on all
+
+
 def test_the_register_is_the_active_one_and_sits_after_the_prefix():
     model = small_vit(4, registers=1)
     register = register_for("cls", (1, 4))

@@ -84,3 +84,21 @@ def test_two_process_ddp_matches_single_process(tmp_path):
         assert torch.allclose(a, b, rtol=1e-7, atol=1e-9), name
     losses = lambda d: [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
     assert losses(tmp_path / "ddp") == pytest.approx(losses(tmp_path / "single"), rel=1e-9)
+
+
+def test_train_tap_command_reports_on_the_eval_images(tmp_path):
+    from pullback_ext.cli import main
+    from pullback_ext.sources.images import open_images
+    from pullback_ext.sources.models import load_model, parse_model
+    from pullback_ext.sources.preprocess import unit_range_preprocess
+    from pullback_ext.tap.checkpoint import load_register
+    from pullback_ext.tap.evaluation import heldout_report
+
+    out = tmp_path / "tap"
+    assert main(["train", "tap", "--model", "demo", "--images", "builtin:scenes", "--eval-images", "builtin:photos", "--num-images", "2",
+                 "--heldout", "2", "--steps", "1", "--batch-size", "2", "--quiet", "--out", str(out)]) == 0
+    reported = json.loads((out / "results.json").read_text())["heldout"]
+    model = load_model(parse_model("demo"), headless=True)[0]
+    photos = open_images("builtin:photos", "--eval-images").heldout(unit_range_preprocess(model.image_size), 2).load()["images"]
+    expected = heldout_report(model, load_register(out), photos, [row["rho"] for row in reported])
+    assert [row["value"] for row in reported] == pytest.approx([row["value"] for row in expected], rel=1e-6)

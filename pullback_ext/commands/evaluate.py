@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pareto.add_argument("--sweep", action="append", metavar="METHOD:FIELD=V1,V2",
                         help="with --pareto: the values of one knob of one method, e.g. tome:r=4,8,16 or evit:keep_rate=0.7,0.5 "
                              "(repeatable; single-stage methods sweep ratio over --ratios by default)")
+    pareto.add_argument("--tap", default=None, metavar="DIR[,DIR]",
+                        help="with --pareto: TAP checkpoint folders (pullback train tap), one row each swept over the keep "
+                             "rate ρ = 0.9..0.3 (η = 1 − ρ), plus its quality with nothing removed (ρ = 1)")
     run = parser.add_argument_group("run")
     run.add_argument("--seeds", type=int, default=3, help="image sets (folder splits or scene seeds; random-strategy seeds)")
     run.add_argument("--batch-size", type=int, default=16)
@@ -90,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_pareto(args, backbone, model, images)
     if args.methods is not None or args.sweep or args.device != "cpu":
         raise PullbackError("--methods, --sweep and --device need --pareto")
+    if args.tap is not None:
+        raise PullbackError("--tap needs --pareto (TAP rows are part of the matched-cost comparison)")
     layers = evaluate_plan.reduction_layers(args, backbone.depth)
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
     scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)

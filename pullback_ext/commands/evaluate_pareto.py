@@ -3,7 +3,10 @@
 A sweep is ``METHOD:FIELD=v1,v2`` (a :class:`~pullback_ext.prune.reduction_options.ReductionOptions`
 field and its values); a method's grid is the product of its fields' values. The defaults below
 suit the demo model (196 patch tokens, 8 blocks) and are not scaled to other models; ``--sweep``
-replaces one field of one method.
+replaces one field of one method. ``--tap DIR[,DIR]`` adds one row per TAP checkpoint swept over the
+keep rate ρ (:data:`TAP_RHOS`, η = 1 − ρ; ``--sweep tap:ratio=η1,η2`` replaces them), and beside it a
+one-point row at ρ = 1: what the register, and TAP-J's adapted backbone, cost in quality with nothing
+removed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ DEFAULT_SWEEPS = {
 STAGED_ORIGINALS = ("asap",)  # originals that reduce at the single-stage ``layers`` and sweep ``ratio``
 OURS_MERGE = {"selection": ("bound", "lowest")}  # both of our rules, side by side
 OURS_PRUNE = {"llf": ("masked", "full")}
+TAP_RHOS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)  # keep rates of every --tap checkpoint
 
 
 def parse_sweeps(texts) -> dict:
@@ -81,6 +85,8 @@ def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ra
         raise PullbackError(f"--sweep names {', '.join(unknown)}, which --methods does not include")
     points = []
     for method in methods:
+        if method == "tap":
+            raise PullbackError("--methods: TAP rows come from trained registers; give their folders with --tap DIR[,DIR]")
         if method in NEEDS_SCORER and method not in scorers:
             raise PullbackError(f"--methods: {method!r} needs {'--head CKPT' if method == 'importance' else '--oracle'}")
         grid = method_grid(method, base["mode"], ratios, given)
@@ -100,6 +106,58 @@ def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ra
     return points
 
 
+def load_taps(text: str, backbone, model, task: str) -> list:
+    """``[(name, TaskRegister)]`` from the comma list of TAP checkpoint folders ``text`` (``--tap``),
+    each checked to serve ``task`` on ``backbone`` (of ``model``: the demo model or a timm
+    VisionTransformer); ``name`` is the folder's own name, or the folder as given where two share one."""
+    from pathlib import Path
+
+    from timm.models.vision_transformer import VisionTransformer
+
+    from pullback_ext.tap.checkpoint import load_register
+
+    folders = [f.strip() for f in text.split(",") if f.strip()]
+    if not folders:
+        raise PullbackError(f"--tap: expected TAP checkpoint folders (a comma list); got {text!r}")
+    if backbone.name != "demo" and not isinstance(model, VisionTransformer):
+        raise PullbackError(f"--tap: TAP's block loop runs on timm VisionTransformers (--model demo or timm:NAME); got {backbone.name}")
+    names = [Path(folder).name or folder for folder in folders]
+    names = names if len(set(names)) == len(names) else folders  # rows must not share a label
+    taps = []
+    for folder, name in zip(folders, names):
+        register = load_register(folder)
+        if register.task != task:
+            raise PullbackError(f"--tap {folder}: that register serves task {register.task!r}, but --task is {task!r}")
+        taps.append((name, register))
+    return taps
+
+
+def tap_points(taps, ratios: tuple = tuple(round(1.0 - rho, 10) for rho in TAP_RHOS)) -> list:
+    """Per ``(name, register)`` of ``taps``: its row at every η of ``ratios`` (``knob`` ρ = 1 − η), then
+    its one-point row at ρ = 1 (nothing removed: the register alone, or TAP-J's adapted backbone)."""
+    from pullback_ext.prune.pareto import Point
+    from pullback_ext.prune.reduction_options import ReductionOptions
+    from pullback_ext.prune.row_rules import tap_row
+
+    points = []
+    for name, register in taps:
+        for ratio in (*ratios, 0.0):
+            options = ReductionOptions(strategy="tap", head=register, ratio=float(ratio))
+            points.append(Point(options=options, knob={"rho": round(1.0 - ratio, 10)}, row=tap_row(register, name, ratio == 0.0)))
+    return points
+
+
+def _tap_ratios(given: dict):
+    """The η values of ``--sweep tap:ratio=...`` (removed from ``given``), or None."""
+    tap = given.pop("tap", {})
+    if set(tap) - {"ratio"}:
+        raise PullbackError(f"--sweep tap: only ratio (η = 1 − ρ) is swept for TAP; got {', '.join(sorted(tap))}")
+    ratios = tap.get("ratio")
+    if ratios is not None and not all(isinstance(r, float) and 0.0 < r < 1.0 for r in ratios):
+        raise PullbackError(f"--sweep tap:ratio: expected fractions η in (0, 1); got {list(ratios)}")
+    return ratios
+
+
 def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     """Quality and cost of every point on ``images [n, 3, H, W]`` (``names``: one per image) for
     ``backbone`` (``model``: the module it wraps, which the scorer checkpoints are checked against)."""
@@ -115,10 +173,16 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     scorers = {name: _on(s, images.device) for name, s in scorers.items()}
     spn = None if spn is None else spn.to(images.device)
     methods = tuple(m.strip() for m in (args.methods or _default_methods(scorers)).split(",") if m.strip())
-    points = build_points(methods, parse_sweeps(args.sweep), {"layers": layers, "mode": mode, "preset": args.preset},
-                          scorers, spn, ratios)
+    given = parse_sweeps(args.sweep)
+    tap_ratios = _tap_ratios(given)
+    if tap_ratios is not None and args.tap is None:
+        raise PullbackError("--sweep tap:ratio=... needs --tap DIR (the TAP checkpoints to sweep)")
+    points = build_points(methods, given, {"layers": layers, "mode": mode, "preset": args.preset}, scorers, spn, ratios)
+    if args.tap is not None:
+        taps = [(name, register.to(images.device)) for name, register in load_taps(args.tap, backbone, model, args.task)]
+        points += tap_points(taps, *(() if tap_ratios is None else (tap_ratios,)))
     reductions = [pareto.resolve(p.options, backbone) for p in points]  # every point checked before any forward pass
-    labels = [row_rules.row_label(r) for r in reductions]
+    labels = [p.row or row_rules.row_label(r) for p, r in zip(points, reductions)]
     metric = PRIMARY[args.task]
     errors = [e[metric] for e in pareto.image_errors(backbone, images, points, args.task, args.batch_size, not args.quiet)]
     batches = () if args.no_timing else comma_ints(args.time_batches, "--time-batches")

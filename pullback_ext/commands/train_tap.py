@@ -1,8 +1,9 @@
 """``pullback train tap``: a TAP task register (TAP-F, or TAP-J with ``--adapt lora``) for the demo model.
 
 Writes OUT/model.safetensors + OUT/config.json (kind ``tap``), the resume state, OUT/metrics.jsonl
-and OUT/results.json (held-out distortion of the deployed model at several keep rates, the
-training time; TAP-J: also the adapted model's unpruned distortion). Deploy with
+and OUT/results.json (held-out distortion of the deployed model at several keep rates, on the
+``--images`` after the training ones or on the first ``--eval-images``; the training time; TAP-J:
+also the adapted model's unpruned distortion). Deploy with
 ``patch.timm(model.backbone, strategy="tap", head=OUT, ratio=0.5)``. Runs under torchrun (DDP).
 """
 
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_json
     from pullback_ext.metric.training import TrainConfig
+    from pullback_ext.sources.images import open_images
     from pullback_ext.sources.models import load_model
     from pullback_ext.tap.evaluation import heldout_report
     from pullback_ext.tap.training import TapConfig, train
@@ -60,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     model, _ = load_model(spec, args.weights, headless=True)
     source = image_source(args, spec)
     train_set = source.training(model_preprocess(model), args.num_images)
-    held = source.heldout(model_preprocess(model), args.heldout, after=args.num_images)
+    held = source.heldout(model_preprocess(model), args.heldout, after=args.num_images) if args.eval_images is None else \
+        open_images(args.eval_images, "--eval-images").heldout(model_preprocess(model), args.heldout)
     config = TapConfig(task=args.task, adapt=args.adapt == "lora", lora_rank=args.lora_rank,
                        layers=None if args.tap_layers is None else _pair(args.tap_layers, "--tap-layers", int),
                        rho_range=_pair(args.rho_range, "--rho-range", float),

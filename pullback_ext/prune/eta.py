@@ -12,20 +12,22 @@ last block does not undo it.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import evit, expedite, pitome, timm_vit, tome
 from pullback_ext.prune.pipeline import stage_budgets
 from pullback_ext.prune.reduction_options import ReductionOptions
 from pullback_ext.prune.strategies import ORIGINALS
-from pullback_ext.tap.budget import keep_count
+from pullback_ext.tap.budget import keep_count, tokens_per_block
 
 
-def patch_tokens_per_block(options: ReductionOptions, model, num_patches: Optional[int] = None) -> list[int]:
+def patch_tokens_per_block(options: ReductionOptions, model, num_patches: Optional[int] = None) -> list[Union[int, None]]:
     """Patch tokens after each block of the timm ``model`` under ``options`` (``num_patches``: the
     model's patch count at its configured image size unless given). Single-stage strategies: the
-    tokens that block processes (with prune-mode LLF the last block runs on all of them again)."""
+    tokens that block processes (with prune-mode LLF the last block runs on all of them again).
+    ``tap``: the exact counts before its first and from its last eligible layer on, None between
+    them, where the split is per batch (:func:`pullback_ext.tap.budget.tokens_per_block`)."""
     timm_vit.check_model(model)
     shape, n = timm_vit.backbone_shape(model), _num_patches(model, num_patches)
     reduction = options.resolve(shape)
@@ -39,8 +41,8 @@ def patch_tokens_per_block(options: ReductionOptions, model, num_patches: Option
     if o.strategy == "expedite":
         return expedite.patch_tokens_per_block(o, n, shape.depth)
     if o.strategy == "tap":
-        raise PullbackError("strategy 'tap' splits its budget over depth from the batch's register states; only its final "
-                            "count (eta) is fixed by the ratio")
+        register = reduction.strategy.register
+        return tokens_per_block(register.layers, register.task, 1.0 - o.ratio, n, shape.depth)
     budgets = stage_budgets(reduction, n)
     counts = [n - sum(r for layer, r in budgets.items() if layer <= i) for i in range(shape.depth)]
     if o.mode == "prune" and o.llf and budgets:

@@ -2,7 +2,8 @@
 
 Every comparison table of ``pullback evaluate`` (plain and ``--pareto``) names, for each row, the
 method, its selection rule and its averaging rule, so that no row is known by a strategy name
-alone: the originals by their authors' rules, our strategies by the rules their options resolve to.
+alone: the originals by their authors' rules, our strategies by the rules their options resolve to,
+TAP by its variant (TAP-F, TAP-J) and its register's layers and task.
 """
 
 from __future__ import annotations
@@ -22,9 +23,34 @@ ORIGINAL_RULES = {
 }
 
 
+def tap_rules(register) -> tuple[str, str, str]:
+    """``(method, selection, averaging)`` of TAP with the trained ``register``
+    (:class:`~pullback_ext.tap.register.TaskRegister`): TAP-F, or TAP-J with its LoRA rank."""
+    start, stop = register.layers
+    method = f"TAP-J (LoRA rank {register.lora_rank})" if register.adapted else "TAP-F"
+    selection = (f"lowest task-register score; exact budget, split over block inputs {start}–{stop - 1} "
+                 "by the register's read-out (per batch)")
+    averaging = "pruned, re-inserted as α·frozen + (1 − α)·kept-neighbour mean, masked LLF" if register.task == "depth" \
+        else "pruned, removed tokens dropped"
+    return method, selection, averaging
+
+
+def tap_row(register, name: str, unpruned: bool = False) -> str:
+    """The row label of the TAP checkpoint ``name``; ``unpruned``: its one-point row at ρ = 1, whose
+    error is the register's (and TAP-J's adapted backbone's) alone."""
+    method, selection, averaging = tap_rules(register)
+    if unpruned:
+        alone = "the adapted backbone and the register" if register.adapted else "the register token"
+        return f"{method} [{name}] · nothing removed (ρ = 1) · {alone} against the frozen unpruned model"
+    return f"{method} [{name}] · {selection} · {averaging}"
+
+
 def describe(reduction: Reduction) -> dict:
     """``{method, selection, averaging}`` of a resolved reduction: the rules its row is labelled by."""
     o = reduction.options
+    if o.strategy == "tap":
+        method, selection, averaging = tap_rules(reduction.strategy.register)
+        return {"method": method, "selection": selection, "averaging": averaging}
     if o.strategy in ORIGINAL_RULES:
         selection, averaging = ORIGINAL_RULES[o.strategy]
         if o.strategy == "asap" and o.mode == "prune":

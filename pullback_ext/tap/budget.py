@@ -12,7 +12,7 @@ approximately.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 from pullback_ext.errors import PullbackError
 
@@ -38,6 +38,22 @@ def largest_remainder(total: int, shares: Sequence[float]) -> list[int]:
     order = sorted(range(len(values)), key=lambda i: (-(quotas[i] - counts[i]), i))
     for i in order[: total - sum(counts)]:
         counts[i] += 1
+    return counts
+
+
+def tokens_per_block(layers: tuple, task: str, rho: float, num_patch: int, depth: int) -> list[Optional[int]]:
+    """Patch tokens each of the ``depth`` blocks processes (the register not counted) for eligible
+    ``layers = (start, stop)``: ``num_patch`` before ``start``, exactly ``keep_count(rho, num_patch)``
+    from the last eligible layer ``stop − 1`` on (dense ``task``: the last block runs on all of them
+    again, Last-Layer Fusion), and None in between: there the split follows the register's read-out
+    averaged over the batch, so it is one count for every image of a batch and may differ between
+    batches."""
+    start, stop = layers
+    kept = keep_count(rho, num_patch)
+    counts: list[Optional[int]] = [num_patch if i < start or kept == num_patch else kept if i >= stop - 1 else None
+                                   for i in range(depth)]
+    if task != "cls" and kept < num_patch:
+        counts[-1] = num_patch
     return counts
 
 
