@@ -169,3 +169,40 @@ def test_study_criteria_equals_evaluate_at_each_layer(tmp_path):
             # α = 1 re-inserts the frozen copy: the prune path itself
             assert unit["recovery"][c]["1"]["silog_x100"]["images"] == unit["tasks"]["depth"][c]["silog_x100"]["images"]
     assert set(study["summary"]["recovery"]["norm"]["silog_x100"]) == {"0", "1"}
+
+
+# ---- demo:random, the untrained control --------------------------------------------------------
+
+def test_random_demo_is_the_seeded_untrained_architecture():
+    from pullback_ext.embedded.model import DemoModel
+    from pullback_ext.prune.backbones import load_backbone
+    from pullback_ext.sources.models import parse_model
+    from pullback_ext.studies.models import parse_study_model, random_demo
+
+    first, again, other = (random_demo(s).state_dict() for s in (0, 0, 1))
+    trained = load_backbone(parse_model("demo"))[1].state_dict()
+    assert isinstance(random_demo(0), DemoModel) and first.keys() == trained.keys()
+    name = next(k for k in first if k.endswith("qkv.weight"))
+    assert torch.equal(first[name], again[name]) and not torch.equal(first[name], other[name])
+    assert not torch.equal(first[name], trained[name])
+    assert str(parse_study_model("demo:random")) == "demo:random"
+
+
+def test_demo_random_takes_no_weights_and_diagnose_refuses_it(tmp_path, capsys):
+    from pullback_ext.studies.models import load_study_backbone, parse_study_model
+
+    with pytest.raises(PullbackError, match="--weights: demo:random"):
+        load_study_backbone(parse_study_model("demo:random"), "w.safetensors", 0)
+    assert main(["study", "diagnose", "--model", "demo:random", "--out", str(tmp_path / "d")]) == 2
+    assert "--model demo:random: study diagnose" in capsys.readouterr().err
+
+
+def test_study_criteria_on_demo_random_measures_the_untrained_model(tmp_path):
+    common = ["study", "criteria", "--num-images", "2", "--layers", "0", "--criteria", "random,norm", "--tasks", "depth",
+              "--alphas", "0,1", "--quiet"]
+    _run([*common, "--model", "demo:random", "--out", tmp_path / "random"])
+    _run([*common, "--model", "demo", "--out", tmp_path / "demo"])
+    untrained, trained = (json.loads((tmp_path / run / "study.json").read_text()) for run in ("random", "demo"))
+    assert untrained["model"] == "demo:random" and set(untrained["summary"]["recovery"]) == {"random", "norm"}
+    cells = [study["units"]["0"]["tasks"]["depth"]["norm"]["silog_x100"]["mean"] for study in (untrained, trained)]
+    assert all(c > 0 for c in cells) and cells[0] != pytest.approx(cells[1])

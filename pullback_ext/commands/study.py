@@ -129,7 +129,7 @@ def _diagnose(args, models, out) -> dict | None:
 
     (model,) = models
     if model.random:
-        raise PullbackError("--model demo:random: only study subspace compares against the untrained control")
+        raise PullbackError("--model demo:random: study diagnose has no untrained control (study subspace and study criteria do)")
     config = diagnose_config(args)
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     demo = model.spec.kind == "demo"
