@@ -188,13 +188,32 @@ def test_random_demo_is_the_seeded_untrained_architecture():
     assert str(parse_study_model("demo:random")) == "demo:random"
 
 
-def test_demo_random_takes_no_weights_and_diagnose_refuses_it(tmp_path, capsys):
+def test_demo_random_takes_no_weights(tmp_path, capsys):
     from pullback_ext.studies.models import load_study_backbone, parse_study_model
 
     with pytest.raises(PullbackError, match="--weights: demo:random"):
         load_study_backbone(parse_study_model("demo:random"), "w.safetensors", 0)
-    assert main(["study", "diagnose", "--model", "demo:random", "--out", str(tmp_path / "d")]) == 2
-    assert "--model demo:random: study diagnose" in capsys.readouterr().err
+    argv = ["study", "diagnose", "--model", "demo:random", "--weights", "w.safetensors", "--out", str(tmp_path / "d")]
+    assert main(argv) == 2
+    assert "--weights: demo:random" in capsys.readouterr().err
+
+
+def test_study_diagnose_on_demo_random_equals_diagnose_with_the_initialisation_as_weights(tmp_path):
+    from pullback_ext.studies.models import random_demo, random_demo_weights
+
+    common = ["--num-images", "2", "--output-size", "4", "--probes", "4", "--slq-steps", "0", "--seed", "3"]
+    _run(["study", "diagnose", "--model", "demo:random", *common, "--layers", "2", "--decoders", "depth", "--out",
+          tmp_path / "study", "--quiet"])
+    weights = random_demo_weights(3, tmp_path / "init")
+    from safetensors.torch import load_file
+
+    assert all(torch.equal(v, load_file(weights)[k]) for k, v in random_demo(3).state_dict().items())
+    _run(["diagnose", "--model", "demo", "--weights", weights, *common, "--layer", "2", "--decoder", "depth", "--out", tmp_path / "single"])
+    swept = json.loads((tmp_path / "study" / "study.json").read_text())
+    single = json.loads((tmp_path / "single" / "diagnosis.json").read_text())
+    assert swept["model"] == "demo:random"
+    for name, value in single["aggregate"].items():
+        assert f"{swept['units']['2']['depth']['aggregate'][name]['mean']:.3f}" == f"{value['mean']:.3f}", name
 
 
 def test_study_criteria_on_demo_random_measures_the_untrained_model(tmp_path):
