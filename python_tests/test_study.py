@@ -169,3 +169,59 @@ def test_study_criteria_equals_evaluate_at_each_layer(tmp_path):
             # α = 1 re-inserts the frozen copy: the prune path itself
             assert unit["recovery"][c]["1"]["silog_x100"]["images"] == unit["tasks"]["depth"][c]["silog_x100"]["images"]
     assert set(study["summary"]["recovery"]["norm"]["silog_x100"]) == {"0", "1"}
+
+
+# ---- demo:random, the untrained control --------------------------------------------------------
+
+def test_random_demo_is_the_seeded_untrained_architecture():
+    from pullback_ext.embedded.model import DemoModel
+    from pullback_ext.prune.backbones import load_backbone
+    from pullback_ext.sources.models import parse_model
+    from pullback_ext.studies.models import parse_study_model, random_demo
+
+    first, again, other = (random_demo(s).state_dict() for s in (0, 0, 1))
+    trained = load_backbone(parse_model("demo"))[1].state_dict()
+    assert isinstance(random_demo(0), DemoModel) and first.keys() == trained.keys()
+    name = next(k for k in first if k.endswith("qkv.weight"))
+    assert torch.equal(first[name], again[name]) and not torch.equal(first[name], other[name])
+    assert not torch.equal(first[name], trained[name])
+    assert str(parse_study_model("demo:random")) == "demo:random"
+
+
+def test_demo_random_takes_no_weights(tmp_path, capsys):
+    from pullback_ext.studies.models import load_study_backbone, parse_study_model
+
+    with pytest.raises(PullbackError, match="--weights: demo:random"):
+        load_study_backbone(parse_study_model("demo:random"), "w.safetensors", 0)
+    argv = ["study", "diagnose", "--model", "demo:random", "--weights", "w.safetensors", "--out", str(tmp_path / "d")]
+    assert main(argv) == 2
+    assert "--weights: demo:random" in capsys.readouterr().err
+
+
+def test_study_diagnose_on_demo_random_equals_diagnose_with_the_initialisation_as_weights(tmp_path):
+    from pullback_ext.studies.models import random_demo, random_demo_weights
+
+    common = ["--num-images", "2", "--output-size", "4", "--probes", "4", "--slq-steps", "0", "--seed", "3"]
+    _run(["study", "diagnose", "--model", "demo:random", *common, "--layers", "2", "--decoders", "depth", "--out",
+          tmp_path / "study", "--quiet"])
+    weights = random_demo_weights(3, tmp_path / "init")
+    from safetensors.torch import load_file
+
+    assert all(torch.equal(v, load_file(weights)[k]) for k, v in random_demo(3).state_dict().items())
+    _run(["diagnose", "--model", "demo", "--weights", weights, *common, "--layer", "2", "--decoder", "depth", "--out", tmp_path / "single"])
+    swept = json.loads((tmp_path / "study" / "study.json").read_text())
+    single = json.loads((tmp_path / "single" / "diagnosis.json").read_text())
+    assert swept["model"] == "demo:random"
+    for name, value in single["aggregate"].items():
+        assert f"{swept['units']['2']['depth']['aggregate'][name]['mean']:.3f}" == f"{value['mean']:.3f}", name
+
+
+def test_study_criteria_on_demo_random_measures_the_untrained_model(tmp_path):
+    common = ["study", "criteria", "--num-images", "2", "--layers", "0", "--criteria", "random,norm", "--tasks", "depth",
+              "--alphas", "0,1", "--quiet"]
+    _run([*common, "--model", "demo:random", "--out", tmp_path / "random"])
+    _run([*common, "--model", "demo", "--out", tmp_path / "demo"])
+    untrained, trained = (json.loads((tmp_path / run / "study.json").read_text()) for run in ("random", "demo"))
+    assert untrained["model"] == "demo:random" and set(untrained["summary"]["recovery"]) == {"random", "norm"}
+    cells = [study["units"]["0"]["tasks"]["depth"]["norm"]["silog_x100"]["mean"] for study in (untrained, trained)]
+    assert all(c > 0 for c in cells) and cells[0] != pytest.approx(cells[1])

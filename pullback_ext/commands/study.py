@@ -124,23 +124,23 @@ def _diagnose(args, models, out) -> dict | None:
     from pullback_ext.studies import diagnose_study as ds
     from pullback_ext.studies.engine import UnitStore
     from pullback_ext.studies.layers import parse_layers
+    from pullback_ext.studies.models import study_weights
 
     (model,) = models
-    if model.random:
-        raise PullbackError("--model demo:random: only study subspace compares against the untrained control")
+    weights = study_weights(model, args.weights, args.seed, out)  # demo:random: its initialisation as a file
     config = diagnose_config(args)
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     demo = model.spec.kind == "demo"
     decoders = tuple(d.strip() for d in (args.decoders or ("cls,depth,probe" if demo else "cls")).split(",") if d.strip())
     if ds.FIT_DECODER in decoders and not demo:
         raise PullbackError("--decoders: probe (the fitted per-token depth probe) needs --model demo; give linear:FILE otherwise")
-    backbone, net = load_backbone(model.spec, args.weights)
+    backbone, net = load_backbone(model.spec, weights)
     layers = parse_layers(args.layers, 0, backbone.depth - 1)
 
     def setup(layer: int, decoder: str):
         if decoder == ds.FIT_DECODER:
             decoder = f"linear:{ds.fitted_probe_file(net, layer, out / 'probes')}"
-        return build_probe_setup(model.spec, args.weights, layer, decoder, args.output_size, args.img_size, dtype)
+        return build_probe_setup(model.spec, weights, layer, decoder, args.output_size, args.img_size, dtype)
 
     checked = [setup(layers[0], "cls" if d == ds.FIT_DECODER else d) for d in decoders]  # bad decoders fail before the sweep
     config.check_rank(checked[0].probe.ambient_dim)

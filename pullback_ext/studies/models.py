@@ -4,6 +4,7 @@ architecture at its random initialisation (seeded), the control a trained model 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -45,13 +46,40 @@ def random_demo(seed: int):
     return model.eval().requires_grad_(False)
 
 
+def random_demo_weights(seed: int, folder: Path) -> Path:
+    """``random_demo(seed)``'s weights as ``folder/demo-random-seed-S.safetensors`` (float32, so
+    loading them gives the initialisation bit for bit), for the commands that take ``--weights``."""
+    from safetensors.torch import save_file
+
+    from pullback_ext.fileio import atomic_path
+
+    path = Path(folder) / f"demo-random-seed-{seed}.safetensors"
+    state = {k: v.contiguous() for k, v in random_demo(seed).state_dict().items()}
+    with atomic_path(path) as tmp:
+        save_file(state, str(tmp))
+    return path
+
+
+def study_weights(model: StudyModel, weights: Optional[str], seed: int, folder: Path) -> Optional[str]:
+    """The weights file that builds ``model`` by its spec: ``weights`` for a trained model, the
+    initialisation's file (:func:`random_demo_weights` in ``folder``) for ``demo:random``."""
+    if not model.random:
+        return weights
+    _refuse_weights(weights)
+    return str(random_demo_weights(seed, folder))
+
+
+def _refuse_weights(weights: Optional[str]) -> None:
+    if weights is not None:
+        raise PullbackError("--weights: demo:random is the untrained architecture and takes no weights")
+
+
 def load_study_backbone(model: StudyModel, weights: Optional[str], seed: int):
     """``(Backbone, model)`` of a study model (see ``pullback_ext.prune.backbones.load_backbone``)."""
     from pullback_ext.prune.backbones import demo_backbone, load_backbone
 
     if model.random:
-        if weights is not None:
-            raise PullbackError("--weights: demo:random is the untrained architecture and takes no weights")
+        _refuse_weights(weights)
         net = random_demo(seed)
         return demo_backbone(net), net
     return load_backbone(model.spec, weights)
