@@ -225,3 +225,15 @@ def test_study_criteria_on_demo_random_measures_the_untrained_model(tmp_path):
     assert untrained["model"] == "demo:random" and set(untrained["summary"]["recovery"]) == {"random", "norm"}
     cells = [study["units"]["0"]["tasks"]["depth"]["norm"]["silog_x100"]["mean"] for study in (untrained, trained)]
     assert all(c > 0 for c in cells) and cells[0] != pytest.approx(cells[1])
+
+
+def test_the_published_diagnose_json_keeps_every_per_image_figure_but_not_the_per_token_arrays():
+    from pullback_ext.studies.pages import PER_TOKEN, published
+
+    image = {"index": 0, "kappa_cap": 0.5, "cv": 1.0, "token_energy": [1.0] * 5, "importance": [0.1] * 5}
+    result = {"kind": "diagnose", "units": {"0": {"cls": {"aggregate": {}, "images": [image]}}}}
+    page = published(result)
+    kept = page["units"]["0"]["cls"]["images"][0]
+    assert kept == {"index": 0, "kappa_cap": 0.5, "cv": 1.0} and not set(PER_TOKEN) & set(kept)
+    assert result["units"]["0"]["cls"]["images"][0] is image and "token_energy" in image  # the command's copy is untouched
+    assert published({"kind": "subspace", "x": 1}) == {"kind": "subspace", "x": 1}

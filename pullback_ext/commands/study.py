@@ -255,5 +255,5 @@ def _report(args, result: dict, out) -> None:
 
         folder, name = page_location(args.results_page)
         picture = plot(result, Path(folder) / f"{name}.png")
-        print("wrote", picture, *publish_command_results(result, args.results_page, TITLES[args.kind],
+        print("wrote", picture, *publish_command_results(pages.published(result), args.results_page, TITLES[args.kind],
                                                           lambda r: pages.render(r, picture.name), args.command_line))

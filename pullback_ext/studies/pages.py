@@ -8,6 +8,19 @@ from pullback_ext.results_pages import format_number, markdown_table
 from pullback_ext.studies import diagnose_study
 
 
+PER_TOKEN = ("token_energy", "importance")  # [N] per image and decoder: in DIR/study.json, not on the pages
+
+
+def published(result: dict) -> dict:
+    """``result`` for a results page: every per-image figure, without the per-token arrays of the
+    diagnose study (they stay in ``DIR/study.json``; on the pages they would be megabytes)."""
+    if result["kind"] != "diagnose":
+        return result
+    units = {layer: {decoder: dict(d, images=[{k: v for k, v in image.items() if k not in PER_TOKEN} for image in d["images"]])
+                     for decoder, d in unit.items()} for layer, unit in result["units"].items()}
+    return dict(result, units=units, per_token_arrays=f"left out here: {', '.join(PER_TOKEN)} per image are in the command's study.json")
+
+
 def render(result: dict, picture: Optional[str] = None) -> str:
     """The study's tables (and the figure ``picture``, a file next to the page, when given)."""
     body = {"diagnose": _diagnose, "subspace": _subspace, "criteria": _criteria}[result["kind"]](result)
