@@ -177,6 +177,7 @@ SLOW: tuple[str, ...] = (
     "test_study.py::test_study_diagnose_equals_diagnose_at_each_layer",
     "test_study.py::test_study_subspace_equals_subprobe_at_each_layer",
     "test_study.py::test_study_criteria_equals_evaluate_at_each_layer",
+    "test_study.py::test_study_diagnose_runs_on_a_hugging_face_folder",
     "test_study_torchrun.py",
     "test_vae.py::test_training_reduces_reconstruction_error",
 )

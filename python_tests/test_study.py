@@ -237,3 +237,27 @@ def test_the_published_diagnose_json_keeps_every_per_image_figure_but_not_the_pe
     assert kept == {"index": 0, "kappa_cap": 0.5, "cv": 1.0} and not set(PER_TOKEN) & set(kept)
     assert result["units"]["0"]["cls"]["images"][0] is image and "token_energy" in image  # the command's copy is untouched
     assert published({"kind": "subspace", "x": 1}) == {"kind": "subspace", "x": 1}
+
+
+def test_study_diagnose_runs_on_a_hugging_face_folder(tmp_path):
+    """`--model hf:DIR` (a transformers Depth Anything folder): the sweep equals diagnose at each layer."""
+    from PIL import Image
+
+    from helpers.diagnose import tiny_depth_anything
+
+    folder, images = tmp_path / "da", tmp_path / "images"
+    tiny_depth_anything(dtype=torch.float32).save_pretrained(folder)
+    images.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for i in range(2):
+        Image.fromarray((torch.rand(32, 32, 3, generator=g) * 255).to(torch.uint8).numpy()).save(images / f"{i}.png")
+    common = ["--model", f"hf:{folder}", "--images", str(images), "--num-images", "2", "--output-size", "4",
+              "--probes", "4", "--slq-steps", "0"]
+    _run(["study", "diagnose", *common, "--layers", "0,2", "--decoders", "depth", "--out", tmp_path / "study", "--quiet"])
+    study = json.loads((tmp_path / "study" / "study.json").read_text())
+    assert sorted(study["units"]) == ["0", "2"]
+    for layer in ("0", "2"):
+        _run(["diagnose", *common, "--layer", layer, "--task", "depth", "--out", tmp_path / f"d{layer}"])
+        single = json.loads((tmp_path / f"d{layer}" / "diagnosis.json").read_text())
+        swept = study["units"][layer]["depth"]
+        assert f"{swept['aggregate']['kappa_cap']['mean']:.6f}" == f"{single['aggregate']['kappa_cap']['mean']:.6f}"
