@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers.diagnose import dense_jacobian, images
+from helpers.images import random_image_folder
 from pullback_ext.cli import main
 from pullback_ext.linalg import JacobianOperator
 from pullback_ext.probes import from_hf_dinov2
@@ -72,13 +73,7 @@ def test_classifier_wrapper_and_bad_arguments():
 
 @pytest.fixture(scope="module")
 def image_dir(tmp_path_factory):
-    from PIL import Image
-
-    folder = tmp_path_factory.mktemp("images")
-    g = torch.Generator().manual_seed(0)
-    for i in range(6):
-        Image.fromarray((torch.rand(40, 40, 3, generator=g) * 255).to(torch.uint8).numpy()).save(folder / f"{i}.png")
-    return folder
+    return random_image_folder(tmp_path_factory.mktemp("images"), 6, 40)
 
 
 def test_diagnose_train_and_evaluate_a_dinov2_folder(image_dir, tmp_path, capsys):

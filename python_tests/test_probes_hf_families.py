@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from helpers.images import random_image_folder
 from helpers.prune import tiny_eva, tiny_hf
 from pullback_ext.cli import main
 from pullback_ext.errors import PullbackError
@@ -103,13 +104,7 @@ def test_bad_arguments_are_refused():
 
 @pytest.fixture(scope="module")
 def image_dir(tmp_path_factory):
-    from PIL import Image
-
-    folder = tmp_path_factory.mktemp("images")
-    g = torch.Generator().manual_seed(0)
-    for i in range(6):
-        Image.fromarray((torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()).save(folder / f"{i}.png")
-    return folder
+    return random_image_folder(tmp_path_factory.mktemp("images"), 6, 64)
 
 
 def saved(kind: str, folder):

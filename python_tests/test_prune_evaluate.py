@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from helpers.images import random_image_folder
 from pullback_ext.cli import main
 from pullback_ext.prune.backbones import demo_backbone
 from pullback_ext.prune.evaluation import Plan, markdown_table, run_cost, run_quality
@@ -120,13 +121,7 @@ def test_cli_end_to_end_on_a_timm_model(tmp_path):
 
 @pytest.fixture(scope="module")
 def image_dir(tmp_path_factory):
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("images")
-    g = torch.Generator().manual_seed(0)
-    for i in range(4):
-        Image.fromarray((torch.rand(24, 24, 3, generator=g) * 255).to(torch.uint8).numpy()).save(root / f"{i}.png")
-    return root
+    return random_image_folder(tmp_path_factory.mktemp("images"), 4, 24)
 
 
 @pytest.mark.parametrize(

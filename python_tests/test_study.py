@@ -241,16 +241,11 @@ def test_the_published_diagnose_json_keeps_every_per_image_figure_but_not_the_pe
 
 def test_study_diagnose_runs_on_a_hugging_face_folder(tmp_path):
     """`--model hf:DIR` (a transformers Depth Anything folder): the sweep equals diagnose at each layer."""
-    from PIL import Image
-
     from helpers.diagnose import tiny_depth_anything
+    from helpers.images import random_image_folder
 
-    folder, images = tmp_path / "da", tmp_path / "images"
+    folder, images = tmp_path / "da", random_image_folder(tmp_path / "images", 2, 32)
     tiny_depth_anything(dtype=torch.float32).save_pretrained(folder)
-    images.mkdir()
-    g = torch.Generator().manual_seed(0)
-    for i in range(2):
-        Image.fromarray((torch.rand(32, 32, 3, generator=g) * 255).to(torch.uint8).numpy()).save(images / f"{i}.png")
     common = ["--model", f"hf:{folder}", "--images", str(images), "--num-images", "2", "--output-size", "4",
               "--probes", "4", "--slq-steps", "0"]
     _run(["study", "diagnose", *common, "--layers", "0,2", "--decoders", "depth", "--out", tmp_path / "study", "--quiet"])
