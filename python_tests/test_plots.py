@@ -8,6 +8,7 @@ no-LLF, a missing colorbar) must fail the same checks."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -239,33 +240,34 @@ def decade_gap_problems(fig, low: str = "importance", high: str = "tome_score") 
 
 # ---------- the tests ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", list(FIGURES))
-def test_the_figure_follows_the_rules(name):
-    fig = FIGURES[name]()
+@contextlib.contextmanager
+def opened(build):
+    """The figure ``build()`` makes, closed afterwards whatever the test found."""
+    fig = build()
     try:
-        assert figure_problems(fig) == []
+        yield fig
     finally:
         plt.close(fig)
+
+
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_the_figure_follows_the_rules(name):
+    with opened(FIGURES[name]) as fig:
+        assert figure_problems(fig) == []
 
 
 def test_importance_and_tome_a_decade_apart_are_drawn_a_decade_apart():
-    fig = _quality(cls_quality_result())
-    try:
+    with opened(lambda: _quality(cls_quality_result())) as fig:
         assert fig.axes[0].get_yscale() == "log"
         assert decade_gap_problems(fig) == []
-    finally:
-        plt.close(fig)
 
 
 def test_zero_errors_are_drawn_at_a_stated_floor():
-    fig = _quality(depth_quality_result())
-    try:
+    with opened(lambda: _quality(depth_quality_result())) as fig:
         ax = fig.axes[0]
         floor_marks = [line for line in _data_lines(ax) if line.get_marker() == "v" and line.get_linestyle() == "None"]
         assert floor_marks and all(np.all(np.asarray(line.get_ydata()) > 0) for line in floor_marks)
         assert any("drawn at" in t.get_text() for t in ax.texts)
-    finally:
-        plt.close(fig)
 
 
 def _symlog(fig):
@@ -300,10 +302,7 @@ BROKEN = {"symlog_quality": (lambda: _quality(cls_quality_result()), _symlog),
 @pytest.mark.parametrize("name", list(BROKEN))
 def test_a_broken_figure_fails_the_checks(name):
     build, break_it = BROKEN[name]
-    fig = build()
-    try:
+    with opened(build) as fig:
         break_it(fig)
         problems = figure_problems(fig) + (decade_gap_problems(fig) if name == "symlog_quality" else [])
         assert problems, f"{name}: the checks did not notice"
-    finally:
-        plt.close(fig)

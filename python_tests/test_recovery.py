@@ -51,3 +51,23 @@ def test_bad_inputs_name_the_argument():
         recover(x, torch.ones(1, 6, dtype=torch.bool), (2, 2), 0.5)
     with pytest.raises(PullbackError, match="kept"):
         recover(x, torch.ones(1, 6), (2, 3), 0.5)
+
+
+def test_recover_pruned_replaces_the_newest_frozen_rows_with_the_recovered_features():
+    from pullback_ext.prune.recovery import recover_pruned
+    from pullback_ext.prune.tokens import TokenState
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 1 + 12, 4, generator=g, dtype=torch.float64)  # one prefix token, a 3×4 grid
+    state = TokenState.start(x, 1).prune(torch.tensor([[2, 5], [1, 9]]))
+    earlier = state.frozen.clone()
+    state = state.prune(torch.tensor([[3], [4]]))
+    full = state.full()
+    kept = torch.zeros(2, 13, dtype=torch.bool).scatter(1, state.positions, True)[:, 1:]
+    expected = recover(full[:, 1:], kept, (3, 4), 0.25)
+    out = recover_pruned(state, (3, 4), 0.25, newest=1)
+    torch.testing.assert_close(out.frozen[:, :2], earlier)  # the earlier stage's rows are left alone
+    newest = torch.stack([expected[b, state.frozen_positions[b, 2] - 1] for b in range(2)])
+    torch.testing.assert_close(out.frozen[:, 2], newest)
+    every = recover_pruned(TokenState.start(x, 1).prune(torch.tensor([[2, 5], [1, 9]])), (3, 4), 0.0)
+    assert not torch.allclose(every.frozen, earlier)  # α = 0: all frozen rows are the neighbours' means

@@ -155,8 +155,8 @@ def test_recovery_alpha_is_applied_where_features_are_read(monkeypatch, broken):
     with torch.no_grad():
         register.alpha.bias.fill_(math.log(0.3 / 0.7))  # α = 0.3 for every image
     if broken:  # a deliberately broken α: the frozen copy instead of the learned scale
-        real = tap_run.recover
-        monkeypatch.setattr(tap_run, "recover", lambda x, kept, grid, alpha: real(x, kept, grid, torch.ones_like(alpha)))
+        real = tap_run.recover_pruned
+        monkeypatch.setattr(tap_run, "recover_pruned", lambda state, grid, alpha, newest=None: real(state, grid, torch.ones_like(alpha), newest))
     images = torch.randn(2, 3, 40, 40, dtype=torch.float64)
     x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(images))))
     x1 = model.blocks[0](register.insert(x, 1))  # the features at the read-out layer

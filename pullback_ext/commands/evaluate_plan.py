@@ -52,10 +52,9 @@ def reduction_layers(args: argparse.Namespace, depth: int) -> tuple:
     if args.layers is not None:
         if args.stages is not None:
             raise PullbackError(f"--layers: conflicts with --stages {args.stages!r}; write --layers only")
-        layers = parse_layers(args.layers)
-        if not layers or isinstance(layers, str) or len(set(layers)) != len(layers) or not all(0 <= b < depth for b in layers):
-            raise PullbackError(f"--layers: expected distinct 0-based block indices in 0..{depth - 1} of this {depth}-block model; "
-                                f"got {args.layers!r}")
+        from pullback_ext.studies.layers import parse_layers as layer_list
+
+        layers = layer_list(args.layers, 0, depth - 1)
         return stage_layers(",".join(map(str, layers)), depth, True, args.head, flag="--layers")
     layers = stage_layers(args.stages, depth, args.absolute_layers, args.head)
     if args.stages is not None or args.absolute_layers:

@@ -14,6 +14,8 @@ recovery endpoints and by TAP's learned recovery scale; both share this one defi
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +55,21 @@ def recover(x: torch.Tensor, kept: torch.Tensor, grid: tuple[int, int], alpha) -
     m = kept_neighbour_mean(x, kept, grid)
     filled = alpha * x + (1 - alpha) * m
     return torch.where(kept[..., None], x, filled)
+
+
+def recover_pruned(state, grid: tuple[int, int], alpha, newest: Optional[int] = None):
+    """``state`` (a pruned :class:`~pullback_ext.prune.tokens.TokenState`) with the frozen features
+    of its pruned tokens replaced by :func:`recover` of the full features at this layer, the kept
+    tokens being its current ones: the ``newest`` frozen rows only (those pruned last), or all.
+    ``alpha`` as in :func:`recover`; ``grid``: the patch grid."""
+    q = state.num_prefix
+    full = state.full()
+    kept = torch.zeros(full.shape[:2], dtype=torch.bool, device=full.device).scatter(1, state.positions, True)
+    x = recover(full[:, q:], kept[:, q:], grid, alpha)
+    start = 0 if newest is None else state.frozen.shape[1] - newest
+    where = (state.frozen_positions[:, start:] - q)[..., None].expand(-1, -1, x.shape[-1])
+    state.frozen = torch.cat([state.frozen[:, :start], torch.gather(x, 1, where)], dim=1)
+    return state
 
 
 def _check(x: torch.Tensor, kept: torch.Tensor, grid: tuple[int, int]) -> tuple[int, int, int]:

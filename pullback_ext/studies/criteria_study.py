@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from pullback_ext.prune.evaluation import PRIMARY, Plan, output_errors
-from pullback_ext.prune.recovery import recover
+from pullback_ext.prune.recovery import recover_pruned
 
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 MODES = {"cls": "merge", "depth": "prune"}
@@ -39,17 +39,12 @@ def recovered_outputs(model, reduction, images: torch.Tensor, alpha: float) -> d
     from pullback_ext.prune.pipeline import run_blocks
 
     bb = model.backbone
-    prefix = int(bb.num_prefix_tokens)
     grid = tuple(bb.patch_embed.grid_size)
     recovered: list = []
 
     def call_block(block, state, bias):
         if state.frozen is not None and not recovered:
-            full = state.full()
-            kept = torch.zeros(full.shape[:2], dtype=torch.bool, device=full.device).scatter(1, state.positions, True)
-            x = recover(full[:, prefix:], kept[:, prefix:], grid, alpha)
-            where = (state.frozen_positions - prefix)[..., None].expand(-1, -1, x.shape[-1])
-            state.frozen = torch.gather(x, 1, where)
+            state = recover_pruned(state, grid, alpha)
             recovered.append(True)
         return timm_vit.call_block(block, state, bias)
 

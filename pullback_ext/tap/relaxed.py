@@ -24,11 +24,12 @@ from typing import Callable, Sequence
 
 import torch
 
+from pullback_ext.plots import grid_shape
 from pullback_ext.prune.recovery import recover
 from pullback_ext.tap.budget import BudgetPlan
 from pullback_ext.tap.register import TaskRegister
 from pullback_ext.tap.run import check_fits
-from pullback_ext.tap.tokens import batch_shares, patch_grid, strip_register
+from pullback_ext.tap.tokens import batch_shares, strip_register
 
 TEMPERATURE = 0.5  # of the soft mask, as a fraction of the live scores' standard deviation
 LEAK = 1e-12  # ε of the attention bias log(a + ε)
@@ -74,7 +75,7 @@ def run_relaxed(register: TaskRegister, x: torch.Tensor, blocks: Sequence, call_
     p, depth = num_prefix, len(blocks)
     check_fits(register, depth)
     q, n = p + 1, x.shape[1] - p
-    grid = patch_grid(n)
+    grid = grid_shape(n)
     plan = BudgetPlan(n, rho, register.num_layers)
     call = register.block_caller(call_block)
     x = register.insert(x, p)

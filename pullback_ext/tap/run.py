@@ -21,12 +21,13 @@ from typing import Callable, Sequence
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.recovery import recover
+from pullback_ext.plots import grid_shape
+from pullback_ext.prune.recovery import recover_pruned
 from pullback_ext.prune.strategies import lowest
 from pullback_ext.prune.tokens import TokenState
 from pullback_ext.tap.budget import BudgetPlan
 from pullback_ext.tap.register import TaskRegister
-from pullback_ext.tap.tokens import batch_shares, patch_grid, strip_register
+from pullback_ext.tap.tokens import batch_shares, strip_register
 
 
 def check_fits(register: TaskRegister, depth: int) -> None:
@@ -37,19 +38,6 @@ def check_fits(register: TaskRegister, depth: int) -> None:
                             f"(a {register.task} register's stop must be <= {last})")
 
 
-def _recovered(state: TokenState, selected: torch.Tensor, alpha: torch.Tensor, grid: tuple) -> TokenState:
-    """``state`` with the ``selected [B, R]`` tokens' features replaced by their recovered ones."""
-    q = state.num_prefix
-    full = state.full()[:, q:]
-    b, n, d = full.shape
-    current = state.positions[:, q:] - q
-    removed = torch.gather(state.positions, 1, selected) - q
-    kept = torch.zeros(b, n, dtype=torch.bool, device=full.device).scatter(1, current, True).scatter(1, removed, False)
-    values = torch.gather(recover(full, kept, grid, alpha[:, None, None].to(full.dtype)), 1, removed[..., None].expand(-1, -1, d))
-    state.x = state.x.scatter(1, selected[..., None].expand(-1, -1, d), values)
-    return state
-
-
 def run(reduction, x: torch.Tensor, blocks: Sequence, call_block: Callable, take=()):
     """Run ``blocks`` on ``x [B, N, D]`` with TAP (``reduction``: resolved options with
     ``strategy="tap"``, its strategy holding the :class:`TaskRegister`, ``ratio`` = 1 − ρ).
@@ -58,7 +46,7 @@ def run(reduction, x: torch.Tensor, blocks: Sequence, call_block: Callable, take
     p, depth = reduction.backbone.num_prefix, reduction.backbone.depth
     check_fits(register, depth)
     rho = 1.0 - reduction.options.ratio
-    grid = patch_grid(x.shape[1] - p)
+    grid = grid_shape(x.shape[1] - p)
     plan = BudgetPlan(x.shape[1] - p, rho, register.num_layers)
     call = register.block_caller(call_block)
     state = TokenState.start(register.insert(x, p), p + 1)
@@ -69,10 +57,9 @@ def run(reduction, x: torch.Tensor, blocks: Sequence, call_block: Callable, take
             read = register.read(stage, state.x[:, p], state.x[:, p + 1:], rho)
             count = plan.take(stage, batch_shares(read.shares))
             if count:
-                selected = lowest(read.scores, count, p + 1)
+                state = state.prune(lowest(read.scores, count, p + 1))
                 if read.alpha is not None:
-                    state = _recovered(state, selected, read.alpha, grid)
-                state = state.prune(selected)
+                    state = recover_pruned(state, grid, read.alpha[:, None, None].to(state.x.dtype), newest=count)
         if register.task == "depth" and i == depth - 1 and state.reduced:
             state = state.restore(masked=True)
         bias = state.attention_bias(proportional=False)

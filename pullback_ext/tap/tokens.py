@@ -2,19 +2,7 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
-
-from pullback_ext.errors import PullbackError
-
-
-def patch_grid(num_patch: int) -> tuple[int, int]:
-    """The square ``(h, w)`` grid of ``num_patch`` patch tokens (the recovery reads 8-neighbours)."""
-    side = math.isqrt(num_patch)
-    if side * side != num_patch:
-        raise PullbackError(f"TAP needs a square patch grid; got {num_patch} patch tokens")
-    return side, side
 
 
 def strip_register(x: torch.Tensor, num_prefix: int) -> torch.Tensor:
