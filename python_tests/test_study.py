@@ -158,7 +158,7 @@ def test_study_criteria_equals_evaluate_at_each_layer(tmp_path):
           "--alphas", "0,1", "--batch-size", "2", "--out", tmp_path / "study", "--quiet"])
     study = json.loads((tmp_path / "study" / "study.json").read_text())
     for layer in (0, 3):
-        _run(["evaluate", "--model", "demo", "--num-images", "4", "--task", "depth", "--stages", layer + 1, "--absolute-layers",
+        _run(["evaluate", "--model", "demo", "--num-images", "4", "--task", "depth", "--layers", layer + 1,
               "--ratios", "0.3", "--strategies", criteria, "--seeds", "1", "--batch-size", "2", "--no-timing", "--quiet",
               "--out", tmp_path / f"e{layer}"])
         single = json.loads((tmp_path / f"e{layer}" / "results.json").read_text())["tables"]["llf"]
@@ -256,3 +256,24 @@ def test_study_diagnose_runs_on_a_hugging_face_folder(tmp_path):
         single = json.loads((tmp_path / f"d{layer}" / "diagnosis.json").read_text())
         swept = study["units"][layer]["depth"]
         assert f"{swept['aggregate']['kappa_cap']['mean']:.6f}" == f"{single['aggregate']['kappa_cap']['mean']:.6f}"
+
+
+def test_study_criteria_recovery_endpoints_on_a_hugging_face_depth_folder_equal_evaluate_with_recovery(tmp_path):
+    """The α cells of a Depth Anything folder are `pullback evaluate --recovery α` at that layer."""
+    from helpers.diagnose import tiny_depth_anything
+    from helpers.images import random_image_folder
+
+    folder, images = tmp_path / "da", random_image_folder(tmp_path / "images", 2, 32)
+    da = tiny_depth_anything(dtype=torch.float32)
+    da.config.depth_estimation_type, da.config.max_depth = "metric", 10  # a sigmoid head: depth > 0, as SILog needs
+    type(da)(da.config).save_pretrained(folder)
+    common = ["--model", f"hf:{folder}", "--images", str(images), "--num-images", "2", "--batch-size", "2", "--quiet"]
+    _run(["study", "criteria", *common, "--layers", "1", "--criteria", "norm", "--tasks", "depth", "--alphas", "0,1",
+          "--out", tmp_path / "study"])
+    unit = json.loads((tmp_path / "study" / "study.json").read_text())["units"]["1"]
+    assert unit["recovery"]["norm"]["1"]["silog_x100"]["images"] == unit["tasks"]["depth"]["norm"]["silog_x100"]["images"]
+    _run(["evaluate", *common, "--task", "depth", "--layers", "2", "--ratios", "0.3", "--strategies", "norm", "--seeds", "1",
+          "--recovery", "0", "--no-timing", "--out", tmp_path / "e"])
+    single = json.loads((tmp_path / "e" / "results.json").read_text())["tables"]["llf"]["norm"]["0.3"]["silog_x100"]["mean"]
+    swept = unit["recovery"]["norm"]["0"]["silog_x100"]["mean"]
+    assert f"{swept:.4f}" == f"{single:.4f}" and swept != pytest.approx(unit["tasks"]["depth"]["norm"]["silog_x100"]["mean"])

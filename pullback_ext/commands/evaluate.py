@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="proportional attention after merges (auto: on in merge mode)")
     red.add_argument("--selection", choices=("auto", "lowest", "bound"), default="auto",
                      help="tokens importance/oracle merge away: lowest importance, or lowest imp·drift bound (auto: bound in merge mode)")
+    red.add_argument("--recovery", type=float, default=None, metavar="ALPHA",
+                     help="prune mode: re-insert each pruned token as α·frozen + (1 − α)·mean of its kept neighbours at the "
+                          "prune layer (default: the frozen copy, α = 1)")
     pareto = parser.add_argument_group("matched-cost comparison")
     pareto.add_argument("--pareto", action="store_true",
                         help="sweep every method over its own knob and compare quality at matched speed-ups "
@@ -89,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     ratios = comma_floats(args.ratios, "--ratios")
     time_batches = comma_ints(args.time_batches, "--time-batches")
     backbone, model = load_backbone(spec, args.weights)
+    if args.pareto and args.recovery is not None:
+        raise PullbackError("--recovery is an option of the plain evaluation, not of --pareto")
     if args.pareto:
         return _run_pareto(args, backbone, model, images)
     if args.methods is not None or args.sweep or args.device != "cpu":
@@ -102,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     llf = LLF_CHOICES[args.llf or ("full" if args.preset == "paper" else "on")]
     plan = Plan(task=args.task, strategies=strategies, ratios=ratios, layers=layers, mode=mode, llf=llf, scorers=scorers, spn=spn,
                 prop_attn={"auto": "auto", "on": True, "off": False}[args.prop_attn], selection=args.selection,
-                batch_size=args.batch_size, preset=args.preset)
+                batch_size=args.batch_size, preset=args.preset, recovery=args.recovery)
     check_plan(plan, backbone)
     image_sets = [s.load() for s in images.seed_sets(backbone.preprocess, args.num_images, args.seeds)]
 

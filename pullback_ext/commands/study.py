@@ -216,11 +216,11 @@ def _criteria(args, models, out) -> dict | None:
             cache[task, stage] = evaluate_plan.load_scorers(args.head, None, net, backbone, (stage,), task, args.oracle)[0]
         return cache.get((task, stage), {})
 
-    alphas = comma_floats(args.alphas, "--alphas") if backbone.name == "demo" and "depth" in tasks else ()
+    alphas = comma_floats(args.alphas, "--alphas") if "depth" in tasks else ()
     if any(not 0 <= a <= 1 for a in alphas):
         raise PullbackError(f"--alphas: every α must lie in [0, 1]; got {args.alphas!r}")
     sets = [s.load() for s in _images(args, model).seed_sets(backbone.preprocess, args.num_images, args.seeds)]
-    study = cs.CriteriaStudy(backbone, net, sets, tasks, criteria, args.ratio, alphas, args.batch_size, scorers)
+    study = cs.CriteriaStudy(backbone, sets, tasks, criteria, args.ratio, alphas, args.batch_size, scorers)
     for task in tasks:
         check_plan(study.plan(task, layers[0]), backbone)
     units = _sweep(args, UnitStore(out, "criteria", settings_of(args)), layers, study, "study criteria")

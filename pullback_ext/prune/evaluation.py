@@ -35,7 +35,8 @@ PRIMARY = {"cls": "cosine_x100", "depth": "silog_x100"}
 @dataclass
 class Plan:
     """What to evaluate. ``scorers``: {strategy name: scorer} for ``importance`` / ``oracle``;
-    ``selection`` applies to those two (the training-free rules have no importance to weigh)."""
+    ``selection`` applies to those two (the training-free rules have no importance to weigh);
+    ``recovery``: α of the pruned tokens' recovered features (prune mode; None: the frozen copy)."""
 
     task: str
     strategies: tuple
@@ -50,13 +51,14 @@ class Plan:
     batch_size: int = 16
     knn_k: int = 10
     preset: str = "recommended"
+    recovery: Optional[float] = None
 
     def reduction(self, backbone: Backbone, strategy: str, ratio: float, llf, seed: int, preset: Optional[str] = None) -> Reduction:
         """The reduction of one cell (``llf``: one entry of ``self.llf``; ``preset``: default ``self.preset``)."""
         options = ReductionOptions(
             head=self.scorers.get(strategy), ratio=ratio, layers=self.layers, mode=self.mode, strategy=strategy, llf=llf,
             spn=self.spn, prop_attn=self.prop_attn, seed=seed, selection=self.selection if strategy in NEEDS_SCORER else "auto",
-            preset=self.preset if preset is None else preset,
+            preset=self.preset if preset is None else preset, recovery=self.recovery,
         )
         return options.resolve(BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls))
 

@@ -17,8 +17,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.plots import grid_shape
 from pullback_ext.prune import asap, evit, expedite, pitome, tome
 from pullback_ext.prune.matching import merge_drift, nearest_destinations, patch_distances, select_with_partners
+from pullback_ext.prune.recovery import recover_pruned
 from pullback_ext.prune.reduction_options import Reduction
 from pullback_ext.prune.split_block import SplitBlock
 from pullback_ext.prune.strategies import ORIGINALS, StageContext, lowest
@@ -107,11 +109,14 @@ def run_blocks(
     state = TokenState.start(x, reduction.backbone.num_prefix)
     budgets = stage_budgets(reduction, state.num_patch)
     need_attention = _attention_blocks(reduction, budgets)
+    grid = grid_shape(state.num_patch) if o.recovery is not None else None
     attentions: list = []
     taken = {}
     for i, block in enumerate(blocks):
         if i in budgets:
             state = apply_stage(reduction, state, budgets[i], attentions, o.layers.index(i))
+            if grid is not None:
+                state = recover_pruned(state, grid, o.recovery, newest=budgets[i])
             attentions = []
         if o.mode == "prune" and o.llf and i == reduction.backbone.depth - 1 and state.reduced:
             state = state.restore(masked=o.llf == "masked")

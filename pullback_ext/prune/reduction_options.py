@@ -42,7 +42,7 @@ ORIGINAL_TITLES = {"tome": "ToMe (r tokens merged in every block)", "evit": "EVi
                    "expedite": "Expedite (tokens clustered after layer alpha, reconstructed for the dense head)",
                    "tap": "TAP (a trained task register ranks tokens and splits an exact budget over depth)"}
 ASAP_TAKES = ("ratio", "layers", "mode", "llf", "prop_attn", "rings")  # one stage of the single-stage path
-SINGLE_STAGE_FIELDS = ("ratio", "layers", "head", "spn", "matching", "eps", "weights", "selection", "llf", "preset")
+SINGLE_STAGE_FIELDS = ("ratio", "layers", "head", "spn", "matching", "eps", "weights", "selection", "llf", "preset", "recovery")
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,10 @@ class ReductionOptions:
       (the pullback distance when matching in the pullback metric); ``auto``: ``bound`` for merges
       with ``importance``/``oracle``, ``lowest`` otherwise (``lowest`` always under ``preset="paper"``).
     - ``seed``: of the ``random`` strategy.
+    - ``recovery``: prune mode: α in [0, 1] of the recovered features ``α·x_t + (1 − α)·m_t`` that
+      replace each pruned token's frozen copy at the stage that prunes it (``m_t``: the mean of its
+      kept 8-neighbours there, :mod:`pullback_ext.prune.recovery`; a square patch grid); they are
+      what every later read and Last-Layer Fusion re-insert. None (default): the frozen copy, as α = 1.
     - ``preset``: how ``auto`` values are chosen. ``recommended`` (default): the choices above.
       ``paper``: the paper's literal pipeline — lowest-importance selection, importance-weighted
       averages (the default ``recommended`` averages by size: see docs/prune.md, "Defaults"), pullback (Eq. 19) matching when an SPN is given (``spn=``), full LLF in prune mode.
@@ -122,6 +126,7 @@ class ReductionOptions:
     weights: Literal["size", "importance", "auto"] = "auto"
     selection: Literal["lowest", "bound", "auto"] = "auto"
     seed: Optional[int] = 0
+    recovery: Optional[float] = None
     r: Optional[int] = None
     schedule: Literal["constant", "decreasing"] = "constant"
     block_range: Optional[tuple[int, int]] = None
@@ -152,6 +157,8 @@ class ReductionOptions:
             resolved = dataclasses.replace(self, **_original_choices(self, backbone.depth))
         else:
             mode = self.mode if self.mode != "auto" else ("prune" if backbone.dense_neck else "merge")
+            if self.recovery is not None and mode != "prune":
+                raise PullbackError("recovery applies to mode='prune' (merged tokens are not re-inserted); this reduction merges")
             _check_layer_range(self.layers, backbone.depth, mode == "prune" and bool(self.llf))
             resolved = dataclasses.replace(self, mode=mode, **_auto_choices(self, mode))
         return Reduction(resolved, backbone, make_strategy(resolved.strategy, resolved.head))
@@ -214,7 +221,7 @@ def _normalised(o: ReductionOptions) -> dict:
         mode=mode, strategy=strategy, llf=llf, layers=layers, ratio=_ratio(o.ratio, len(layers)),
         head=_head(o.head, strategy, layers), spn=_spn(o.spn), matching=_one_of("matching", o.matching, MATCHINGS),
         eps=_eps(o.eps), prop_attn=_prop_attn(o.prop_attn), weights=_one_of("weights", o.weights, WEIGHTS),
-        selection=_one_of("selection", o.selection, SELECTIONS), seed=_seed(o.seed), r=_r(o.r),
+        selection=_one_of("selection", o.selection, SELECTIONS), seed=_seed(o.seed), recovery=_recovery(o.recovery), r=_r(o.r),
         schedule=_one_of("schedule", o.schedule, SCHEDULES, auto=False), block_range=_block_range(o.block_range),
         keep_rate=_keep_rate(o.keep_rate), evit_layers=None if o.evit_layers is None else _layers(o.evit_layers, "evit_layers"),
         margin=_margin(o.margin), energy_alpha=_energy_alpha(o.energy_alpha),
@@ -534,6 +541,12 @@ def _rings(rings) -> int:
     if not isinstance(rings, numbers.Integral) or isinstance(rings, bool) or rings < 1:
         raise PullbackError(f"rings must be an int >= 1 (rings of background tokens ASAP pools); got {rings!r}")
     return int(rings)
+
+
+def _recovery(alpha) -> Optional[float]:
+    if alpha is not None and (not _is_real(alpha) or not 0.0 <= float(alpha) <= 1.0):
+        raise PullbackError(f"recovery must be None or a float α in [0, 1] (1: the frozen copy, 0: the kept neighbours' mean); got {alpha!r}")
+    return None if alpha is None else float(alpha)
 
 
 def _seed(seed) -> Optional[int]:

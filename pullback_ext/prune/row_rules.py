@@ -59,7 +59,7 @@ def describe(reduction: Reduction) -> dict:
         scored = o.strategy in NEEDS_SCORER
         if o.mode == "prune":
             selection = "lowest importance" if scored else _score_rule(o.strategy)
-            averaging = PRUNED[o.llf]
+            averaging = PRUNED[o.llf] if o.recovery is None else f"{PRUNED[o.llf]}, recovered at α = {o.recovery:g}"
         else:
             selection = ("bound imp·drift" if o.selection == "bound" else "lowest importance") if scored else _score_rule(o.strategy)
             matching = "pullback (Eq. 19)" if o.matching == "pullback" else "cosine"

@@ -5,21 +5,22 @@ the pruned tokens re-inserted as ``x_t = α·x_t^frozen + (1 − α)·m_t`` (``p
 
 Each cell is computed by the evaluation's own functions (``Plan.reduction``, ``output_errors``)
 in the batches ``run_quality`` uses, so a layer's cell equals ``pullback evaluate``'s at that
-stage. Recovery (demo model): the pruned tokens' frozen features are replaced once, right after
-the prune stage, by ``recover`` of the full features at that layer (kept tokens unchanged); every
+stage. Recovery (any model the pipeline runs): the reduction's ``recovery`` option
+(``pullback evaluate --recovery α``) replaces the pruned tokens' frozen features, right after the
+prune stage, by ``recover`` of the full features at that layer (kept tokens unchanged); every
 later re-insertion (the decoder's hooks, Last-Layer Fusion before the final block) then puts the
 recovered features back. α = 1 is the plain frozen copy, i.e. the prune path itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from pullback_ext.prune.evaluation import PRIMARY, Plan, output_errors
-from pullback_ext.prune.recovery import recover_pruned
 
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 MODES = {"cls": "merge", "depth": "prune"}
@@ -30,27 +31,6 @@ def eligible_last(depth: int, tasks: Sequence[str]) -> int:
     depth − 2 in prune mode with LLF (the final block runs on the full sequence), depth − 1 in
     merge mode."""
     return depth - 3 if "depth" in tasks else depth - 2
-
-
-def recovered_outputs(model, reduction, images: torch.Tensor, alpha: float) -> dict:
-    """The demo model's outputs under a single-stage prune ``reduction`` whose pruned tokens are
-    re-inserted as ``α·frozen + (1 − α)·(mean of the kept 8-neighbours)`` at the prune layer."""
-    from pullback_ext.prune import timm_vit
-    from pullback_ext.prune.pipeline import run_blocks
-
-    bb = model.backbone
-    grid = tuple(bb.patch_embed.grid_size)
-    recovered: list = []
-
-    def call_block(block, state, bias):
-        if state.frozen is not None and not recovered:
-            state = recover_pruned(state, grid, alpha)
-            recovered.append(True)
-        return timm_vit.call_block(block, state, bias)
-
-    final, hooked = run_blocks(reduction, model.embed(images), bb.blocks, call_block, timm_vit.attention_probs,
-                               take=set(model.hook_layers), split=timm_vit.SPLIT)
-    return model.decode(final, hooked)
 
 
 def _prepare(scorer, images: torch.Tensor) -> None:
@@ -64,10 +44,9 @@ def _prepare(scorer, images: torch.Tensor) -> None:
 class CriteriaStudy:
     """Criteria × layers on ``image_sets`` (one dict per seed with ``images``), for ``tasks`` at
     ``ratio``. ``scorers(task, stage)`` -> ``{"importance"|"oracle": scorer}`` for the criteria
-    that need one; ``alphas``: recovery endpoints of the depth task (demo model only; empty: none)."""
+    that need one; ``alphas``: recovery endpoints of the depth task (empty: none)."""
 
     backbone: object
-    model: object
     image_sets: list
     tasks: Sequence[str]
     criteria: Sequence[str]
@@ -105,10 +84,13 @@ class CriteriaStudy:
             errors = output_errors(plan.task, self.backbone.reduced(reduction, images), full)
             cells[criterion] = {metric: values.tolist() for metric, values in errors.items()}
             if "recovery" in cells:
-                cells["recovery"][criterion] = {
-                    f"{alpha:g}": {m: v.tolist() for m, v in output_errors("depth", recovered_outputs(self.model, reduction, images, alpha), full).items()}
-                    for alpha in self.alphas}
+                cells["recovery"][criterion] = {f"{alpha:g}": self._recovered(plan, criterion, seed, images, full, alpha) for alpha in self.alphas}
         return cells
+
+    def _recovered(self, plan: Plan, criterion: str, seed: int, images: torch.Tensor, full: dict, alpha: float) -> dict:
+        """The depth errors of ``criterion``'s stage with its pruned tokens recovered at ``alpha``."""
+        reduction = dataclasses.replace(plan, recovery=alpha).reduction(self.backbone, criterion, self.ratio, True, seed)
+        return {m: v.tolist() for m, v in output_errors("depth", self.backbone.reduced(reduction, images), full).items()}
 
     def finish(self, layer: int, records: list) -> dict:
         """The layer's unit: per task and criterion, per metric the mean over seeds of the
