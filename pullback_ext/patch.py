@@ -64,19 +64,22 @@ The gather, merge and re-insert steps run through the ``pullback_ext.ops`` kerne
 forward but ``strategy="random"`` (its generator) compiles whole (``torch.compile(..., fullgraph=True)``)
 and reads no tensor value on the host: every shape follows from the ratio, never from the values.
 
-``strategy="tome"``, ``"evit"`` and ``"pitome"`` are the original methods (timm ViTs only): they reduce inside
+``strategy="tome"``, ``"evit"`` and ``"pitome"`` are the original methods: they reduce inside
 the blocks, between attention and MLP — ToMe ``r`` tokens in every block of ``block_range``
 (:mod:`pullback_ext.prune.tome`), EViT at three blocks keeping ``keep_rate`` of the patch tokens
 (:mod:`pullback_ext.prune.evit`), PiToMe ``r`` high-energy tokens in every block of ``block_range``
 (:mod:`pullback_ext.prune.pitome`) — and take their own options instead of ``ratio`` / ``layers`` /
 ``mode``; the single-stage criteria of the paper's controlled comparison are ``tome_score`` and
-``evit_score``. ``strategy="expedite"`` (timm ViTs only) clusters the patch tokens into a
+``evit_score``. ``strategy="expedite"`` clusters the patch tokens into a
 ``cluster_grid`` before block ``cluster_layer`` and rebuilds full-resolution tokens wherever they
-are read (:mod:`pullback_ext.prune.expedite`). ``strategy="asap"`` is ASAP reconstructed from its abstract (timm ViTs only,
-:mod:`pullback_ext.prune.asap`): one stage at ``layers`` (one block) that never removes its
+are read (:mod:`pullback_ext.prune.expedite`). ``strategy="asap"`` is ASAP reconstructed from its abstract
+(:mod:`pullback_ext.prune.asap`): one stage at ``layers`` (one block) that never removes its
 attention sink and pools the background per diffusion ring (merge) or prunes it (prune, with
 ``llf``); its single-stage criterion is ``asap_score``. :func:`pullback_ext.prune.eta.eta` gives the
-η a setting produces.
+η a setting produces. The originals run on the timm ``VisionTransformer`` and on the Hugging Face
+families of the ``hf_*`` patches, where a family meets their needs (:mod:`pullback_ext.prune.hf_split`:
+not EViT without a class token, only ASAP with a rotary embedding); a timm ``Eva`` takes the
+single-stage strategies.
 
 Every option is a field of :class:`~pullback_ext.prune.reduction_options.ReductionOptions`, which
 documents and validates them once. Each patch function is ``fn(model, options=None, /, **overrides)``
@@ -256,17 +259,22 @@ def _find_encoder(model, *families: str):
 
 
 def _patch_hf(model, encoder, options: Optional[ReductionOptions], overrides: dict, dense_neck: Optional[bool] = None):
+    from pullback_ext.prune import hf_split
     from pullback_ext.prune.hf_encoders import install
+    from pullback_ext.prune.hf_families import FAMILIES
 
     if _is_patched(encoder.module):
         unpatch(model)
     dense = encoder.feeds_dense_neck if dense_neck is None else dense_neck
     shape = BackboneShape(depth=len(encoder.layers), num_prefix=encoder.num_prefix, has_cls=encoder.has_cls, dense_neck=dense)
-    reduction = with_overrides(options, **overrides).resolve(shape)
+    options = with_overrides(options, **overrides)
+    if options.strategy in hf_split.METHODS:
+        hf_split.check(FAMILIES[encoder.family], options.strategy)  # before resolve: the family's own reason
+    reduction = options.resolve(shape)
     if reduction.options.prop_attn == "folded":
         raise PullbackError("prop_attn='folded' needs timm's standard Block and Attention (patch.timm); "
                             "Hugging Face layers take prop_attn=True")
-    if reduction.options.strategy in ORIGINALS:
+    if reduction.options.strategy in ORIGINALS and reduction.options.strategy not in hf_split.METHODS:
         score = f"{reduction.options.strategy}_score"
         instead = f"the single-stage {score!r}" if score in STRATEGIES else "the single-stage strategies"
         raise PullbackError(f"strategy {reduction.options.strategy!r} (the original method) is available for timm ViTs "

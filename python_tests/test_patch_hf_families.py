@@ -220,10 +220,11 @@ def test_dinov3_backbone_prunes_by_default_and_keeps_its_registers():
     assert frozen[:, :3].sum() == 0 and (frozen.sum(dim=1) == 8).all()
 
 
+@pytest.mark.filterwarnings("ignore:strategy 'tome' now means:FutureWarning")
 def test_originals_and_flash_attention_are_refused_clearly():
+    with pytest.raises(PullbackError, match="strategy 'tome' on .*DINOv3.*runs the originals asap "):
+        patch.hf_dinov3(tiny_hf("dinov3"), strategy="tome", r=2)
     model = tiny_hf("clip")
-    with pytest.raises(PullbackError, match="timm ViTs"):
-        patch.hf_clip(model, strategy="tome", r=2)
     layer = model.encoder.layers[0]
     layer.self_attn.config._attn_implementation_internal = "flash_attention_2"
     with pytest.raises(PullbackError, match="'flash_attention_2' takes no additive attention mask"):

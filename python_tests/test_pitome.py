@@ -238,7 +238,7 @@ def test_pitome_fields_need_pitome_and_the_shared_ones_name_both_methods():
 
 
 def test_options_round_trip_no_renaming_note_and_other_backbones_refuse_the_original():
-    from helpers.prune import tiny_dinov2
+    from helpers.prune import tiny_dinov2, tiny_hf
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # pitome is new: no note that its meaning changed
@@ -249,5 +249,6 @@ def test_options_round_trip_no_renaming_note_and_other_backbones_refuse_the_orig
     resolved = patch.config(patch.timm(tiny_vit(), strategy="pitome", r=3))
     assert (resolved.block_range, resolved.prop_attn, resolved.mode, resolved.margin, resolved.energy_alpha) == (
         (0, 4), True, "merge", 0.9, 1.0)
-    with pytest.raises(PullbackError, match="timm ViTs .* take the single-stage strategies$"):
-        patch.hf_dinov2(tiny_dinov2(), strategy="pitome", r=2)
+    assert patch.config(patch.hf_dinov2(tiny_dinov2(), strategy="pitome", r=2)).r == 2
+    with pytest.raises(PullbackError, match=r"DINOv3.*rotary.* single-stage strategies \(e.g. 'pitome_score'\)$"):
+        patch.hf_dinov3(tiny_hf("dinov3"), strategy="pitome", r=2)

@@ -213,15 +213,16 @@ def test_invalid_tome_options_name_the_field(kwargs, match):
 
 
 def test_options_round_trip_and_other_backbones_refuse_the_original():
-    from helpers.prune import tiny_dinov2
+    from helpers.prune import tiny_dinov2, tiny_hf
 
     options = ReductionOptions(strategy="tome", r=3, schedule="decreasing", block_range=[1, 3], prop_attn=False)
     assert options.block_range == (1, 3)
     assert ReductionOptions.from_dict(options.to_dict()) == options
     resolved = patch.config(patch.timm(tiny_vit(), strategy="tome", r=3))
     assert (resolved.block_range, resolved.prop_attn, resolved.mode) == ((0, 4), True, "merge")
-    with pytest.raises(PullbackError, match="timm ViTs"):
-        patch.hf_dinov2(tiny_dinov2(), strategy="tome", r=2)
+    assert patch.config(patch.hf_dinov2(tiny_dinov2(), strategy="tome", r=2)).r == 2
+    with pytest.raises(PullbackError, match="strategy 'tome' on .*DINOv3.*rotary"):
+        patch.hf_dinov3(tiny_hf("dinov3"), strategy="tome", r=2)
 
 
 def test_using_tome_notes_once_that_its_meaning_changed():

@@ -41,7 +41,7 @@ background is cut into rings, the foreground tokens stay as they are; a pooled t
 ring's first member (only the sequence order depends on it); the sink is found once, on the full
 sequence; ``T`` in float64; pooling weights floored at the smallest normal number of the feature
 dtype; proportional attention and Last-Layer Fusion are the project's. timm ``VisionTransformer``
-only, like the other originals (Eva and Hugging Face models take ``asap_score``).
+and the Hugging Face families (:mod:`pullback_ext.prune.hf_split`); a timm Eva takes ``asap_score``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ DINOv3 layers take an additive ``attention_mask`` (transformers' eager and SDPA 
 the logits), so the bias is passed as that; DPT's attention takes no mask, so the patched layer
 computes the same operations itself with the bias added to the logits (:func:`biased_layer_forward`).
 DINOv3 layers get the rotary rows of their current tokens (:mod:`pullback_ext.prune.rope`).
+
+The original methods (ToMe, PiToMe, EViT, Expedite, ASAP) run their own loops on the layers
+(:mod:`pullback_ext.prune.hf_split`); the layers are called once more afterwards with their
+full-length outputs, which transformers' hooks then record.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import torch.nn.functional as F
 
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.hf_families import FAMILIES, Family, attention_module, check_transformers
+from pullback_ext.prune import hf_split
+from pullback_ext.prune.hf_families import FAMILIES, Family, attention_module, check_transformers, heads
 from pullback_ext.prune.hf_vit import refuse_attention_mask
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import Reduction
@@ -85,22 +90,12 @@ def find_encoder(model, families: tuple = ("dpt", "dinov2")) -> Encoder:
     raise PullbackError(f"model must be {' or '.join(FAMILIES[f].title for f in families)}; got {type(model).__name__}")
 
 
-def _heads(layer, x: torch.Tensor, family: str, count: int):
-    """``(attention module, normed input h [B, K, D], [q, k, v][:count] as [B, H, K, d])``."""
-    layout = FAMILIES[family].attention
-    attn = attention_module(layer, FAMILIES[family])
-    h = getattr(layer, layout.norm)(x)
-    b, k, _ = h.shape
-    shape = (b, k, -1, getattr(attn, layout.head_size))
-    return attn, h, [getattr(attn, name)(h).view(shape).transpose(1, 2) for name in layout.projections[:count]]
-
-
 def attention_probs(layer, x: torch.Tensor, bias=None, family: str = "dpt", position_embeddings=None) -> torch.Tensor:
     """Head-averaged attention probabilities ``[B, K, K]`` of a layer of ``family`` (see
     :data:`~pullback_ext.prune.hf_families.FAMILIES`) on input ``x [B, K, D]`` (``bias``: additive
     logit mask or None; ``position_embeddings``: the rotary ``(cos, sin)`` rows of the current patch
     tokens, RoPE families only)."""
-    attn, _, (q, key) = _heads(layer, x, family, 2)
+    attn, _, (q, key) = heads(layer, x, family, 2)
     rotary = FAMILIES[family].rotary
     if rotary is not None:
         q, key = rotary(q, key, position_embeddings)
@@ -118,7 +113,7 @@ def dinov2_attention_probs(layer, x: torch.Tensor, bias=None) -> torch.Tensor:
 def biased_layer_forward(layer, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``DPTViTLayer.forward`` on ``x [B, K, D]`` with ``bias`` (``[B, 1, 1|K, K]``) added to the
     attention logits of every head (inference: no dropout)."""
-    attn, h, (q, key, v) = _heads(layer, x, "dpt", 3)
+    attn, h, (q, key, v) = heads(layer, x, "dpt", 3)
     b, k, _ = h.shape
     context = F.scaled_dot_product_attention(q, key, v, attn_mask=bias.to(q.dtype), scale=attn.scaling)
     x = layer.attention.output(context.transpose(1, 2).reshape(b, k, attn.all_head_size), h) + x
@@ -145,23 +140,32 @@ def dinov2_biased_forward(layer, x: torch.Tensor, bias: torch.Tensor) -> torch.T
     return masked_layer_forward(layer, x, bias, "dinov2")
 
 
+def _current_forward(holder: dict, family: Family, layer, state, bias) -> torch.Tensor:
+    """The layer's own computation on the current tokens ``state.x [B, K, D]`` (with ``bias`` and,
+    RoPE families, the rotary rows of the current tokens); returns ``[B, K, D]``."""
+    x, extra = state.x, {}
+    if family.rotary is not None:
+        extra["position_embeddings"] = holder["rows"].select(state, holder["rotary"])
+        holder["deferred"].fill(layer, x, bias, extra["position_embeddings"])
+    if family.takes_mask:
+        return masked_layer_forward(layer, x, bias, family.name, **extra)
+    return type(layer).forward(layer, x) if bias is None else biased_layer_forward(layer, x, bias)
+
+
 def _layer_forward(holder: dict, family: Family):
     """A layer forward that runs on the loop's current tokens (with its bias and rotary rows) and
-    returns full-length features; outside a patched loop it is the layer's own forward."""
+    returns full-length features; while the originals' outputs are replayed (see
+    :func:`_run_original`) it returns the layer's recorded full-length output; outside a patched
+    loop it is the layer's own forward."""
 
     def forward(layer, x: torch.Tensor, *args, **kwargs):
+        if "replay" in holder:
+            return holder["replay"][layer]
         state, bias = holder.get("state"), holder.get("bias")
         if state is None:
             return type(layer).forward(layer, x, *args, **kwargs)
-        x = state.x  # the first layer is handed the unreduced input (see :func:`_unreduced_input`)
-        extra = {}
-        if family.rotary is not None:
-            extra["position_embeddings"] = holder["rows"].select(state, holder["rotary"])
-            holder["deferred"].fill(layer, x, bias, extra["position_embeddings"])
-        if family.takes_mask:
-            out = masked_layer_forward(layer, x, bias, family.name, **extra)
-        else:
-            out = type(layer).forward(layer, x) if bias is None else biased_layer_forward(layer, x, bias)
+        # the first layer is handed the unreduced input (see :func:`_unreduced_input`); it runs on state.x
+        out = _current_forward(holder, family, layer, state, bias)
         return state.full(out) if state.reduced else out
 
     return forward
@@ -210,10 +214,31 @@ def encoder_forward(encoder: Encoder, reduction: Reduction, holder: dict, hidden
     try:
         holder["input"] = hidden_states
         probs = _attention_reader(encoder, holder, position_embeddings)
-        final, _ = run_blocks(reduction, hidden_states, encoder.layers, call_layer, probs)
+        if reduction.strategy.name in hf_split.METHODS:
+            final = _run_original(encoder, reduction, holder, hidden_states, probs)
+        else:
+            final, _ = run_blocks(reduction, hidden_states, encoder.layers, call_layer, probs)
     finally:
         holder.clear()
     return BaseModelOutput(last_hidden_state=final)
+
+
+def _run_original(encoder: Encoder, reduction: Reduction, holder: dict, hidden_states: torch.Tensor, probs):
+    """An original method's own loop (:func:`pullback_ext.prune.hf_split.run`) on ``hidden_states
+    [B, N, D]``, its layers run directly on the current tokens; then every layer is called once more
+    to hand transformers' hooks its full-length output (the layers the originals split never run
+    as modules). Returns the final features ``[B, N, D]``."""
+    family = FAMILIES[encoder.family]
+
+    def call_layer(layer, state, bias) -> torch.Tensor:
+        return _current_forward(holder, family, layer, state, bias)
+
+    final, outputs = hf_split.run(family, reduction, hidden_states, encoder.layers, call_layer, probs)
+    holder["replay"] = dict(zip(encoder.layers, outputs))
+    x = hidden_states
+    for layer in encoder.layers:
+        x = layer(x)
+    return final
 
 
 def _owner_forward(encoder: Encoder, reduction: Reduction, holder: dict):

@@ -47,6 +47,19 @@ class AttentionLayout:
 
 
 @dataclass(frozen=True)
+class Branches:
+    """The two residual branches of a layer, to run it in halves (:mod:`pullback_ext.prune.hf_split`):
+    ``attention_out``, the modules (dotted paths from the layer) applied in turn to the attention's
+    merged heads ``[B, K, H·d]`` (output projection, LayerScale); ``mlp_norm``, the norm before the
+    MLP; ``mlp``, the modules applied in turn to its output (MLP, LayerScale). Dropout and drop
+    path are identities at inference and left out."""
+
+    attention_out: tuple
+    mlp_norm: str
+    mlp: tuple
+
+
+@dataclass(frozen=True)
 class Family:
     """One Hugging Face ViT family.
 
@@ -59,13 +72,15 @@ class Family:
     ``capture_outputs``), so the patched forward is wrapped the same way. ``rotary(q, k,
     position_embeddings)``: rotates queries and keys ``[B, H, K, d]`` (RoPE families).
     ``mirror(model, run_layers, *args, **kwargs)``: the mirrored forward of a loop owner that is the
-    model itself. ``checked``: whether :func:`check_transformers` applies.
+    model itself. ``checked``: whether :func:`check_transformers` applies. ``branches``: the layer's
+    residual branches, for the originals that reduce between attention and MLP.
     """
 
     name: str
     title: str
     loops: tuple
     attention: AttentionLayout
+    branches: Branches
     parents: tuple = ()
     layers: str = "layer"
     has_cls: bool = True
@@ -91,6 +106,8 @@ def _vit_mirror(model, run_layers, *args, **kwargs):
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 _CLIP_LAYOUT = AttentionLayout("layer_norm1", "self_attn", _PROJECTIONS, "head_dim", "scale")
+_CLIP_BRANCHES = Branches(("self_attn.out_proj",), "layer_norm2", ("mlp",))
+_SCALED_BRANCHES = Branches(("attention.o_proj", "layer_scale1"), "norm2", ("mlp", "layer_scale2"))  # LayerScale
 
 FAMILIES = {
     family.name: family
@@ -98,20 +115,21 @@ FAMILIES = {
         Family("dpt", "a Hugging Face DPT with a ViT encoder (DPTViTEncoder)", ("DPTViTEncoder",),
                AttentionLayout("layernorm_before", "attention.attention", ("query", "key", "value"),
                                "attention_head_size", "scaling"),
+               Branches(("attention.output.dense",), "layernorm_after", ("intermediate", "output.dense")),
                dense=("DPTModel",), takes_mask=False, checked=False),
         Family("dinov2", "a Hugging Face DINOv2 model (Dinov2Encoder / Dinov2WithRegistersEncoder)",
                ("Dinov2Encoder", "Dinov2WithRegistersEncoder"),
-               AttentionLayout("norm1", "attention", _PROJECTIONS, "head_dim", "scaling"),
+               AttentionLayout("norm1", "attention", _PROJECTIONS, "head_dim", "scaling"), _SCALED_BRANCHES,
                dense=("Dinov2Backbone", "Dinov2WithRegistersBackbone"), captures=True, checked=False),
         Family("vit", "a Hugging Face ViTModel / ViTForImageClassification", ("ViTModel",),
                AttentionLayout("layernorm_before", "attention", _PROJECTIONS, "head_dim", "scaling"),
-               layers="layers", captures=True, mirror=_vit_mirror),
+               Branches(("attention.o_proj",), "layernorm_after", ("mlp",)), layers="layers", captures=True, mirror=_vit_mirror),
         Family("clip", "a Hugging Face CLIP vision model (CLIPVisionModel / CLIPVisionModelWithProjection)",
-               ("CLIPEncoder",), _CLIP_LAYOUT, parents=("CLIPVisionModel",), layers="layers"),
-        Family("siglip", "a Hugging Face SiglipVisionModel", ("SiglipEncoder",), _CLIP_LAYOUT,
+               ("CLIPEncoder",), _CLIP_LAYOUT, _CLIP_BRANCHES, parents=("CLIPVisionModel",), layers="layers"),
+        Family("siglip", "a Hugging Face SiglipVisionModel", ("SiglipEncoder",), _CLIP_LAYOUT, _CLIP_BRANCHES,
                parents=("SiglipVisionModel",), layers="layers", has_cls=False),
         Family("dinov3", "a Hugging Face DINOv3 ViT (DINOv3ViTModel / DINOv3ViTBackbone)", ("DINOv3ViTEncoder",),
-               AttentionLayout("norm1", "attention", _PROJECTIONS, "head_dim", "scaling"),
+               AttentionLayout("norm1", "attention", _PROJECTIONS, "head_dim", "scaling"), _SCALED_BRANCHES,
                dense=("DINOv3ViTBackbone",), captures=True, rotary=_dinov3_rotary),
     )
 }
@@ -145,6 +163,17 @@ MIRRORS = {
 def attention_module(layer, family: Family):
     """The self-attention module of ``layer``."""
     return operator.attrgetter(family.attention.attention)(layer)
+
+
+def heads(layer, x, family: str, count: int):
+    """``(attention module, normed input h [B, K, D], [q, k, v][:count] as [B, H, K, d])`` of a
+    layer of ``family`` on its input ``x [B, K, D]`` (before any rotary embedding)."""
+    layout = FAMILIES[family].attention
+    attn = attention_module(layer, FAMILIES[family])
+    h = getattr(layer, layout.norm)(x)
+    b, k, _ = h.shape
+    shape = (b, k, -1, getattr(attn, layout.head_size))
+    return attn, h, [getattr(attn, name)(h).view(shape).transpose(1, 2) for name in layout.projections[:count]]
 
 
 def check_transformers(family: Family) -> None:

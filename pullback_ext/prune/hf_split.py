@@ -1,0 +1,102 @@
+"""The original methods (ToMe, PiToMe, EViT, Expedite, ASAP) on the Hugging Face layer loops of
+:mod:`pullback_ext.prune.hf_families`.
+
+ToMe, PiToMe and EViT reduce between a layer's attention and its MLP: :func:`split` runs a layer
+of any family in those two halves, from the family's :class:`~pullback_ext.prune.hf_families.AttentionLayout`
+(norm, projections, head width, logit scale) and :class:`~pullback_ext.prune.hf_families.Branches`
+(output projection, LayerScale, MLP), as the :class:`~pullback_ext.prune.split_block.SplitBlock`
+that :func:`pullback_ext.prune.tome.run`, :func:`pullback_ext.prune.evit.run` and
+:func:`pullback_ext.prune.pitome.run` take for timm blocks. The attention half runs
+``scaled_dot_product_attention`` with the additive bias (ToMe's proportional attention) on every
+family alike, DPT included; Expedite and ASAP run whole layers and read attention probabilities
+between them, as every family gives them.
+
+What each family takes (:func:`refusal`): a family without a class token (SigLIP) cannot run EViT,
+which ranks tokens by the CLS row of the attention; a RoPE family (DINOv3) runs ASAP only: ToMe,
+PiToMe and EViT reorder the tokens inside the layer and their state
+(:class:`~pullback_ext.prune.merged_tokens.MergedTokens`) keeps no original position for the rotary
+rows, and Expedite's cluster tokens have none.
+"""
+
+from __future__ import annotations
+
+import operator
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune.hf_families import Family, heads
+from pullback_ext.prune.pipeline import run_blocks
+from pullback_ext.prune.split_block import Attended, SplitBlock
+
+METHODS = ("tome", "pitome", "evit", "expedite", "asap")  # the originals the Hugging Face loops run
+
+
+def refusal(family: Family, strategy: str) -> Optional[str]:
+    """Why ``family`` cannot run the original ``strategy`` (one of :data:`METHODS`), or None."""
+    if strategy == "evit" and not family.has_cls:
+        return "needs a class token (EViT ranks the tokens by the class token's attention); this model has none"
+    if family.rotary is not None and strategy in ("tome", "pitome", "evit"):
+        return ("reorders the tokens between attention and MLP, and its token state keeps no original positions for "
+                "the rotary embedding")
+    if family.rotary is not None and strategy == "expedite":
+        return "clusters the tokens into cluster tokens, which have no rotary position"
+    return None
+
+
+def supported(family: Family) -> tuple:
+    """The originals ``family`` runs."""
+    return tuple(m for m in METHODS if refusal(family, m) is None)
+
+
+def check(family: Family, strategy: str) -> None:
+    """Raise unless ``family`` runs the original ``strategy``, naming the family and what it runs."""
+    reason = refusal(family, strategy)
+    if reason is not None:
+        raise PullbackError(f"strategy {strategy!r} on {family.title}: it {reason}; this family runs the originals "
+                            f"{', '.join(supported(family))} and the single-stage strategies (e.g. '{strategy}_score')")
+
+
+def _apply(layer, paths: tuple, h: torch.Tensor) -> torch.Tensor:
+    for path in paths:
+        h = operator.attrgetter(path)(layer)(h)
+    return h
+
+
+def attend(layer, x: torch.Tensor, bias: Optional[torch.Tensor], family: Family) -> Attended:
+    """The attention half of a layer of ``family`` on ``x [B, K, D]``: ``x + branch(attention(norm(x)))``
+    with the additive ``bias`` (``[B, 1, 1|K, K]`` or None) on the logits of every head, and the
+    queries and keys ``[B, H, K, d]`` it used (inference: no dropout)."""
+    if family.rotary is not None:
+        raise PullbackError(f"{family.title}: its layers are not run in halves ({refusal(family, 'tome')})")
+    attn, _, (q, k, v) = heads(layer, x, family.name, 3)
+    scale = float(getattr(attn, family.attention.scaling))
+    mask = None if bias is None else bias.to(q.dtype)
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    merged = context.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
+    return Attended(x + _apply(layer, family.branches.attention_out, merged), q, k, scale)
+
+
+def feed_forward(layer, x: torch.Tensor, family: Family) -> torch.Tensor:
+    """The MLP half of a layer of ``family``: ``x + branch(mlp(norm(x)))`` ``[B, K, D]``."""
+    b = family.branches
+    return x + _apply(layer, b.mlp, getattr(layer, b.mlp_norm)(x))
+
+
+def split(family: Family) -> SplitBlock:
+    """The layers of ``family`` in two halves, for the originals that reduce between them."""
+    return SplitBlock(attend=partial(attend, family=family), feed_forward=partial(feed_forward, family=family))
+
+
+def run(family: Family, reduction, x: torch.Tensor, layers, call_layer, attention_probs):
+    """Run ``layers`` of ``family`` on ``x [B, N, D]`` with the original method of ``reduction``
+    (``call_layer(layer, state, bias)``, ``attention_probs(layer, x, bias)``: see
+    :func:`~pullback_ext.prune.pipeline.run_blocks`). Returns ``(final [B, N, D], [output of layer
+    i, full-length [B, N, D], for every layer])``."""
+    check(family, reduction.strategy.name)
+    final, taken = run_blocks(reduction, x, layers, call_layer, attention_probs, take=range(len(layers)),
+                              split=split(family))
+    return final, [taken[i] for i in range(len(layers))]

@@ -1,0 +1,233 @@
+"""The original methods (ToMe, PiToMe, EViT, Expedite, ASAP) on the Hugging Face families, against
+the hand-written references of their own tests run on timm blocks that carry the same weights;
+the split halves against each layer's forward; nothing reduced is the unpatched model; unpatching
+restores it; what a family cannot run is refused."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import pullback_ext.patch as patch
+from helpers.prune import images, tiny_dinov2, tiny_dpt, tiny_hf
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune import hf_split
+from pullback_ext.prune.hf_encoders import biased_layer_forward, masked_layer_forward
+from pullback_ext.prune.hf_families import FAMILIES
+from test_asap import _background_reference, _walk_reference, asap_reference
+from test_evit import evit_reference
+from test_expedite import expedite_reference
+from test_pitome import pitome_reference
+from test_tome import tome_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:strategy '(tome|evit|asap)' now means:FutureWarning")
+
+PATCHES = {"dpt": patch.hf_dpt, "dinov2": patch.hf_dinov2, "vit": patch.hf_vit, "clip": patch.hf_clip,
+           "siglip": patch.hf_siglip, "dinov3": patch.hf_dinov3}
+PREFIX = {"dpt": 1, "dinov2": 3, "vit": 1, "clip": 1, "siglip": 0, "dinov3": 3}  # dinov2, dinov3: CLS + 2 registers
+SPLIT_FAMILIES = ["dpt", "dinov2", "vit", "clip", "siglip"]
+
+
+def tiny(family: str):
+    """A 4-layer model of ``family`` in float64 (DINOv2 with 2 registers and LayerScale), SDPA attention
+    where the family has a choice (transformers' eager attention takes the softmax in float32)."""
+    model = tiny_dpt() if family == "dpt" else tiny_dinov2("sdpa", 2) if family == "dinov2" else tiny_hf(family, "sdpa")
+    if family == "dinov2":
+        with torch.no_grad():
+            for layer in model.encoder.layer:
+                layer.layer_scale1.lambda1.normal_(0.0, 0.5)
+                layer.layer_scale2.lambda1.normal_(0.0, 0.5)
+    return model.double()
+
+
+def layers_of(model, family: str):
+    return {"dpt": lambda: model.dpt.encoder.layer, "dinov2": lambda: model.encoder.layer, "vit": lambda: model.layers,
+            "dinov3": lambda: model.model.layer}.get(family, lambda: model.encoder.layers)()
+
+
+# (q, k, v, output projection, norm1, norm2, fc1, fc2, activation, LayerScale 1, 2) of each family's layer
+WEIGHTS = {
+    "dpt": ("attention.attention.query", "attention.attention.key", "attention.attention.value", "attention.output.dense",
+            "layernorm_before", "layernorm_after", "intermediate.dense", "output.dense", "intermediate.intermediate_act_fn",
+            None, None),
+    "dinov2": ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj", "norm1", "norm2", "mlp.fc1",
+               "mlp.fc2", "mlp.activation_fn", "layer_scale1", "layer_scale2"),
+    "vit": ("attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj", "layernorm_before",
+            "layernorm_after", "mlp.fc1", "mlp.fc2", "mlp.activation_fn", None, None),
+    "clip": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "layer_norm1",
+             "layer_norm2", "mlp.fc1", "mlp.fc2", "mlp.activation_fn", None, None),
+}
+WEIGHTS["siglip"] = WEIGHTS["clip"]
+
+
+def timm_block(layer, family: str):
+    """A timm ``Block`` with the weights of a Hugging Face layer (the converter of the references)."""
+    from operator import attrgetter
+
+    from timm.models.vision_transformer import Block
+
+    q, k, v, proj, norm1, norm2, fc1, fc2, act, ls1, ls2 = (attrgetter(p)(layer) if p else None for p in WEIGHTS[family])
+    block = Block(32, 2, mlp_ratio=2.0, qkv_bias=True, init_values=1.0 if ls1 is not None else None)
+    block = block.double().eval().requires_grad_(False)
+    with torch.no_grad():
+        block.attn.qkv.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
+        block.attn.qkv.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
+        if ls1 is not None:
+            block.ls1.gamma.copy_(ls1.lambda1)
+            block.ls2.gamma.copy_(ls2.lambda1)
+    block.attn.proj, block.norm1, block.norm2 = copy.deepcopy(proj), copy.deepcopy(norm1), copy.deepcopy(norm2)
+    block.mlp.fc1, block.mlp.fc2, block.mlp.act = copy.deepcopy(fc1), copy.deepcopy(fc2), copy.deepcopy(act)
+    return block
+
+
+def timm_stand_in(model, family: str):
+    """What the timm references read of a model (``blocks``, ``num_prefix_tokens``, the embedding
+    steps, ``norm``), with the layers of ``model`` as timm blocks and the embedding steps identities:
+    the references then start from the layer-0 input they are given instead of images."""
+    identity = torch.nn.Identity()
+    return SimpleNamespace(blocks=torch.nn.ModuleList(timm_block(layer, family) for layer in layers_of(model, family)),
+                           num_prefix_tokens=PREFIX[family], norm=identity, norm_pre=identity, patch_drop=identity,
+                           _pos_embed=identity, patch_embed=identity)
+
+
+def hidden_states(model, x: torch.Tensor) -> tuple:
+    return model(pixel_values=x, output_hidden_states=True).hidden_states
+
+
+@pytest.mark.parametrize("family", SPLIT_FAMILIES)
+def test_split_halves_equal_the_layer_forward_with_and_without_a_bias(family):
+    """Attention half then MLP half is the layer's own forward (LayerScale, DPT's layer, CLIP's and
+    SigLIP's layers), and an additive bias reaches the logits as the layer takes it."""
+    fam = FAMILIES[family]
+    layer = layers_of(tiny(family), family)[1]
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    bias = torch.randn(2, 1, 1, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    split = hf_split.split(fam)
+    for b in (None, bias):
+        expected = (biased_layer_forward(layer, x, b) if b is not None else type(layer).forward(layer, x)) if family == "dpt" \
+            else masked_layer_forward(layer, x, b, family)
+        attended = split.attend(layer, x, b)
+        torch.testing.assert_close(split.feed_forward(layer, attended.x), expected, rtol=1e-6, atol=1e-6)
+        assert attended.q.shape == attended.k.shape == (2, 2, 5, 16)
+    assert not torch.allclose(split.feed_forward(layer, split.attend(layer, x, bias).x),
+                              split.feed_forward(layer, split.attend(layer, x, None).x), atol=1e-4)
+
+
+def _reference(model, family, strategy, h):
+    """``(final [B, N, D], [after layer i [B, N, D]])`` of the timm reference of ``strategy`` on the
+    layer-0 input ``h``, with the options the patched model resolved."""
+    o, stand_in = patch.config(model), timm_stand_in(model, family)
+    if strategy == "tome":
+        return tome_reference(stand_in, h, merges=[o.r] * 4)
+    if strategy == "pitome":
+        return pitome_reference(stand_in, h, merges=[o.r] * 4)
+    if strategy == "evit":
+        return evit_reference(stand_in, h, o.keep_rate, o.evit_layers)
+    if strategy == "expedite":
+        return expedite_reference(stand_in, h, o.cluster_grid, o.cluster_layer)
+    return asap_reference(stand_in, h, o.layers[0], o.ratio, o.rings, o.mode, o.llf)
+
+
+OPTIONS = {"tome": dict(r=3), "pitome": dict(r=3), "evit": dict(keep_rate=0.5, evit_layers=(1, 2)),
+           "expedite": dict(cluster_grid=(2, 3), cluster_layer=1), "asap": dict(layers=2, ratio=0.4)}
+CASES = [(f, s) for f in SPLIT_FAMILIES for s in OPTIONS if hf_split.refusal(FAMILIES[f], s) is None]
+
+
+@pytest.mark.parametrize("family,strategy", CASES)
+def test_each_original_matches_its_reference_on_timm_blocks_with_the_same_weights(family, strategy):
+    """Every layer output (transformers' full-length hidden states, what a DPT or Depth Anything neck
+    reads) is the timm reference's, merged or clustered tokens given back to their positions."""
+    model = tiny(family)
+    x = images(1).double()
+    plain = hidden_states(model, x)
+    PATCHES[family](model, strategy=strategy, **OPTIONS[strategy])
+    final, per_layer = _reference(model, family, strategy, plain[0])
+    hidden = hidden_states(model, x)
+    assert len(hidden) == 5 and torch.equal(hidden[0], plain[0])
+    for got, want in zip(hidden[1:], per_layer):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(hidden[-1], final, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(hidden[-1], plain[-1], atol=1e-4)
+
+
+def test_a_dpt_depth_model_under_tome_and_asap_prune_feeds_its_neck_full_length_features():
+    model = tiny("dpt")
+    x = images(2).double()
+    plain = model(pixel_values=x).predicted_depth
+    for strategy, options in (("tome", dict(r=4)), ("asap", dict(layers=2, ratio=0.5))):
+        patch.hf_dpt(model, strategy=strategy, **options)
+        assert strategy == "tome" or patch.config(model).mode == "prune"  # a dense neck: ASAP prunes
+        depth = model(pixel_values=x).predicted_depth
+        assert depth.shape == plain.shape and not torch.allclose(depth, plain, atol=1e-5)
+    patch.unpatch(model)
+    assert torch.equal(model(pixel_values=x).predicted_depth, plain)
+
+
+ZERO = {"tome": dict(r=0), "pitome": dict(r=0), "evit": dict(keep_rate=1.0, evit_layers=(1, 2)),
+        "asap": dict(layers=2, ratio=0.0)}
+
+
+@pytest.mark.parametrize("family", list(PATCHES))
+def test_nothing_reduced_is_the_unpatched_model_and_unpatch_restores_it(family):
+    model = tiny(family)
+    x = images(2).double()
+    plain = hidden_states(model, x)
+    for strategy in ZERO:
+        if hf_split.refusal(FAMILIES[family], strategy) is None:
+            PATCHES[family](model, strategy=strategy, **ZERO[strategy])
+            assert all(torch.equal(a, b) for a, b in zip(hidden_states(model, x), plain)), strategy
+    strategy = "asap" if family == "dinov3" else "tome"
+    PATCHES[family](model, strategy=strategy, **OPTIONS[strategy])
+    assert not torch.allclose(hidden_states(model, x)[-1], plain[-1], atol=1e-4)
+    patch.unpatch(model)
+    assert all(torch.equal(a, b) for a, b in zip(hidden_states(model, x), plain))
+    assert patch.config(model) is None and not any("forward" in vars(m) for m in model.modules())
+
+
+def test_dinov3_asap_prunes_with_each_token_at_its_own_rotary_position():
+    """ASAP (prune, no LLF) on DINOv3: the walk over the eager attention of layers 0, 1 run by hand,
+    then layers 2, 3 on the kept tokens with the rotary rows of their own positions."""
+    model = tiny("dinov3")
+    model.config._attn_implementation = "eager"
+    x = images(2).double()
+    p, layers = PREFIX["dinov3"], model.model.layer
+    pe = model.rope_embeddings(x)
+    h = hidden_states(model, x)[0]
+    patch.hf_dinov3(model, strategy="asap", layers=2, ratio=0.5, mode="prune", llf=False)
+    expected = []
+    for image in h:
+        y, attentions, kept = image[None], [], list(range(h.shape[1]))
+        for i, layer in enumerate(layers):
+            rows = [t - p for t in kept if t >= p]
+            if i == 2:
+                t, sink, d = _walk_reference(attentions)
+                removed = _background_reference(d, sink, p, 8)
+                frozen = y[0].clone()
+                kept = [t for t in kept if t not in removed]
+                y, rows = y[:, kept], [t - p for t in kept if t >= p]
+            position = (pe[0][rows], pe[1][rows])
+            if i < 2:
+                attentions.append(layer.attention(layer.norm1(y), position_embeddings=position)[1][0].mean(dim=0))
+            y = layer(y, position_embeddings=position)
+        full = frozen.clone()
+        full[kept] = y[0]
+        expected.append(full)
+    torch.testing.assert_close(model(pixel_values=x).last_hidden_state, model.norm(torch.stack(expected)),
+                               rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("family,strategy", [("dinov3", "tome"), ("dinov3", "pitome"), ("dinov3", "evit"),
+                                             ("dinov3", "expedite"), ("siglip", "evit")])
+def test_what_a_family_cannot_run_is_refused_naming_the_family_and_what_it_runs(family, strategy):
+    model = tiny(family)
+    runs = "asap" if family == "dinov3" else "tome, pitome, expedite, asap"
+    reason = "needs a class token" if strategy == "evit" and family == "siglip" else "rotary"
+    with pytest.raises(PullbackError, match=rf"strategy '{strategy}' on .*{reason}.*runs the originals {runs} "):
+        PATCHES[family](model, strategy=strategy, **OPTIONS[strategy])
+    assert patch.config(model) is None
+    if family == "dinov3":
+        with pytest.raises(PullbackError, match="not run in halves"):
+            hf_split.attend(model.model.layer[0], torch.zeros(1, 4, 32, dtype=torch.float64), None, FAMILIES[family])
