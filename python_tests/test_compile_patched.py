@@ -26,6 +26,7 @@ TIMM_CASES = {
     "merge_lowest": dict(MERGE, selection="lowest", weights="importance"),
     "merge_folded": dict(MERGE, prop_attn="folded"),
     "prune_llf_masked": dict(MERGE, mode="prune", llf=True),
+    "prune_llf_two_calls": dict(MERGE, mode="prune", llf=True, prop_attn="folded"),
     "prune_llf_full": dict(MERGE, mode="prune", llf="full"),
     "three_stages": dict(MERGE, ratio=0.5, layers=(0, 1, 2)),
     "tome": dict(strategy="tome", r=3),

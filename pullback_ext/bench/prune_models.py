@@ -4,7 +4,8 @@ Every model has random weights (the cost of a forward does not depend on them) a
 the image size asked for. A *method* is one setting of the patch API; the grid: the unpruned
 model, our importance merge and prune + masked LLF at several η (one stage, and three stages),
 the merge with proportional attention folded into the dot product (``prop_attn="folded"``, which
-keeps SDPA's fast kernels) beside the mask form, the original ToMe at several ``r`` with its
+keeps SDPA's fast kernels) beside the mask form, the prune with masked LLF as two maskless
+attention calls (the same option) beside the mask form, the original ToMe at several ``r`` with its
 constant schedule, and our merge at the FLOPs of ToMe ``r = 16`` (η found by bisection on the
 FLOP count). The importance heads are
 untrained (``ImportanceHead``'s default size): a trained head costs exactly as much.
@@ -117,6 +118,9 @@ def method_grid(case: ModelCase, etas: tuple[float, ...], tome_rs: tuple[int, ..
     if not case.dense:  # proportional attention as a mask (above) against folded into the dot product
         methods.append(Method(f"importance merge η={top:g} @{one[0]} folded prop-attn",
                               dict(strategy="importance", mode="merge", ratio=top, layers=one, prop_attn="folded"), heads=1))
+    if not case.dense:  # timm models: masked LLF as a -inf mask (above) against two maskless attention calls
+        methods.append(Method(f"importance prune+LLF η={top:g} @{one[0]} two-call LLF",
+                              dict(strategy="importance", mode="prune", llf=True, ratio=top, layers=one, prop_attn="folded"), heads=1))
     mode = dict(mode="prune", llf=True) if case.dense else dict(mode="merge")
     methods.append(Method(f"importance {mode['mode']} η={top:g} 3 stages {list(three)}",
                           dict(strategy="importance", ratio=top, layers=three, **mode), heads=3))

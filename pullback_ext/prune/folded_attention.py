@@ -7,9 +7,14 @@ give ``scale · q̃·k̃ = scale · q·k + log s``; q, k and v are zero-padded t
 multiple of 8 (what the fused kernels accept), the softmax scale is passed explicitly (SDPA's
 default would be that of the padded width) and the output is sliced back.
 
-``prop_attn="folded"`` selects it for the single-stage merges of a timm ``VisionTransformer``
-whose blocks are timm's standard ``Block`` and ``Attention`` (checked when patching); the mask form
-stays the default, and the two agree to rounding (tested).
+Masked Last-Layer Fusion (prune mode) hides the re-inserted (stale) tokens from the kept ones: as
+a ``-inf`` mask it rules out the fast kernels too. Folded, the last block's attention runs as two
+maskless calls on the tokens sorted kept-first: the kept queries against the kept keys, the stale
+queries against every key (:func:`two_call_sdpa`).
+
+``prop_attn="folded"`` selects both for the single-stage merges and for masked LLF of a timm
+``VisionTransformer`` whose blocks are timm's standard ``Block`` and ``Attention`` (checked when
+patching); the mask forms stay the default, and the two agree to rounding (tested).
 """
 
 from __future__ import annotations
@@ -31,6 +36,33 @@ class FoldedSizes(NamedTuple):
     def as_mask(self) -> torch.Tensor:
         """The same bias as an additive mask ``[B, 1, 1, K]``."""
         return self.log_sizes[:, None, None, :]
+
+
+class StaleKeys(NamedTuple):
+    """Masked LLF to apply as two maskless calls: ``order [B, N]`` lists every image's kept tokens
+    first (``num_kept`` of them, the same count for every image), then its stale ones."""
+
+    order: torch.Tensor
+    num_kept: int
+
+    def as_mask(self) -> torch.Tensor:
+        """The same rule as an additive mask ``[B, 1, N, N]``: ``-inf`` where a kept query meets a stale key."""
+        rank = torch.argsort(self.order, dim=1)  # where each token stands in the kept-first order
+        stale = rank >= self.num_kept
+        hidden = ~stale[:, :, None] & stale[:, None, :]
+        return torch.zeros(hidden.shape, device=hidden.device).masked_fill(hidden, float("-inf"))[:, None]
+
+
+def two_call_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: StaleKeys, scale: float) -> torch.Tensor:
+    """Masked-LLF attention as two maskless SDPA calls. ``q, k, v [B, H, N, d]``; returns ``[B, H, N, d]``
+    in the tokens' own order."""
+    b, h, n, d = q.shape
+    where = keys.order[:, None, :, None].expand(b, h, n, d)
+    q, k, v = (t.gather(2, where) for t in (q, k, v))
+    m = keys.num_kept
+    kept = F.scaled_dot_product_attention(q[:, :, :m], k[:, :, :m], v[:, :, :m], scale=scale)
+    stale = F.scaled_dot_product_attention(q[:, :, m:], k, v, scale=scale)
+    return torch.empty_like(q).scatter(2, where, torch.cat([kept, stale], dim=2))
 
 
 def folded_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_sizes: torch.Tensor, scale: float,
@@ -60,19 +92,24 @@ def check_foldable(blocks) -> None:
                                 f"{type(block).__name__} with {type(attn).__name__} (use prop_attn=True)")
 
 
-def folded_attention(attn, x: torch.Tensor, log_sizes: torch.Tensor) -> torch.Tensor:
-    """timm ``Attention.forward`` on ``x [B, K, C]`` (eval mode) with the log-size bias folded in."""
+def folded_attention(attn, x: torch.Tensor, bias: FoldedSizes | StaleKeys) -> torch.Tensor:
+    """timm ``Attention.forward`` on ``x [B, K, C]`` (eval mode) with the bias folded in: the log sizes
+    into the dot product, or masked LLF as two calls."""
     b, n, _ = x.shape
     gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
     q, k, v = attn.qkv(x).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    out = folded_sdpa(attn.q_norm(q), attn.k_norm(k), v, log_sizes, float(attn.scale))
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    if isinstance(bias, StaleKeys):
+        out = two_call_sdpa(q, k, v, bias, float(attn.scale))
+    else:
+        out = folded_sdpa(q, k, v, bias.log_sizes, float(attn.scale))
     out = attn.norm(out.transpose(1, 2).reshape(b, n, -1))
     if gate is not None:
         out = out * gate
     return attn.proj_drop(attn.proj(out))
 
 
-def folded_block(block, x: torch.Tensor, sizes: FoldedSizes) -> torch.Tensor:
-    """A timm ``Block`` on ``x [B, K, D]`` with proportional attention folded into its attention."""
-    x = x + block.drop_path1(block.ls1(folded_attention(block.attn, block.norm1(x), sizes.log_sizes)))
+def folded_block(block, x: torch.Tensor, bias: FoldedSizes | StaleKeys) -> torch.Tensor:
+    """A timm ``Block`` on ``x [B, K, D]`` with proportional attention or masked LLF folded into its attention."""
+    x = x + block.drop_path1(block.ls1(folded_attention(block.attn, block.norm1(x), bias)))
     return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))

@@ -66,9 +66,9 @@ class ReductionOptions:
     - ``eps``: isotropic floor of the pullback distance (None: the SPN's ``eps``).
     - ``prop_attn``: add ``log(size)`` to attention logits after merges (``auto``: in merge mode; a
       merged token keeps the attention mass of every token it absorbed, as in ToMe). ``folded``:
-      the same, folded into the dot product instead of an additive mask, so that SDPA keeps its
-      fast kernels (single-stage merges of timm ``VisionTransformer`` blocks;
-      :mod:`pullback_ext.prune.folded_attention`).
+      the same, folded into the dot product instead of an additive mask, and in prune mode masked
+      LLF as two maskless attention calls, so that SDPA keeps its fast kernels (single-stage
+      strategies on timm ``VisionTransformer`` blocks; :mod:`pullback_ext.prune.folded_attention`).
     - ``weights``: merged averages by ``size`` or ``importance`` (``auto``: size; importance for the
       ``importance``/``oracle`` strategies under ``preset="paper"``, whose literal rule it is).
     - ``selection``: which tokens a scorer strategy merges away: ``lowest`` importance, or the lowest
@@ -161,6 +161,9 @@ class ReductionOptions:
                 raise PullbackError("recovery applies to mode='prune' (merged tokens are not re-inserted); this reduction merges")
             _check_layer_range(self.layers, backbone.depth, mode == "prune" and bool(self.llf))
             resolved = dataclasses.replace(self, mode=mode, **_auto_choices(self, mode))
+            if resolved.prop_attn == "folded" and mode == "prune" and resolved.llf != "masked":
+                raise PullbackError(f"prop_attn='folded' in prune mode runs masked LLF as two maskless attention calls; "
+                                    f"it needs llf='masked', got llf={resolved.llf!r}")
         return Reduction(resolved, backbone, make_strategy(resolved.strategy, resolved.head))
 
     def to_dict(self) -> dict:
@@ -245,9 +248,8 @@ def _check_method_fields(fields: dict) -> None:
         methods = [method for method, names in METHOD_FIELDS.items() if name in names]
         if name in changed and strategy not in methods:
             raise PullbackError(f"{name} is an option of strategy {' or '.join(map(repr, methods))}; got strategy {strategy!r}")
-    if fields["prop_attn"] == "folded" and (strategy in ORIGINALS or fields["mode"] == "prune"):
-        raise PullbackError(f"prop_attn='folded' applies to the single-stage merges (mode='merge'); got strategy {strategy!r}, "
-                            f"mode {fields['mode']!r} (use prop_attn=True)")
+    if fields["prop_attn"] == "folded" and strategy in ORIGINALS:
+        raise PullbackError(f"prop_attn='folded' applies to the single-stage strategies; got strategy {strategy!r} (use prop_attn=True)")
     if strategy not in ORIGINALS:
         return
     if strategy == "asap":

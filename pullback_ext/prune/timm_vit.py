@@ -15,7 +15,7 @@ from typing import Callable, List, NamedTuple, Optional, Union
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.folded_attention import FoldedSizes, folded_block
+from pullback_ext.prune.folded_attention import FoldedSizes, StaleKeys, folded_block
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import BackboneShape, Reduction
 from pullback_ext.prune.split_block import Attended, SplitBlock
@@ -71,7 +71,7 @@ def attention_probs(block, x: torch.Tensor, bias: Optional[torch.Tensor]) -> tor
     attn = getattr(block, "attn", None)
     if attn is None or not all(hasattr(attn, a) for a in ("qkv", "num_heads", "head_dim", "scale")):
         raise PullbackError(f"attention-based strategies need timm Attention blocks with a fused qkv; got {type(attn).__name__}")
-    if isinstance(bias, FoldedSizes):
+    if isinstance(bias, (FoldedSizes, StaleKeys)):
         bias = bias.as_mask()
     h = block.norm1(x)
     b, k, _ = h.shape
@@ -86,7 +86,7 @@ def attention_probs(block, x: torch.Tensor, bias: Optional[torch.Tensor]) -> tor
 def call_block(block, state, bias) -> torch.Tensor:
     """Run a timm ``Block`` on the current tokens (with the proportional-attention bias: a mask, or
     :class:`FoldedSizes` to fold into the attention)."""
-    if isinstance(bias, FoldedSizes):
+    if isinstance(bias, (FoldedSizes, StaleKeys)):
         return folded_block(block, state.x, bias)
     return block(state.x) if bias is None else block(state.x, attn_mask=bias)
 

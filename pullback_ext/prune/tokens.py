@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from pullback_ext import ops
-from pullback_ext.prune.folded_attention import FoldedSizes
+from pullback_ext.prune.folded_attention import FoldedSizes, StaleKeys
 
 
 @dataclass
@@ -47,6 +47,7 @@ class TokenState:
     frozen_positions: Optional[torch.Tensor] = None
     owner: Optional[torch.Tensor] = None
     stale: Optional[torch.Tensor] = None
+    num_stale: int = 0
 
     @classmethod
     def start(cls, x: torch.Tensor, num_prefix: int) -> "TokenState":
@@ -137,6 +138,7 @@ class TokenState:
         if masked and self.frozen is not None:
             b, n, _ = state.x.shape
             state.stale = torch.zeros(b, n, dtype=torch.bool, device=state.x.device).scatter(1, self.frozen_positions, True)
+            state.num_stale = self.frozen_positions.shape[1]
         return state
 
     def attention_bias(self, proportional: bool | str = True):
@@ -145,10 +147,13 @@ class TokenState:
         Proportional attention (``proportional``, merge mode): ``log(size)``, ``[B, 1, 1, K]``, or with
         ``proportional="folded"`` a :class:`~pullback_ext.prune.folded_attention.FoldedSizes` for the
         block to fold into its attention. Masked LLF: ``-inf`` where a kept query meets a stale key,
-        ``[B, 1, K, K]``.
+        ``[B, 1, K, K]``, or with ``"folded"`` a :class:`~pullback_ext.prune.folded_attention.StaleKeys`
+        for the block to run as two maskless attention calls.
         """
         if proportional == "folded" and self.owner is not None:
             return FoldedSizes(self.sizes.log())  # merge mode: no stale tokens
+        if proportional == "folded" and self.stale is not None:
+            return StaleKeys(torch.argsort(self.stale.to(torch.int8), dim=1, stable=True), self.x.shape[1] - self.num_stale)
         bias = self.sizes.log()[:, None, None, :] if (proportional and self.owner is not None) else None
         if self.stale is not None:
             hidden = ~self.stale[:, :, None] & self.stale[:, None, :]
