@@ -43,6 +43,8 @@ TIMM_CASES = {
 HF_CASES = {
     "hf_dinov2_merge": dict(MERGE),
     "hf_dinov2_registers_prune_llf": dict(MERGE, mode="prune", llf=True),
+    "hf_dinov2_tome": dict(strategy="tome", r=3),
+    "hf_dinov2_evit": dict(strategy="evit", keep_rate=0.7, evit_layers=(0, 1)),
 }
 PRUNE = dict(MERGE, mode="prune", llf=True)
 FAMILY_CASES = {f"{family}_{name}": (family, options) for family in ("vit", "clip", "siglip", "dinov3", "eva")
