@@ -122,7 +122,8 @@ def timm(model, options: Optional[ReductionOptions] = None, /, **overrides):
 
     ``options`` and the keywords (which replace its fields) are those of :class:`ReductionOptions`;
     ``mode="auto"`` merges. An ``Eva`` (EVA-02, RoPE ViTs) gives each current token the rotary
-    position of its original place, and takes the single-stage strategies only. Returns the model.
+    position of its original place (a merged token its destination's), and takes the single-stage
+    strategies and the originals but Expedite and TAP. Returns the model.
     """
     from pullback_ext.prune import timm_vit
 

@@ -5,13 +5,13 @@ FLOPs, options."""
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
 
 import pullback_ext.patch as patch
-from helpers.blocks import attention_half, embed, mlp_half, small_timm, tokens_after_each_block, unmerge
+from helpers.blocks import embed, small_timm, tokens_after_each_block
+from helpers.originals_reference import evit_reference
 from helpers.prune import images, tiny_vit
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import evit, timm_vit
@@ -21,41 +21,6 @@ from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore:strategy 'evit' now means:FutureWarning")
-
-
-def _reorganise_reference(x, probs, sources, p, num_patch, keep):
-    """One EViT stage on one image: keep the most attended patch tokens, fuse the rest (and a
-    fused token from before) into ``Σ a_i x_i``."""
-    attentiveness = probs[:, 0, :].mean(dim=0)
-    ranked = sorted(range(p, p + num_patch), key=lambda j: -float(attentiveness[j]))
-    kept = sorted(ranked[:keep])
-    fused_away = [j for j in range(p, x.shape[0]) if j not in kept]
-    fused = sum(attentiveness[j] * x[j] for j in fused_away)
-    order = list(range(p)) + kept
-    rows = torch.stack([x[j] for j in order] + [fused])
-    return rows, [sources[j] for j in order] + [[t for j in fused_away for t in sources[j]]]
-
-
-def evit_reference(model, images_, keep_rate, stages):
-    """EViT on each image: ``(final [B, N, D] normed, [after block i [B, N, D] for every block])``."""
-    h = embed(model, images_)
-    p, n = model.num_prefix_tokens, h.shape[1]
-    finals, per_block = [], []
-    for image in h:
-        x, sources, extra, seen = image, [[t] for t in range(n)], 0, []
-        for i, block in enumerate(model.blocks):
-            num_patch = x.shape[0] - p - extra
-            keep = math.ceil(keep_rate * num_patch)
-            if i in stages and keep < num_patch:
-                x, probs, _ = attention_half(block, x)
-                x, sources = _reorganise_reference(x, probs, sources, p, num_patch, keep)
-                x, extra = mlp_half(block, x), 1
-            else:
-                x = mlp_half(block, attention_half(block, x)[0])
-            seen.append(unmerge(x, sources, n))
-        finals.append(model.norm(seen[-1]))
-        per_block.append(torch.stack(seen))
-    return torch.stack(finals), list(torch.stack(per_block).transpose(0, 1))
 
 
 def _previous_block_attention(monkeypatch, model, stages):

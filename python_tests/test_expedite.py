@@ -5,13 +5,13 @@ FLOPs, options."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 import pullback_ext.patch as patch
-from helpers.blocks import attention_half, embed, mlp_half, small_timm, tokens_after_each_block
+from helpers.blocks import attention_half, mlp_half, small_timm, tokens_after_each_block
+from helpers.originals_reference import cluster_reference, expedite_reference, rebuild, reconstruction_reference
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import expedite
 from pullback_ext.prune.backbones import demo_backbone
@@ -38,84 +38,6 @@ def vit64(reg_tokens: int = 0, class_token: bool = True, depth: int = 4, img_siz
 
 def images64(n: int = 2, size: int = 64) -> torch.Tensor:
     return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-
-
-def _softmax(values: list, tau: float) -> list:
-    """``softmax(−v / τ)`` of a list of squared distances."""
-    low = min(values)
-    e = [math.exp(-(v - low) / tau) for v in values]
-    return [v / sum(e) for v in e]
-
-
-def _pooled(patches, side, h, w):
-    """Adaptive average pooling, bin by bin: rows ``floor(i S / h) .. ceil((i+1) S / h)``."""
-    centres = []
-    for i in range(h):
-        for j in range(w):
-            rows = range(i * side // h, -(-(i + 1) * side // h))
-            cols = range(j * side // w, -(-(j + 1) * side // w))
-            centres.append(sum(patches[r * side + c] for r in rows for c in cols) / (len(rows) * len(cols)))
-    return centres
-
-
-def _neighbours(t, side, h, w, window):
-    """The centres within ``window // 2`` cells of the cell holding token ``t`` (nearest upsampling)."""
-    row, col = (t // side) * h // side, (t % side) * w // side
-    return [i * w + j for i in range(h) for j in range(w) if abs(i - row) <= window // 2 and abs(j - col) <= window // 2]
-
-
-def cluster_reference(patches, grid, window, iters, tau):
-    """Expedite's clustering of one image's patches ``[n, D]``: the centres, one token at a time."""
-    n, side, (h, w) = patches.shape[0], math.isqrt(patches.shape[0]), grid
-    centres = _pooled(patches, side, h, w)
-    for _ in range(iters):
-        sums, weights = [torch.zeros_like(patches[0]) for _ in centres], [0.0] * len(centres)
-        for t in range(n):
-            near = _neighbours(t, side, h, w, window)
-            q = _softmax([float(((patches[t] - centres[j]) ** 2).sum()) for j in near], tau)
-            for j, qj in zip(near, q):
-                sums[j] = sums[j] + qj * patches[t]
-                weights[j] += qj
-        centres = [s / wt if wt > 0 else c for s, wt, c in zip(sums, weights, centres)]
-    return centres
-
-
-def reconstruction_reference(patches, centres, k, tau):
-    """For each token: its ``k`` nearest centres and their weights."""
-    recorded = []
-    for x in patches:
-        d = [float(((x - c) ** 2).sum()) for c in centres]
-        nearest = sorted(range(len(centres)), key=lambda j: d[j])[:k]
-        recorded.append((nearest, _softmax([d[j] for j in nearest], tau)))
-    return recorded
-
-
-def rebuild(x, p, recorded):
-    """Full-length ``[p + n, D]`` from ``x [p + m, D]`` (the current tokens), or ``x`` unclustered."""
-    if recorded is None:
-        return x
-    rows = [x[j] for j in range(p)]
-    rows += [sum(w * x[p + j] for j, w in zip(nearest, weights)) for nearest, weights in recorded]
-    return torch.stack(rows)
-
-
-def expedite_reference(model, images_, grid, layer, window=5, iters=5, tau=10.0, k=20):
-    """Expedite on each image: ``(final [B, N, D] normed, [after block i [B, N, D] for every block])``."""
-    h = embed(model, images_)
-    p = model.num_prefix_tokens
-    finals, per_block = [], []
-    for image in h:
-        x, recorded, seen = image, None, []
-        for i, block in enumerate(model.blocks):
-            if i == layer:
-                centres = cluster_reference(x[p:], grid, window, iters, tau)
-                recorded = reconstruction_reference(x[p:], centres, k, tau)
-                x = torch.cat([x[:p], torch.stack(centres)])
-            x = mlp_half(block, attention_half(block, x)[0])
-            seen.append(rebuild(x, p, recorded))
-        finals.append(model.norm(seen[-1]))
-        per_block.append(torch.stack(seen))
-    return torch.stack(finals), list(torch.stack(per_block).transpose(0, 1))
 
 
 def _global_assignment(monkeypatch):

@@ -12,16 +12,14 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
+from helpers.originals_reference import (asap_reference, background_reference, evit_reference, expedite_reference,
+                                         pitome_reference, tome_reference, walk_reference)
 from helpers.prune import images, tiny_dinov2, tiny_dpt, tiny_hf
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import hf_split
 from pullback_ext.prune.hf_encoders import biased_layer_forward, masked_layer_forward
 from pullback_ext.prune.hf_families import FAMILIES
-from test_asap import _background_reference, _walk_reference, asap_reference
-from test_evit import evit_reference
-from test_expedite import expedite_reference
-from test_pitome import pitome_reference
-from test_tome import tome_reference
+from pullback_ext.prune.merged_tokens import MergedTokens
 
 pytestmark = pytest.mark.filterwarnings("ignore:strategy '(tome|evit|asap)' now means:FutureWarning")
 
@@ -109,11 +107,12 @@ def test_split_halves_equal_the_layer_forward_with_and_without_a_bias(family):
     for b in (None, bias):
         expected = (biased_layer_forward(layer, x, b) if b is not None else type(layer).forward(layer, x)) if family == "dpt" \
             else masked_layer_forward(layer, x, b, family)
-        attended = split.attend(layer, x, b)
+        attended = split.attend(layer, MergedTokens(x, PREFIX[family]), b)
         torch.testing.assert_close(split.feed_forward(layer, attended.x), expected, rtol=1e-6, atol=1e-6)
         assert attended.q.shape == attended.k.shape == (2, 2, 5, 16)
-    assert not torch.allclose(split.feed_forward(layer, split.attend(layer, x, bias).x),
-                              split.feed_forward(layer, split.attend(layer, x, None).x), atol=1e-4)
+    state = MergedTokens(x, PREFIX[family])
+    assert not torch.allclose(split.feed_forward(layer, split.attend(layer, state, bias).x),
+                              split.feed_forward(layer, split.attend(layer, state, None).x), atol=1e-4)
 
 
 def _reference(model, family, strategy, h):
@@ -179,8 +178,7 @@ def test_nothing_reduced_is_the_unpatched_model_and_unpatch_restores_it(family):
         if hf_split.refusal(FAMILIES[family], strategy) is None:
             PATCHES[family](model, strategy=strategy, **ZERO[strategy])
             assert all(torch.equal(a, b) for a, b in zip(hidden_states(model, x), plain)), strategy
-    strategy = "asap" if family == "dinov3" else "tome"
-    PATCHES[family](model, strategy=strategy, **OPTIONS[strategy])
+    PATCHES[family](model, strategy="tome", **OPTIONS["tome"])
     assert not torch.allclose(hidden_states(model, x)[-1], plain[-1], atol=1e-4)
     patch.unpatch(model)
     assert all(torch.equal(a, b) for a, b in zip(hidden_states(model, x), plain))
@@ -203,8 +201,8 @@ def test_dinov3_asap_prunes_with_each_token_at_its_own_rotary_position():
         for i, layer in enumerate(layers):
             rows = [t - p for t in kept if t >= p]
             if i == 2:
-                t, sink, d = _walk_reference(attentions)
-                removed = _background_reference(d, sink, p, 8)
+                t, sink, d = walk_reference(attentions)
+                removed = background_reference(d, sink, p, 8)
                 frozen = y[0].clone()
                 kept = [t for t in kept if t not in removed]
                 y, rows = y[:, kept], [t - p for t in kept if t >= p]
@@ -219,15 +217,14 @@ def test_dinov3_asap_prunes_with_each_token_at_its_own_rotary_position():
                                rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("family,strategy", [("dinov3", "tome"), ("dinov3", "pitome"), ("dinov3", "evit"),
-                                             ("dinov3", "expedite"), ("siglip", "evit")])
+@pytest.mark.parametrize("family,strategy", [("dinov3", "expedite"), ("siglip", "evit")])
 def test_what_a_family_cannot_run_is_refused_naming_the_family_and_what_it_runs(family, strategy):
     model = tiny(family)
-    runs = "asap" if family == "dinov3" else "tome, pitome, expedite, asap"
-    reason = "needs a class token" if strategy == "evit" and family == "siglip" else "rotary"
+    runs = "tome, pitome, evit, asap" if family == "dinov3" else "tome, pitome, expedite, asap"
+    reason = "needs a class token" if family == "siglip" else "no rotary position"
     with pytest.raises(PullbackError, match=rf"strategy '{strategy}' on .*{reason}.*runs the originals {runs} "):
         PATCHES[family](model, strategy=strategy, **OPTIONS[strategy])
     assert patch.config(model) is None
     if family == "dinov3":
-        with pytest.raises(PullbackError, match="not run in halves"):
-            hf_split.attend(model.model.layer[0], torch.zeros(1, 4, 32, dtype=torch.float64), None, FAMILIES[family])
+        with pytest.raises(PullbackError, match="rows: .*DINOv3.*rotary rows of the current tokens"):
+            hf_split.attend(model.model.layer[0], MergedTokens(torch.zeros(1, 4, 32, dtype=torch.float64), 3), None, FAMILIES[family])

@@ -1,6 +1,6 @@
 """pullback_ext.patch.timm on timm ``Eva`` models (EVA-02, a "mixed" RoPE ViT, timm's DINOv3 with
 registers) and on timm ViTs with LayerScale (DINOv2-style, DeiT-III) for the single-stage
-strategies: exactness at ratio 0, hand-written references of prune (full LLF) and merge with the
+strategies (the originals on Eva: test_rope_originals.py): exactness at ratio 0, hand-written references of prune (full LLF) and merge with the
 rotary rows of the kept tokens, attention, unpatching."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def test_eva_attention_strategies_read_each_stage_with_the_current_positions(nam
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_every_single_stage_strategy_runs_on_eva_and_the_originals_are_refused(strategy):
+def test_every_single_stage_strategy_runs_on_eva_and_expedite_is_refused(strategy):
     model = tiny_eva("vit_small_patch16_dinov3", 64)
     x = pixels(64)
     head = (lambda f: f.norm(dim=-1)) if strategy in ("importance", "oracle") else None
@@ -121,6 +121,6 @@ def test_every_single_stage_strategy_runs_on_eva_and_the_originals_are_refused(s
         patch.timm(model, head=head, ratio=0.5, layers=(1, 2), mode=mode, strategy=strategy)
         final, inter = model.forward_intermediates(x, indices=[1, 2], output_fmt="NLC")
         assert final.shape == (2, 21, 384) and all(t.shape == (2, 16, 384) for t in inter)
-    for original, options in (("tome", dict(r=2)), ("evit", dict(keep_rate=0.5))):
-        with pytest.raises(PullbackError, match=f"strategy '{original}'.*Eva"):
-            patch.timm(model, strategy=original, **options)
+    with pytest.raises(PullbackError, match="strategy 'expedite'.*Eva.*no rotary position.*runs the originals tome, evit, "
+                                            "asap, pitome and the single-stage strategies"):
+        patch.timm(model, strategy="expedite", cluster_grid=(2, 2), cluster_layer=1)

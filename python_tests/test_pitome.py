@@ -5,64 +5,21 @@ counts, η, FLOPs, options."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 
 import pytest
 import torch
 
 import pullback_ext.patch as patch
-from helpers.blocks import assert_zero_reduction_is_unpatched, per_block_merge_reference, small_timm, tokens_after_each_block
+from helpers.blocks import assert_zero_reduction_is_unpatched, small_timm, tokens_after_each_block
 from helpers.prune import images, tiny_vit
 from helpers.broken_merges import merges_everywhere, no_proportional_attention, unweighted_averages
+from helpers.originals_reference import pitome_reference
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import pitome, tome
 from pullback_ext.prune.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.reduction_options import ReductionOptions
-
-
-def _energy_merge_reference(x, keys, sizes, sources, p, r, margin, alpha):
-    """One PiToMe step on one image, with Python lists: energy over the patch tokens, the 2r
-    highest alternate between A and B, every A token merges into its most similar B token."""
-    k = x.shape[0]
-    patch_tokens = list(range(p, k))
-    r = min(r, len(patch_tokens) // 2)
-    if r == 0:
-        return x, sizes, sources
-    metric = keys.mean(dim=0)
-    unit = metric / metric.norm(dim=-1, keepdim=True)
-
-    def cos(i, j):
-        return float(unit[i] @ unit[j])
-
-    def f(c):
-        return c if c >= margin else alpha * (math.exp(c - margin) - 1.0)
-
-    energy = {i: sum(f(cos(i, j)) for j in patch_tokens) / len(patch_tokens) for i in patch_tokens}
-    ranked = sorted(patch_tokens, key=lambda i: -energy[i])
-    set_a, set_b, protected = ranked[0:2 * r:2], ranked[1:2 * r:2], ranked[2 * r:]
-    members = {j: [j] for j in range(k)}
-    for a in set_a:
-        members[max(set_b, key=lambda b: cos(a, b))].append(a)
-    rows, new_sizes, new_sources = [], [], []
-    for j in list(range(p)) + protected + set_b:
-        total = sum(sizes[m] for m in members[j])
-        rows.append(sum(sizes[m] * x[m] for m in members[j]) / total)
-        new_sizes.append(total)
-        new_sources.append([t for m in members[j] for t in sources[m]])
-    return torch.stack(rows), new_sizes, new_sources
-
-
-def pitome_reference(model, images_, merges, margin=0.9, alpha=1.0, prop_attn=True):
-    """PiToMe on each image: ``(final [B, N, D] normed, [after block i [B, N, D] for every block])``;
-    block ``i`` of ``L`` uses the margin ``margin · (1 − i/L)``."""
-    depth = len(model.blocks)
-
-    def step(i, x, keys, sizes, sources, p, r):
-        return _energy_merge_reference(x, keys, sizes, sources, p, r, margin * (1 - i / depth), alpha)
-
-    return per_block_merge_reference(model, images_, merges, step, prop_attn)
 
 
 def _features_as_keys(monkeypatch):
@@ -237,7 +194,7 @@ def test_pitome_fields_need_pitome_and_the_shared_ones_name_both_methods():
         ReductionOptions(strategy="evit", keep_rate=0.5, r=2)
 
 
-def test_options_round_trip_no_renaming_note_and_other_backbones_refuse_the_original():
+def test_options_round_trip_no_renaming_note_and_the_hugging_face_backbones_take_it():
     from helpers.prune import tiny_dinov2, tiny_hf
 
     with warnings.catch_warnings():
@@ -250,5 +207,4 @@ def test_options_round_trip_no_renaming_note_and_other_backbones_refuse_the_orig
     assert (resolved.block_range, resolved.prop_attn, resolved.mode, resolved.margin, resolved.energy_alpha) == (
         (0, 4), True, "merge", 0.9, 1.0)
     assert patch.config(patch.hf_dinov2(tiny_dinov2(), strategy="pitome", r=2)).r == 2
-    with pytest.raises(PullbackError, match=r"DINOv3.*rotary.* single-stage strategies \(e.g. 'pitome_score'\)$"):
-        patch.hf_dinov3(tiny_hf("dinov3"), strategy="pitome", r=2)
+    assert patch.config(patch.hf_dinov3(tiny_hf("dinov3"), strategy="pitome", r=2)).r == 2  # RoPE: see test_rope_originals

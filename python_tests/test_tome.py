@@ -10,46 +10,19 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from helpers.blocks import assert_zero_reduction_is_unpatched, embed, per_block_merge_reference, small_timm, tokens_after_each_block
+from helpers.blocks import assert_zero_reduction_is_unpatched, embed, small_timm, tokens_after_each_block
 from helpers.prune import images, tiny_vit
 from helpers.broken_merges import merges_everywhere, no_proportional_attention, unweighted_averages
+from helpers.originals_reference import tome_reference
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import reduction_options, timm_vit, tome
 from pullback_ext.prune.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
+from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import ReductionOptions
 from pullback_ext.prune.split_block import SplitBlock
 
 pytestmark = pytest.mark.filterwarnings("ignore:strategy 'tome' now means:FutureWarning")
-
-
-def _merge_reference(x, keys, sizes, sources, p, r):
-    """One bipartite soft matching step on one image, with Python lists."""
-    k = x.shape[0]
-    set_a = [j for j in range(p, k) if j % 2 == 0]
-    set_b = [j for j in range(p, k) if j % 2 == 1]
-    r = min(r, len(set_a)) if set_b else 0
-    metric = keys.mean(dim=0)
-    unit = metric / metric.norm(dim=-1, keepdim=True)
-    match = {a: max(set_b, key=lambda b: float(unit[a] @ unit[b])) for a in set_a}
-    gone = sorted(set_a, key=lambda a: -float(unit[a] @ unit[match[a]]))[:r]
-    groups = {j: [j] for j in range(k)}
-    for a in gone:
-        groups[match[a]].append(a)
-    order = list(range(p)) + [a for a in set_a if a not in gone] + set_b
-    rows, new_sizes, new_sources = [], [], []
-    for j in order:
-        weight = [sizes[m] for m in groups[j]]
-        rows.append(sum(w * x[m] for w, m in zip(weight, groups[j])) / sum(weight))
-        new_sizes.append(sum(weight))
-        new_sources.append([t for m in groups[j] for t in sources[m]])
-    return torch.stack(rows), new_sizes, new_sources
-
-
-def tome_reference(model, images_, merges, prop_attn=True):
-    """ToMe on each image: ``(final [B, N, D] normed, [after block i [B, N, D] for every block])``."""
-    step = lambda i, x, keys, sizes, sources, p, r: _merge_reference(x, keys, sizes, sources, p, r)  # noqa: E731
-    return per_block_merge_reference(model, images_, merges, step, prop_attn)
 
 
 def _features_as_keys(monkeypatch):
@@ -212,7 +185,7 @@ def test_invalid_tome_options_name_the_field(kwargs, match):
         ReductionOptions(strategy="norm", r=2)
 
 
-def test_options_round_trip_and_other_backbones_refuse_the_original():
+def test_options_round_trip_and_a_backbone_that_cannot_split_its_blocks_refuses_the_original():
     from helpers.prune import tiny_dinov2, tiny_hf
 
     options = ReductionOptions(strategy="tome", r=3, schedule="decreasing", block_range=[1, 3], prop_attn=False)
@@ -221,8 +194,11 @@ def test_options_round_trip_and_other_backbones_refuse_the_original():
     resolved = patch.config(patch.timm(tiny_vit(), strategy="tome", r=3))
     assert (resolved.block_range, resolved.prop_attn, resolved.mode) == ((0, 4), True, "merge")
     assert patch.config(patch.hf_dinov2(tiny_dinov2(), strategy="tome", r=2)).r == 2
-    with pytest.raises(PullbackError, match="strategy 'tome' on .*DINOv3.*rotary"):
-        patch.hf_dinov3(tiny_hf("dinov3"), strategy="tome", r=2)
+    assert patch.config(patch.hf_dinov3(tiny_hf("dinov3"), strategy="tome", r=2)).r == 2  # RoPE: see test_rope_originals
+    model = tiny_vit()
+    with pytest.raises(PullbackError, match="strategy 'tome' reduces between attention and MLP.*cannot split its blocks"):
+        run_blocks(options.resolve(timm_vit.backbone_shape(model)), embed(model, images(1)),
+                   model.blocks, timm_vit.call_block, timm_vit.attention_probs)
 
 
 def test_using_tome_notes_once_that_its_meaning_changed():

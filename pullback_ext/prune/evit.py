@@ -16,7 +16,8 @@ between attention and MLP:
 The fused token is not a patch token: later stages neither rank nor keep it, they fuse it again
 with their newly inattentive tokens, weighted by the attention it receives in that block (its
 features enter the new sum like those of any inattentive token), so there is at most one fused
-token. (EViT's code ranks the fused token with the patch tokens instead, so that it may also be
+token. On a RoPE backbone the kept tokens keep their own rotary positions and the fused token, a
+sum over many positions, is not rotated (as the prefix tokens are not). (EViT's code ranks the fused token with the patch tokens instead, so that it may also be
 kept as an ordinary token.) A stage that keeps every patch token leaves the fused token as it is.
 η counts the fused token as removed. Full-length features give every fused-away token the fused
 token's features.
@@ -74,7 +75,8 @@ def fuse_inattentive(state: MergedTokens, attentiveness: torch.Tensor, keep: int
     new_index = torch.full((b, k), p + keep, dtype=torch.long, device=state.x.device)  # the fused token
     new_index[:, :p] = torch.arange(p, device=state.x.device)
     new_index.scatter_(1, top, torch.arange(p, p + keep, device=state.x.device).expand(b, keep))
-    return state.regroup(torch.cat([state.x[:, :p], kept, fused], dim=1), new_index, num_extra=1)
+    places = torch.cat([torch.arange(p, device=state.x.device).expand(b, p), top], dim=1)
+    return state.regroup(torch.cat([state.x[:, :p], kept, fused], dim=1), new_index, places, num_extra=1)
 
 
 def run(reduction, x: torch.Tensor, blocks, call_block, split, take=()):
@@ -87,7 +89,7 @@ def run(reduction, x: torch.Tensor, blocks, call_block, split, take=()):
         keep = kept_count(o.keep_rate, state.num_patch)
         if i not in o.evit_layers or keep >= state.num_patch:
             return state.with_x(call_block(block, state, None))
-        attended = split.attend(block, state.x, None)
+        attended = split.attend(block, state, None)
         state = fuse_inattentive(state.with_x(attended.x), cls_attention(attended), keep)
         return state.with_x(split.feed_forward(block, state.x))
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import types
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -38,7 +39,7 @@ from pullback_ext.prune.hf_families import FAMILIES, Family, attention_module, c
 from pullback_ext.prune.hf_vit import refuse_attention_mask
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import Reduction
-from pullback_ext.prune.rope import DeferredAttention, RotaryRows
+from pullback_ext.prune.rope import DeferredAttention, RotaryRows, still_cos_sin
 from pullback_ext.prune.tokens import TokenState
 
 _LAYER_ATTR = "_pullback_layer_state"
@@ -145,11 +146,16 @@ def _current_forward(holder: dict, family: Family, layer, state, bias) -> torch.
     RoPE families, the rotary rows of the current tokens); returns ``[B, K, D]``."""
     x, extra = state.x, {}
     if family.rotary is not None:
-        extra["position_embeddings"] = holder["rows"].select(state, holder["rotary"])
+        extra["position_embeddings"] = _rotary_rows(holder, state)
         holder["deferred"].fill(layer, x, bias, extra["position_embeddings"])
     if family.takes_mask:
         return masked_layer_forward(layer, x, bias, family.name, **extra)
     return type(layer).forward(layer, x) if bias is None else biased_layer_forward(layer, x, bias)
+
+
+def _rotary_rows(holder: dict, state) -> tuple:
+    """The rotary ``(cos, sin)`` rows of the current tokens of ``state`` (RoPE families)."""
+    return holder["rows"].select(state, holder["rotary"])
 
 
 def _layer_forward(holder: dict, family: Family):
@@ -190,7 +196,7 @@ def _attention_reader(encoder: Encoder, holder: dict, position_embeddings):
         return lambda layer, x, bias: attention_probs(layer, x, bias, encoder.family)
     if position_embeddings is None:
         raise PullbackError(f"position_embeddings: {family.title} layers need the rotary (cos, sin) tables; got None")
-    holder["rows"], holder["rotary"] = RotaryRows(encoder.num_prefix), tuple(position_embeddings)
+    holder["rows"], holder["rotary"] = RotaryRows(encoder.num_prefix, still_cos_sin), tuple(position_embeddings)
     holder["deferred"] = DeferredAttention(lambda layer, x, bias, rows: attention_probs(layer, x, bias, encoder.family, rows))
     return holder["deferred"].request
 
@@ -233,7 +239,8 @@ def _run_original(encoder: Encoder, reduction: Reduction, holder: dict, hidden_s
     def call_layer(layer, state, bias) -> torch.Tensor:
         return _current_forward(holder, family, layer, state, bias)
 
-    final, outputs = hf_split.run(family, reduction, hidden_states, encoder.layers, call_layer, probs)
+    rows = partial(_rotary_rows, holder) if family.rotary is not None else None
+    final, outputs = hf_split.run(family, reduction, hidden_states, encoder.layers, call_layer, probs, rows)
     holder["replay"] = dict(zip(encoder.layers, outputs))
     x = hidden_states
     for layer in encoder.layers:

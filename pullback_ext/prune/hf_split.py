@@ -11,18 +11,22 @@ that :func:`pullback_ext.prune.tome.run`, :func:`pullback_ext.prune.evit.run` an
 family alike, DPT included; Expedite and ASAP run whole layers and read attention probabilities
 between them, as every family gives them.
 
+On a RoPE family (DINOv3) the attention half rotates the queries and keys of the current tokens by
+the rotary rows of their original positions, which the token state
+(:class:`~pullback_ext.prune.merged_tokens.MergedTokens`) tracks through ToMe's and PiToMe's
+reordering (a merged token at its destination's position); EViT's fused token is not rotated (see
+:mod:`pullback_ext.prune.rope`).
+
 What each family takes (:func:`refusal`): a family without a class token (SigLIP) cannot run EViT,
-which ranks tokens by the CLS row of the attention; a RoPE family (DINOv3) runs ASAP only: ToMe,
-PiToMe and EViT reorder the tokens inside the layer and their state
-(:class:`~pullback_ext.prune.merged_tokens.MergedTokens`) keeps no original position for the rotary
-rows, and Expedite's cluster tokens have none.
+which ranks tokens by the CLS row of the attention; a RoPE family cannot run Expedite, whose cluster
+tokens have no rotary position.
 """
 
 from __future__ import annotations
 
 import operator
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +43,6 @@ def refusal(family: Family, strategy: str) -> Optional[str]:
     """Why ``family`` cannot run the original ``strategy`` (one of :data:`METHODS`), or None."""
     if strategy == "evit" and not family.has_cls:
         return "needs a class token (EViT ranks the tokens by the class token's attention); this model has none"
-    if family.rotary is not None and strategy in ("tome", "pitome", "evit"):
-        return ("reorders the tokens between attention and MLP, and its token state keeps no original positions for "
-                "the rotary embedding")
     if family.rotary is not None and strategy == "expedite":
         return "clusters the tokens into cluster tokens, which have no rotary position"
     return None
@@ -66,13 +67,17 @@ def _apply(layer, paths: tuple, h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def attend(layer, x: torch.Tensor, bias: Optional[torch.Tensor], family: Family) -> Attended:
-    """The attention half of a layer of ``family`` on ``x [B, K, D]``: ``x + branch(attention(norm(x)))``
-    with the additive ``bias`` (``[B, 1, 1|K, K]`` or None) on the logits of every head, and the
-    queries and keys ``[B, H, K, d]`` it used (inference: no dropout)."""
-    if family.rotary is not None:
-        raise PullbackError(f"{family.title}: its layers are not run in halves ({refusal(family, 'tome')})")
+def attend(layer, state, bias: Optional[torch.Tensor], family: Family, rows: Optional[Callable] = None) -> Attended:
+    """The attention half of a layer of ``family`` on ``x = state.x [B, K, D]``: ``x +
+    branch(attention(norm(x)))`` with the additive ``bias`` (``[B, 1, 1|K, K]`` or None) on the
+    logits of every head, and the queries and keys ``[B, H, K, d]`` it used (inference: no
+    dropout); RoPE families rotate them by ``rows(state)``, the rotary rows of the current tokens."""
+    if family.rotary is not None and rows is None:
+        raise PullbackError(f"rows: {family.title} layers run in halves need the rotary rows of the current tokens; got None")
+    x = state.x
     attn, _, (q, k, v) = heads(layer, x, family.name, 3)
+    if family.rotary is not None:
+        q, k = family.rotary(q, k, rows(state))
     scale = float(getattr(attn, family.attention.scaling))
     mask = None if bias is None else bias.to(q.dtype)
     context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -86,17 +91,18 @@ def feed_forward(layer, x: torch.Tensor, family: Family) -> torch.Tensor:
     return x + _apply(layer, b.mlp, getattr(layer, b.mlp_norm)(x))
 
 
-def split(family: Family) -> SplitBlock:
-    """The layers of ``family`` in two halves, for the originals that reduce between them."""
-    return SplitBlock(attend=partial(attend, family=family), feed_forward=partial(feed_forward, family=family))
+def split(family: Family, rows: Optional[Callable] = None) -> SplitBlock:
+    """The layers of ``family`` in two halves, for the originals that reduce between them
+    (``rows(state)``: the rotary rows of the current tokens, RoPE families)."""
+    return SplitBlock(attend=partial(attend, family=family, rows=rows), feed_forward=partial(feed_forward, family=family))
 
 
-def run(family: Family, reduction, x: torch.Tensor, layers, call_layer, attention_probs):
+def run(family: Family, reduction, x: torch.Tensor, layers, call_layer, attention_probs, rows: Optional[Callable] = None):
     """Run ``layers`` of ``family`` on ``x [B, N, D]`` with the original method of ``reduction``
     (``call_layer(layer, state, bias)``, ``attention_probs(layer, x, bias)``: see
-    :func:`~pullback_ext.prune.pipeline.run_blocks`). Returns ``(final [B, N, D], [output of layer
-    i, full-length [B, N, D], for every layer])``."""
+    :func:`~pullback_ext.prune.pipeline.run_blocks`; ``rows``: see :func:`split`). Returns
+    ``(final [B, N, D], [output of layer i, full-length [B, N, D], for every layer])``."""
     check(family, reduction.strategy.name)
     final, taken = run_blocks(reduction, x, layers, call_layer, attention_probs, take=range(len(layers)),
-                              split=split(family))
+                              split=split(family, rows))
     return final, [taken[i] for i in range(len(layers))]

@@ -3,8 +3,12 @@ where every original token went, so that full-length features can be read at any
 
 Unlike :class:`~pullback_ext.prune.tokens.TokenState` (the single-stage pipeline, which keeps the
 current tokens in their original order) the current tokens may be reordered at each reduction —
-ToMe concatenates its two sets, EViT appends its fused token — so the only map kept is
-``owner [B, N]``, the current index holding each original token (ToMe's "source" tracking).
+ToMe concatenates its two sets, EViT appends its fused token — so the maps kept are ``owner
+[B, N]``, the current index holding each original token (ToMe's "source" tracking), and
+``positions``, the original place of each current token, which the RoPE backbones rotate it by
+(:class:`~pullback_ext.prune.rope.RotaryRows`): a merged token keeps its destination's place, a
+kept token its own; EViT's fused token, a sum over many places, has none (the RoPE backbones do not
+rotate it, as they do not rotate the prefix tokens).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ class MergedTokens:
     ``owner [B, N]`` (int64, None while nothing was reduced): index in ``x`` of the token that holds
     original token ``n``. ``sizes [B, K]`` (x's dtype, None while nothing was merged or when the
     method does not track them): how many original tokens each current token stands for.
+    ``positions [B, num_prefix + num_patch]`` (int64, None while nothing was reduced): the original
+    index of each prefix and patch token (the extra tokens have none).
     """
 
     x: torch.Tensor
@@ -32,6 +38,12 @@ class MergedTokens:
     owner: Optional[torch.Tensor] = None
     sizes: Optional[torch.Tensor] = None
     num_extra: int = 0
+    positions: Optional[torch.Tensor] = None
+
+    @property
+    def reduced(self) -> bool:
+        """Whether any token was merged, fused or reordered so far."""
+        return self.owner is not None
 
     @property
     def num_patch(self) -> int:
@@ -42,12 +54,16 @@ class MergedTokens:
         """The same bookkeeping with new features ``x [B, K, D]`` for the same tokens."""
         return replace(self, x=x)
 
-    def regroup(self, x: torch.Tensor, new_index: torch.Tensor, sizes: Optional[torch.Tensor] = None,
-                num_extra: int = 0) -> "MergedTokens":
+    def regroup(self, x: torch.Tensor, new_index: torch.Tensor, places: torch.Tensor,
+                sizes: Optional[torch.Tensor] = None, num_extra: int = 0) -> "MergedTokens":
         """The state after a reduction: ``x [B, K', D]`` the new tokens, ``new_index [B, K]`` the
-        index in ``x`` of the token each *current* token went into; ``sizes [B, K']`` if tracked."""
+        index in ``x`` of the token each *current* token went into, ``places [B, K' - num_extra]``
+        the current token whose place each new prefix or patch token takes (a merged token: its
+        destination); ``sizes [B, K']`` if tracked."""
         owner = new_index if self.owner is None else torch.gather(new_index, 1, self.owner)
-        return MergedTokens(x=x, num_prefix=self.num_prefix, owner=owner, sizes=sizes, num_extra=num_extra)
+        positions = places if self.positions is None else torch.gather(self.positions, 1, places)
+        return MergedTokens(x=x, num_prefix=self.num_prefix, owner=owner, sizes=sizes, num_extra=num_extra,
+                            positions=positions)
 
     def full(self, x: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Full-length ``[B, N, D]`` from ``x`` (default: the current tokens): every original token

@@ -5,7 +5,11 @@ A RoPE block is given one table row per patch token (prefix tokens — CLS, regi
 rotated). Once tokens are reduced, each current token keeps the row of its own original position:
 :attr:`TokenState.positions <pullback_ext.prune.tokens.TokenState>` holds it (a merged token is
 its destination, which keeps its place; a pruned token re-inserted by LLF is back at its own
-position). :class:`RotaryRows` gathers those rows once per token state.
+position). :class:`RotaryRows` gathers those rows once per token state. The per-block originals'
+token state (:class:`~pullback_ext.prune.merged_tokens.MergedTokens`) tracks the same positions
+through ToMe's and PiToMe's reordering (a merged token at its destination's); EViT's fused token,
+appended after the patch tokens and a sum over many positions, is given the row of no rotation
+(``still``: cosine 1, sine 0), so that it is not rotated, like the prefix tokens.
 
 :class:`DeferredAttention` serves the strategies that read attention (``evit_score``, ``asap_score``):
 the block loop asks for a block's attention before it runs the block and passes only the tokens,
@@ -29,17 +33,35 @@ def select_rows(table: torch.Tensor, patch_index: torch.Tensor) -> torch.Tensor:
     return rows.movedim(lead, 0) if lead else rows.unsqueeze(1)
 
 
+def still_cos_sin(rows: tuple) -> tuple:
+    """The row of no rotation ``[..., 1, d]`` of each of the ``(cos, sin)`` rows ``[..., k, d]``
+    (Hugging Face DINOv3): cosine 1, sine 0."""
+    cos, sin = rows
+    return torch.ones_like(cos[..., :1, :]), torch.zeros_like(sin[..., :1, :])
+
+
+def still_sin_cos_cat(rows: tuple) -> tuple:
+    """The row of no rotation ``[..., 1, d]`` of timm's concatenated ``[sin, cos]`` rows ``[..., k, d]``
+    (``apply_rot_embed_cat``): sine 0, cosine 1."""
+    (table,) = rows
+    sin, cos = table[..., :1, :].chunk(2, dim=-1)
+    return (torch.cat([torch.zeros_like(sin), torch.ones_like(cos)], dim=-1),)
+
+
 class RotaryRows:
     """The table rows of the current tokens of a token state, gathered once per state and table.
 
     ``select(state, tables, key)``: ``tables`` (a tuple of ``[..., n, d]`` tables, e.g. ``(cos,
     sin)``) unchanged while nothing was reduced (so an unreduced run is bit-identical), else their
-    rows at the current patch tokens' positions; ``key`` names the tables (one per block when each
-    block has its own). A new object per forward: it holds the last state it saw.
+    rows at the current patch tokens' positions, then for each extra token of the state (EViT's
+    fused token) the row of no rotation, ``still(rows)`` (:func:`still_cos_sin`,
+    :func:`still_sin_cos_cat`); ``key`` names the tables (one per block when each block has its
+    own). A new object per forward: it holds the last state it saw.
     """
 
-    def __init__(self, num_prefix: int):
+    def __init__(self, num_prefix: int, still: Optional[Callable] = None):
         self.num_prefix = num_prefix
+        self.still = still
         self._state = None
         self._rows: dict = {}
 
@@ -50,7 +72,12 @@ class RotaryRows:
             self._state, self._rows = state, {}
         if key not in self._rows:
             index = state.positions[:, self.num_prefix:] - self.num_prefix
-            self._rows[key] = tuple(select_rows(table, index) for table in tables)
+            rows = tuple(select_rows(table, index) for table in tables)
+            extra = getattr(state, "num_extra", 0)
+            if extra:
+                rows = tuple(torch.cat([r, s.expand(*r.shape[:-2], extra, r.shape[-1])], dim=-2)
+                             for r, s in zip(rows, self.still(rows)))
+            self._rows[key] = rows
         return self._rows[key]
 
 

@@ -11,8 +11,10 @@ import torch
 
 class Attended(NamedTuple):
     """The attention half of a block: ``x [B, K, D]`` = input + (layer-scaled) attention output;
-    ``q, k [B, H, K, hd]`` the queries and keys the attention used (after any q/k norm); ``scale``
-    the factor of the logits, so that ``softmax(scale · q kᵀ + bias)`` are its probabilities."""
+    ``q, k [B, H, K, hd]`` the queries and keys the attention used (after any q/k norm and, on RoPE
+    backbones, rotated: so ToMe's and PiToMe's key similarity there includes the tokens' relative
+    positions); ``scale`` the factor of the logits, so that ``softmax(scale · q kᵀ + bias)`` are
+    its probabilities."""
 
     x: torch.Tensor
     q: torch.Tensor
@@ -22,9 +24,11 @@ class Attended(NamedTuple):
 
 @dataclass(frozen=True)
 class SplitBlock:
-    """``attend(block, x [B, K, D], bias) -> Attended`` (``bias``: additive attention mask or None)
-    and ``feed_forward(block, x [B, K, D]) -> [B, K, D]`` (input + layer-scaled MLP output); the two
-    in turn compute exactly what the block computes."""
+    """``attend(block, state, bias) -> Attended`` on the current tokens ``state.x [B, K, D]`` of a
+    :class:`~pullback_ext.prune.merged_tokens.MergedTokens` (whose positions give a RoPE block its
+    rotary rows; ``bias``: additive attention mask or None) and ``feed_forward(block, x [B, K, D])
+    -> [B, K, D]`` (input + layer-scaled MLP output); the two in turn compute exactly what the
+    block computes."""
 
     attend: Callable
     feed_forward: Callable

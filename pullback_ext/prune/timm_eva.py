@@ -5,8 +5,11 @@ An ``Eva`` differs from a ``VisionTransformer`` in two places the patched forwar
 "mixed" RoPE), and every block takes it (``block(x, rope=..., attn_mask=...)``), rotating all
 tokens but the prefix. Each current token is given the row of its own original position
 (:mod:`pullback_ext.prune.rope`). LayerScale (``gamma_1``, ``gamma_2``) runs inside the block.
-The originals ToMe and EViT reorder tokens without tracking their positions, so Eva takes the
-single-stage strategies only.
+
+The originals ToMe, PiToMe and EViT run an ``EvaBlock`` in two halves (:func:`attend`,
+:func:`feed_forward`), the attention half with the rotary rows of the current tokens' original
+positions (a merged token at its destination's; EViT's fused token not rotated); ASAP runs whole
+blocks. Expedite is refused (:func:`refusal`): its cluster tokens have no rotary position.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from typing import Optional
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.rope import DeferredAttention, RotaryRows
+from pullback_ext.prune.rope import DeferredAttention, RotaryRows, still_sin_cos_cat
+from pullback_ext.prune.split_block import Attended, SplitBlock
 from pullback_ext.prune.timm_vit import BlockRunner, attention_with_qk
 
 
@@ -27,6 +31,15 @@ def is_eva(model) -> bool:
     except ImportError:
         return False
     return isinstance(model, Eva)
+
+
+def refusal(strategy: str) -> Optional[str]:
+    """Why an ``Eva`` cannot run the original ``strategy``, or None."""
+    if strategy == "expedite":
+        return "clusters the tokens into cluster tokens, which have no rotary position"
+    if strategy == "tap":
+        return "runs timm VisionTransformer blocks only"
+    return None
 
 
 def _rotate(t: torch.Tensor, rope: torch.Tensor, attn) -> torch.Tensor:
@@ -53,12 +66,45 @@ def attention_probs(block, x: torch.Tensor, bias: Optional[torch.Tensor], rope: 
     return logits.softmax(dim=-1).mean(dim=1)
 
 
+def _check_splittable(block) -> None:
+    from timm.models.eva import EvaBlock
+
+    attn = getattr(block, "attn", None)
+    if not (isinstance(block, EvaBlock) and type(block).forward is EvaBlock.forward
+            and all(hasattr(attn, a) for a in ("q_norm", "k_norm", "scale", "num_prefix_tokens"))):
+        raise PullbackError(f"ToMe, PiToMe and EViT run timm's pre-norm EvaBlock in two halves (attention, then MLP); "
+                            f"got {type(block).__name__} with {type(attn).__name__}")
+
+
+def attend(block, state, bias: Optional[torch.Tensor], rope: Optional[torch.Tensor]) -> Attended:
+    """The attention half of an ``EvaBlock`` on ``x = state.x [B, K, D]`` with rotary rows ``rope``:
+    ``x + drop_path1(gamma_1 · attn(norm1(x)))`` with the additive ``bias``, and the queries and
+    keys ``[B, H, K, hd]`` its logits used (after ``q_norm`` / ``k_norm`` and the rotation)."""
+    _check_splittable(block)
+    attn, x = block.attn, state.x
+    out, q, k = attention_with_qk(attn, block.norm1(x), rope=rope, attn_mask=bias)
+    if rope is not None:
+        q, k = _rotate(q, rope, attn), _rotate(k, rope, attn)
+    if block.gamma_1 is not None:
+        out = block.gamma_1 * out
+    k = k.repeat_interleave(getattr(attn, "num_kv_groups", 1), dim=1)  # grouped-query attention
+    return Attended(x + block.drop_path1(out), q, k, float(attn.scale))
+
+
+def feed_forward(block, x: torch.Tensor) -> torch.Tensor:
+    """The MLP half of an ``EvaBlock``: ``x + drop_path2(gamma_2 · mlp(norm2(x)))``."""
+    out = block.mlp(block.norm2(x))
+    if block.gamma_2 is not None:
+        out = block.gamma_2 * out
+    return x + block.drop_path2(out)
+
+
 def embed(model, x: torch.Tensor) -> tuple[torch.Tensor, BlockRunner]:
     """The input of the first block ``[B, N, D]`` of ``model`` on images ``x``, and how to run its
     blocks on reduced tokens (with the rotary rows of the current tokens)."""
     tokens, rope = model._pos_embed(model.patch_embed(x))
     tokens = model.norm_pre(tokens)
-    rows = RotaryRows(int(model.num_prefix_tokens))
+    rows = RotaryRows(int(model.num_prefix_tokens), still_sin_cos_cat)
     per_block = rope is not None and getattr(model, "rope_mixed", False)  # rope [depth, H, n, d]
     index = {id(block): i for i, block in enumerate(model.blocks)}
     deferred = DeferredAttention(attention_probs)
@@ -74,4 +120,6 @@ def embed(model, x: torch.Tensor) -> tuple[torch.Tensor, BlockRunner]:
         deferred.fill(block, state.x, bias, block_rows)
         return block(state.x, rope=block_rows, attn_mask=bias)
 
-    return tokens, BlockRunner(call_block, deferred.request, None)
+    split = SplitBlock(attend=lambda block, state, bias: attend(block, state, bias, block_rope(block, state)),
+                       feed_forward=feed_forward)
+    return tokens, BlockRunner(call_block, deferred.request, split)

@@ -5,7 +5,8 @@ swap the plain block loop for :func:`pullback_ext.prune.pipeline.run_blocks`; wi
 remove they perform exactly the same operations, so the output is bit-identical. ToMe and EViT run
 a timm ``Block`` in its two halves (:data:`SPLIT`), with LayerScale (``ls1``, ``ls2``) and drop
 path applied as the block applies them. A timm ``Eva`` (EVA-02, RoPE ViTs) embeds and runs its
-blocks with rotary positions: :mod:`pullback_ext.prune.timm_eva` gives its :class:`BlockRunner`.
+blocks with rotary positions: :mod:`pullback_ext.prune.timm_eva` gives its :class:`BlockRunner`
+(and the halves of its blocks).
 """
 
 from __future__ import annotations
@@ -51,13 +52,15 @@ def is_timm_vit(model) -> bool:
 
 
 def check_strategy(model, strategy: str) -> None:
-    """The originals split the blocks and reorder tokens, which a RoPE ``Eva`` cannot follow."""
+    """Raise if ``model`` cannot run ``strategy`` (an ``Eva``: see :func:`pullback_ext.prune.timm_eva.refusal`)."""
+    from pullback_ext.prune import timm_eva
     from pullback_ext.prune.strategies import ORIGINALS
-    from pullback_ext.prune.timm_eva import is_eva
 
-    if strategy in ORIGINALS and is_eva(model):
-        raise PullbackError(f"strategy {strategy!r} (the original method) runs timm VisionTransformer blocks only; an Eva "
-                            f"({type(model).__name__}) takes the single-stage strategies, e.g. '{strategy}_score'")
+    reason = timm_eva.refusal(strategy) if timm_eva.is_eva(model) else None
+    if reason is not None:
+        runs = ", ".join(m for m in ORIGINALS if timm_eva.refusal(m) is None)
+        raise PullbackError(f"strategy {strategy!r} (the original method) on an Eva ({type(model).__name__}): it {reason}; "
+                            f"an Eva runs the originals {runs} and the single-stage strategies (e.g. '{strategy}_score')")
 
 
 def backbone_shape(model) -> BackboneShape:
@@ -101,11 +104,13 @@ def _check_splittable(block) -> None:
                             f"got {type(block).__name__} with {type(attn).__name__}")
 
 
-def attend(block, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Attended:
-    """The attention half of a timm ``Block``: ``x + drop_path1(ls1(attn(norm1(x))))`` with the
-    additive ``bias``, and the queries and keys ``[B, H, K, hd]`` the attention used, caught at its
-    ``q_norm`` / ``k_norm`` so that the block's own attention code runs unchanged."""
+def attend(block, state, bias: Optional[torch.Tensor]) -> Attended:
+    """The attention half of a timm ``Block`` on ``x = state.x [B, K, D]``: ``x +
+    drop_path1(ls1(attn(norm1(x))))`` with the additive ``bias``, and the queries and keys ``[B, H,
+    K, hd]`` the attention used, caught at its ``q_norm`` / ``k_norm`` so that the block's own
+    attention code runs unchanged."""
     _check_splittable(block)
+    x = state.x
     out, q, k = attention_with_qk(block.attn, block.norm1(x), attn_mask=bias)
     return Attended(x + block.drop_path1(block.ls1(out)), q, k, float(block.attn.scale))
 

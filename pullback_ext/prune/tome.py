@@ -13,7 +13,8 @@ merge by bipartite soft matching:
 4. merged features are size-weighted averages and sizes add up; the tokens continue as
    ``[prefix, unmerged A (in order), B]``, ToMe's concatenation of the two sets, which decides the
    next block's split (without a class token ToMe leaves unmerged A in similarity order; here they
-   always keep their order).
+   always keep their order); on a RoPE backbone a merged token keeps its destination's rotary
+   position (:attr:`MergedTokens.positions`).
 
 From the first merge on every block adds ``log(size)`` to its attention logits (proportional
 attention, ``prop_attn``), inside the range and after it. ``r`` is clipped to the size of A, so at
@@ -83,6 +84,14 @@ def _positions_after_merge(order: torch.Tensor, src: torch.Tensor, dst: torch.Te
     return torch.empty_like(rank).scatter(1, order, rank)
 
 
+def _places_after_merge(order: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``[B, K - R]``: the current index at each position of the merged sequence (the reordered
+    ``order [B, K]`` without its merged-away positions ``src [B, R]``; a destination keeps its place)."""
+    merged_away = torch.zeros_like(order, dtype=torch.int8).scatter(1, src, 1)
+    kept = torch.argsort(merged_away, dim=1, stable=True)[:, :order.shape[1] - src.shape[1]]
+    return torch.gather(order, 1, kept)
+
+
 def key_metric(keys: torch.Tensor) -> torch.Tensor:
     """Unit vectors ``[B, K, hd]`` of the keys ``[B, H, K, hd]`` averaged over heads: ToMe's matching metric."""
     return torch.nn.functional.normalize(working_precision(keys.mean(dim=1)), dim=-1)
@@ -106,7 +115,8 @@ def merge_matched(state: MergedTokens, metric: torch.Tensor, order: torch.Tensor
     # index sets built from arange/argsort: valid by construction
     grouped = ops.gather_tokens(state.x, order, check_values=False)
     x, merged_sizes = ops.merge_tokens(grouped, torch.gather(sizes, 1, order), src, dst, check_values=False)
-    return state.regroup(x, _positions_after_merge(order, src, dst), sizes=merged_sizes)
+    return state.regroup(x, _positions_after_merge(order, src, dst), _places_after_merge(order, src),
+                         sizes=merged_sizes)
 
 
 def bipartite_merge(state: MergedTokens, keys: torch.Tensor, r: int) -> MergedTokens:
@@ -133,7 +143,7 @@ def run_merges(reduction, x: torch.Tensor, blocks, call_block, split, take, merg
         bias = state.size_bias() if o.prop_attn else None
         if not merges[i]:
             return state.with_x(call_block(block, state, bias))
-        attended = split.attend(block, state.x, bias)
+        attended = split.attend(block, state, bias)
         state = merge(i, state.with_x(attended.x), attended.k, merges[i])
         return state.with_x(split.feed_forward(block, state.x))
 

@@ -5,6 +5,7 @@ softmax, explicit LayerScale factors) instead of calling the block or the librar
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -78,7 +79,28 @@ def tokens_after_each_block(model, x):
     return counts
 
 
-def per_block_merge_reference(model, images: torch.Tensor, merges: list, merge, prop_attn: bool = True):
+class Halves(NamedTuple):
+    """A block in two halves, one image at a time: ``attend(block, x [K, D], log_sizes [K] | None,
+    places) -> (x + attention branch [K, D], probabilities [H, K, K], keys [H, K, hd])`` and
+    ``feed(block, x [K, D]) -> [K, D]``. ``places``: the original position of each current patch
+    token (a RoPE block's rotary rows; the tokens after them, EViT's fused token, have none)."""
+
+    attend: Callable
+    feed: Callable
+
+
+PLAIN = Halves(lambda block, x, log_sizes, places: attention_half(block, x, log_sizes), mlp_half)  # timm Block
+
+
+def places_of(sources: list, p: int, count: int) -> list:
+    """The original positions of the ``count`` current patch tokens after the ``p`` prefix tokens:
+    the references list a merged token's own sources first, so its first source is its
+    destination's position (a kept token's, its own)."""
+    return [sources[j][0] for j in range(p, p + count)]
+
+
+def per_block_merge_reference(model, images: torch.Tensor, merges: list, merge, prop_attn: bool = True,
+                              halves: Halves = PLAIN):
     """A per-block merging method run image by image: in block ``i`` with ``merges[i]`` > 0,
     ``merge(i, x, keys, sizes, sources, p, r) -> (x, sizes, sources)`` runs between attention and
     MLP (``x [K, D]``, ``keys [H, K, hd]``, ``sizes``: list, ``sources``: original tokens of each).
@@ -90,10 +112,10 @@ def per_block_merge_reference(model, images: torch.Tensor, merges: list, merge, 
         x, sizes, sources, seen = image, [1.0] * n, [[t] for t in range(n)], []
         for i, block in enumerate(model.blocks):
             log_sizes = torch.tensor(sizes, dtype=x.dtype).log() if prop_attn else None
-            x, _, keys = attention_half(block, x, log_sizes)
+            x, _, keys = halves.attend(block, x, log_sizes, places_of(sources, p, x.shape[0] - p))
             if merges[i]:
                 x, sizes, sources = merge(i, x, keys, sizes, sources, p, merges[i])
-            x = mlp_half(block, x)
+            x = halves.feed(block, x)
             seen.append(unmerge(x, sources, n))
         finals.append(model.norm(seen[-1]))
         per_block.append(torch.stack(seen))
