@@ -23,31 +23,32 @@ token), ``asap_score`` (with ``evit_score``: the blocks' attention probabilities
 below gives); the originals ``tome`` / ``evit`` / ``pitome`` split the blocks between attention and MLP and
 reorder the tokens, ``expedite`` clusters them between two blocks, and ``asap`` runs its own block loop:
 
-====================================================  =============  ===================================  ==========
+====================================================  =============  ===================================  ==================================
 family                                                prefix tokens  single-stage strategies              originals
-====================================================  =============  ===================================  ==========
-timm ``VisionTransformer``, also with LayerScale      CLS, regs      all (without CLS: not                tome, evit,
-(DINOv2, DeiT-III): ``timm``                                         ``evit_score``, ``cls_sim``)         pitome, expedite, asap
-timm ``Eva`` (EVA-02, RoPE ViTs, DINOv3): ``timm``    CLS, regs      all (as above)                       none
-HF DPT: ``hf_dpt``                                    CLS            all                                  none
-HF DINOv2 (+registers), Depth Anything:               CLS, regs      all                                  none
+====================================================  =============  ===================================  ==================================
+timm ``VisionTransformer``, also with LayerScale      CLS, regs      all (without CLS: not                all (without CLS: not ``evit``)
+(DINOv2, DeiT-III): ``timm``                                         ``evit_score``, ``cls_sim``)
+timm ``Eva`` (EVA-02, RoPE ViTs, DINOv3): ``timm``    CLS, regs      all (as above)                       tome, evit, pitome, asap
+HF DPT: ``hf_dpt``                                    CLS            all                                  tome, evit, pitome, expedite, asap
+HF DINOv2 (+registers), Depth Anything:               CLS, regs      all                                  tome, evit, pitome, expedite, asap
 ``hf_dinov2``
-HF ``ViTModel``, ``ViTForImageClassification``:       CLS            all                                  none
+HF ``ViTModel``, ``ViTForImageClassification``:       CLS            all                                  tome, evit, pitome, expedite, asap
 ``hf_vit``
-HF CLIP vision (``CLIPVisionModel``,                  CLS            all                                  none
+HF CLIP vision (``CLIPVisionModel``,                  CLS            all                                  tome, evit, pitome, expedite, asap
 ``...WithProjection``): ``hf_clip``
-HF ``SiglipVisionModel``: ``hf_siglip``               none           all but ``evit_score``, ``cls_sim``  none
-HF DINOv3 ViT (``DINOv3ViTModel``, ``...Backbone``):  CLS, regs      all                                  none
+HF ``SiglipVisionModel``: ``hf_siglip``               none           all but ``evit_score``, ``cls_sim``  tome, pitome, expedite, asap
+HF DINOv3 ViT (``DINOv3ViTModel``, ``...Backbone``):  CLS, regs      all                                  tome, evit, pitome, asap
 ``hf_dinov3``
-====================================================  =============  ===================================  ==========
+====================================================  =============  ===================================  ==================================
 
 Proportional attention and masked LLF reach each family's attention as an additive mask: timm's
 ``attn_mask``; the ``attention_mask`` of the Hugging Face layers (eager or SDPA attention), except
 DPT, whose layer is re-run with the bias added to its logits. RoPE families (Eva, DINOv3) give every
 current token the rotary position of its own original place: a merged token keeps its
-destination's, a pruned token re-inserted by LLF its own. A strategy a model cannot take is
-refused when patching with a :class:`~pullback_ext.errors.PullbackError` (without a CLS token:
-"needs a class token").
+destination's, a pruned token re-inserted by LLF its own, EViT's fused token none (it is not
+rotated); Expedite's cluster tokens have no position, so the RoPE families refuse it. A strategy a
+model cannot take is refused when patching with a :class:`~pullback_ext.errors.PullbackError`
+(without a CLS token: "needs a class token").
 
 ``mode="merge"`` (CLS decoders): the ``ratio`` fraction of patch tokens with the lowest keep scores
 merge into their nearest remaining token (pullback distance with ``spn=``, cosine otherwise).

@@ -10,7 +10,7 @@ import torch
 
 import pullback_ext.patch as patch
 from helpers.diagnose import tiny_depth_anything
-from helpers.prune import norm_prune_full_llf_reference, tiny_dinov2
+from helpers.prune import norm_merge_reference, norm_prune_full_llf_reference, tiny_dinov2
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.hf_encoders import dinov2_attention_probs, dinov2_biased_forward, find_encoder
 from pullback_ext.prune.tokens import TokenState
@@ -132,3 +132,76 @@ def test_errors_name_what_is_wrong():
     layer.attention.config._attn_implementation_internal = "flash_attention_2"
     with pytest.raises(PullbackError, match="'flash_attention_2' takes no additive attention mask"):
         dinov2_biased_forward(layer, h[:, :5], torch.zeros(2, 1, 1, 5))
+
+
+def depth_anything_and_its_backbone_as_dinov2():
+    """A tiny float64 Depth Anything with LayerScale factors that matter, and a ``Dinov2Model`` with
+    the same embedding, layers and final norm."""
+    from transformers import Dinov2Model
+
+    model = tiny_depth_anything().requires_grad_(False)
+    with torch.no_grad():
+        for layer in model.backbone.encoder.layer:
+            layer.layer_scale1.lambda1.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(5))
+    dinov2 = Dinov2Model(model.backbone.config).double().eval().requires_grad_(False)
+    missing, unexpected = dinov2.load_state_dict(model.backbone.state_dict(), strict=False)
+    assert not unexpected and all(name.startswith("pooler") for name in missing)
+    return model, dinov2
+
+
+def test_depth_anything_merge_matches_a_hand_written_reference():
+    """Merge mode through the DINOv2 backbone: every hidden state the neck reads is the reference's
+    merged tokens given back to their positions, and the depth head runs on them."""
+    model = tiny_depth_anything().requires_grad_(False)
+    x = pixels().double()
+    enc = model.backbone.encoder.layer
+    h1 = enc[0](model.backbone.embeddings(x))
+    expected = norm_merge_reference(h1, enc[1:], 5)
+    plain = model(pixel_values=x).predicted_depth
+    patch.hf_dinov2(model, ratio=5 / 16, layers=(1,), mode="merge", strategy="norm", matching="cosine", prop_attn=False)
+    hidden = model.backbone(x, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(hidden[-1], expected, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(hidden[1], h1, rtol=0, atol=0)
+    depth = model(pixel_values=x).predicted_depth
+    assert depth.shape == plain.shape and torch.isfinite(depth).all() and not torch.allclose(depth, plain, atol=1e-6)
+
+
+def test_depth_anything_proportional_attention_equals_duplicates():
+    """A token merged with its exact duplicate, with log(size) on the logits, is what the backbone's
+    layer computes on both copies; under the patch the bias reaches the backbone's layers."""
+    model = tiny_depth_anything().requires_grad_(False)
+    layer = model.backbone.encoder.layer[1]
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    x[:, 4] = x[:, 3]
+    state = TokenState.start(x, num_prefix=1).merge(torch.tensor([[4], [4]]), torch.tensor([[3], [3]]))
+    torch.testing.assert_close(dinov2_biased_forward(layer, state.x, state.attention_bias()), layer(x)[:, :4],
+                               rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(dinov2_biased_forward(layer, state.x, None), layer(x)[:, :4], atol=1e-4)
+    images_ = pixels().double()
+    outputs = []
+    for prop_attn in (True, False):
+        patch.hf_dinov2(model, ratio=0.5, layers=(1,), mode="merge", strategy="norm", prop_attn=prop_attn)
+        outputs.append(model.backbone(images_).feature_maps[-1])
+    assert not torch.allclose(*outputs, atol=1e-6)
+
+
+ORIGINALS = {"tome": dict(r=3), "pitome": dict(r=3), "evit": dict(keep_rate=0.5, evit_layers=(1, 2)),
+             "expedite": dict(cluster_grid=(2, 3), cluster_layer=1), "asap": dict(layers=2, ratio=0.4, mode="prune")}
+
+
+@pytest.mark.filterwarnings("ignore:strategy '(tome|evit|asap)' now means:FutureWarning")
+@pytest.mark.parametrize("strategy", list(ORIGINALS))
+def test_depth_anything_runs_each_original_as_the_dinov2_model_with_the_same_weights(strategy):
+    """The backbone's hidden states (what the neck reads) under each original are those of HF
+    DINOv2's loop on the same weights (which test_patch_hf_originals checks against the references)."""
+    model, dinov2 = depth_anything_and_its_backbone_as_dinov2()
+    x = pixels().double()
+    plain = model(pixel_values=x).predicted_depth
+    patch.hf_dinov2(model, strategy=strategy, **ORIGINALS[strategy])
+    patch.hf_dinov2(dinov2, strategy=strategy, **ORIGINALS[strategy])
+    got = model.backbone(x, output_hidden_states=True).hidden_states
+    want = dinov2(pixel_values=x, output_hidden_states=True).hidden_states
+    assert len(got) == len(want) == 5 and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.allclose(got[-1], model.backbone.embeddings(x), atol=1e-3)
+    depth = model(pixel_values=x).predicted_depth
+    assert depth.shape == plain.shape and torch.isfinite(depth).all() and not torch.allclose(depth, plain, atol=1e-6)

@@ -222,8 +222,8 @@ def test_dinov3_backbone_prunes_by_default_and_keeps_its_registers():
 
 @pytest.mark.filterwarnings("ignore:strategy 'tome' now means:FutureWarning")
 def test_originals_and_flash_attention_are_refused_clearly():
-    with pytest.raises(PullbackError, match="strategy 'tome' on .*DINOv3.*runs the originals asap "):
-        patch.hf_dinov3(tiny_hf("dinov3"), strategy="tome", r=2)
+    with pytest.raises(PullbackError, match="strategy 'expedite' on .*DINOv3.*runs the originals tome, pitome, evit, asap "):
+        patch.hf_dinov3(tiny_hf("dinov3"), strategy="expedite", cluster_grid=(2, 2), cluster_layer=1)
     model = tiny_hf("clip")
     layer = model.encoder.layers[0]
     layer.self_attn.config._attn_implementation_internal = "flash_attention_2"

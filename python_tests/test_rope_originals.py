@@ -202,3 +202,13 @@ def test_expedite_is_refused_its_cluster_tokens_have_no_rotary_position(name, ru
     with pytest.raises(PullbackError, match=rf"strategy 'expedite'.*no rotary position.*runs the originals {runs} and"):
         m.patch_fn(m.model, strategy="expedite", cluster_grid=(2, 2), cluster_layer=1)
     assert patch.config(m.model) is None
+
+
+def test_a_post_norm_eva_block_is_refused_by_the_methods_that_split_it():
+    from timm.models.eva import Eva
+
+    model = Eva(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, use_post_norm=True, use_rot_pos_emb=True,
+                num_classes=0).eval()
+    patch.timm(model, strategy="tome", r=2)
+    with pytest.raises(PullbackError, match="pre-norm EvaBlock in two halves.*got EvaBlockPostNorm"):
+        model.forward_features(torch.randn(1, 3, 32, 32))

@@ -65,7 +65,7 @@ def test_layer_scale_and_register_models(name, size, monkeypatch):
     skipping them (ToMe's own timm patch) is caught."""
     model = small_timm(name, size)
     x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    plain = assert_zero_reduction_is_unpatched(model, x, patch.timm, strategy="tome", r=0)
+    assert_zero_reduction_is_unpatched(model, x, patch.timm, strategy="tome", r=0)
     patch.timm(model, strategy="tome", r=4, schedule="decreasing")
     expected, _ = tome_reference(model, x, merges=tome.merges_per_block(4, "decreasing", 3))
     torch.testing.assert_close(model.forward_features(x), expected, rtol=1e-9, atol=1e-9)

@@ -40,8 +40,9 @@ which leaves rings empty and token counts image-dependent), ``rings = 4`` by def
 background is cut into rings, the foreground tokens stay as they are; a pooled token sits at its
 ring's first member (only the sequence order depends on it); the sink is found once, on the full
 sequence; ``T`` in float64; pooling weights floored at the smallest normal number of the feature
-dtype; proportional attention and Last-Layer Fusion are the project's. timm ``VisionTransformer``
-and the Hugging Face families (:mod:`pullback_ext.prune.hf_split`); a timm Eva takes ``asap_score``.
+dtype; proportional attention and Last-Layer Fusion are the project's. timm ``VisionTransformer``,
+the Hugging Face families (:mod:`pullback_ext.prune.hf_split`) and timm Eva (each token at its own
+rotary position, a pooled token at its ring's first member's).
 """
 
 from __future__ import annotations
