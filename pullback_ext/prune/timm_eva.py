@@ -50,16 +50,23 @@ def _rotate(t: torch.Tensor, rope: torch.Tensor, attn) -> torch.Tensor:
     return torch.cat([t[:, :, :p], apply_rot_embed_cat(t[:, :, p:], rope, half=getattr(attn, "rotate_half", False))], dim=2)
 
 
+def _attention_qk(attn, h: torch.Tensor, rope: Optional[torch.Tensor], bias: Optional[torch.Tensor]):
+    """``attn(h, rope=rope, attn_mask=bias)`` and the queries and keys ``[B, H, K, d]`` its logits
+    used: after ``q_norm`` / ``k_norm``, rotated, the keys repeated per query head (grouped-query
+    attention)."""
+    out, q, k = attention_with_qk(attn, h, rope=rope, attn_mask=bias)
+    if rope is not None:
+        q, k = _rotate(q, rope, attn), _rotate(k, rope, attn)
+    return out, q, k.repeat_interleave(getattr(attn, "num_kv_groups", 1), dim=1)
+
+
 def attention_probs(block, x: torch.Tensor, bias: Optional[torch.Tensor], rope: Optional[torch.Tensor]) -> torch.Tensor:
     """Head-averaged attention probabilities ``[B, K, K]`` of an Eva block on input ``x [B, K, D]``
     with rotary rows ``rope`` (``bias``: additive logit mask or None)."""
     attn = block.attn
     if not all(hasattr(attn, a) for a in ("q_norm", "k_norm", "scale", "num_prefix_tokens")):
         raise PullbackError(f"attention-based strategies need Eva attention with q_norm / k_norm; got {type(attn).__name__}")
-    _, q, k = attention_with_qk(attn, block.norm1(x), rope=rope, attn_mask=bias)
-    if rope is not None:
-        q, k = _rotate(q, rope, attn), _rotate(k, rope, attn)
-    k = k.repeat_interleave(getattr(attn, "num_kv_groups", 1), dim=1)  # grouped-query attention
+    _, q, k = _attention_qk(attn, block.norm1(x), rope, bias)
     logits = (q * attn.scale) @ k.transpose(-2, -1)
     if bias is not None:
         logits = logits + bias
@@ -82,12 +89,9 @@ def attend(block, state, bias: Optional[torch.Tensor], rope: Optional[torch.Tens
     keys ``[B, H, K, hd]`` its logits used (after ``q_norm`` / ``k_norm`` and the rotation)."""
     _check_splittable(block)
     attn, x = block.attn, state.x
-    out, q, k = attention_with_qk(attn, block.norm1(x), rope=rope, attn_mask=bias)
-    if rope is not None:
-        q, k = _rotate(q, rope, attn), _rotate(k, rope, attn)
+    out, q, k = _attention_qk(attn, block.norm1(x), rope, bias)
     if block.gamma_1 is not None:
         out = block.gamma_1 * out
-    k = k.repeat_interleave(getattr(attn, "num_kv_groups", 1), dim=1)  # grouped-query attention
     return Attended(x + block.drop_path1(out), q, k, float(attn.scale))
 
 
