@@ -13,7 +13,7 @@
     patch.timm(model, strategy="pitome", r=16)                         # PiToMe as its authors define it
     patch.timm(model, strategy="expedite", cluster_grid=(8, 8))        # Expedite (clusters, reconstructs)
     patch.timm(model, strategy="asap", ratio=0.5, layers=(4,), rings=4)  # ASAP, reconstructed
-    patch.timm(model, strategy="tap", head="out/tap", ratio=0.5)       # TAP task register (docs/tap.md)
+    patch.timm(model, strategy="tap", head="out/tap", ratio=0.5)       # TAP task register (docs/tap.md; hf_* too)
     patch.config(model)             # the options in use, every "auto" chosen
     patch.unpatch(model)            # the original forward again
 
@@ -40,6 +40,9 @@ HF ``SiglipVisionModel``: ``hf_siglip``               none           all but ``e
 HF DINOv3 ViT (``DINOv3ViTModel``, ``...Backbone``):  CLS, regs      all                                  tome, evit, pitome, asap
 ``hf_dinov3``
 ====================================================  =============  ===================================  ==================================
+
+``strategy="tap"`` (a trained task register, ``head=`` its folder) runs in every family above but
+``Eva``: a register fits the model it was trained on (width, depth; TAP-J: the names of its linears).
 
 Proportional attention and masked LLF reach each family's attention as an additive mask: timm's
 ``attn_mask``; the ``attention_mask`` of the Hugging Face layers (eager or SDPA attention), except
@@ -99,7 +102,6 @@ from typing import Optional
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions, with_overrides
-from pullback_ext.prune.strategies import ORIGINALS, STRATEGIES
 
 _ATTR = "_pullback_reduction"
 
@@ -138,6 +140,10 @@ def timm(model, options: Optional[ReductionOptions] = None, /, **overrides):
 
         check_foldable(model.blocks)
     reduction = options.resolve(timm_vit.backbone_shape(model))
+    if options.strategy == "tap":
+        from pullback_ext.tap.run import check_model
+
+        check_model(reduction.strategy.register, model.blocks, model.embed_dim)
     model.forward_features = types.MethodType(_with_reduction(timm_vit.forward_features, reduction), model)
     model.forward_intermediates = types.MethodType(_with_reduction(timm_vit.forward_intermediates, reduction), model)
     setattr(model, _ATTR, ("timm", reduction))
@@ -276,11 +282,10 @@ def _patch_hf(model, encoder, options: Optional[ReductionOptions], overrides: di
     if reduction.options.prop_attn == "folded":
         raise PullbackError("prop_attn='folded' needs timm's standard Block and Attention (patch.timm); "
                             "Hugging Face layers take prop_attn=True")
-    if reduction.options.strategy in ORIGINALS and reduction.options.strategy not in hf_split.METHODS:
-        score = f"{reduction.options.strategy}_score"
-        instead = f"the single-stage {score!r}" if score in STRATEGIES else "the single-stage strategies"
-        raise PullbackError(f"strategy {reduction.options.strategy!r} (the original method) is available for timm ViTs "
-                            f"(patch.timm) only; Hugging Face models take {instead}")
+    if reduction.options.strategy == "tap":
+        from pullback_ext.tap.run import check_model
+
+        check_model(reduction.strategy.register, encoder.layers, encoder.module.config.hidden_size)
     install(encoder, reduction)
     setattr(encoder.module, _ATTR, ("hf", reduction))
     return model

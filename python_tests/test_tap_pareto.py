@@ -59,9 +59,10 @@ def pareto_run(tmp_path, *flags) -> dict:
 
 
 def mean_error(model, register, images, rho: float) -> float:
+    from pullback_ext.prune.backbones import demo_backbone
     from pullback_ext.tap.evaluation import heldout_report
 
-    return heldout_report(model, register, images, [rho])[0]["value"]
+    return heldout_report(demo_backbone(model), register, images, [rho])[0]["value"]
 
 
 def test_each_checkpoint_gets_a_labelled_row_over_rho_and_its_unpruned_drop(tmp_path, trained):

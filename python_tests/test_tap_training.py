@@ -88,6 +88,7 @@ def test_two_process_ddp_matches_single_process(tmp_path):
 
 def test_train_tap_command_reports_on_the_eval_images(tmp_path):
     from pullback_ext.cli import main
+    from pullback_ext.prune.backbones import demo_backbone
     from pullback_ext.sources.images import open_images
     from pullback_ext.sources.models import load_model, parse_model
     from pullback_ext.sources.preprocess import unit_range_preprocess
@@ -100,5 +101,5 @@ def test_train_tap_command_reports_on_the_eval_images(tmp_path):
     reported = json.loads((out / "results.json").read_text())["heldout"]
     model = load_model(parse_model("demo"), headless=True)[0]
     photos = open_images("builtin:photos", "--eval-images").heldout(unit_range_preprocess(model.image_size), 2).load()["images"]
-    expected = heldout_report(model, load_register(out), photos, [row["rho"] for row in reported])
+    expected = heldout_report(demo_backbone(model), load_register(out), photos, [row["rho"] for row in reported])
     assert [row["value"] for row in reported] == pytest.approx([row["value"] for row in expected], rel=1e-6)

@@ -108,19 +108,19 @@ def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ra
 
 def load_taps(text: str, backbone, model, task: str) -> list:
     """``[(name, TaskRegister)]`` from the comma list of TAP checkpoint folders ``text`` (``--tap``),
-    each checked to serve ``task`` on ``backbone`` (of ``model``: the demo model or a timm
-    VisionTransformer); ``name`` is the folder's own name, or the folder as given where two share one."""
+    each checked to serve ``task`` on ``backbone`` (of ``model``: the demo model, a timm
+    VisionTransformer or a Hugging Face model) and to fit it; ``name`` is the folder's own name, or
+    the folder as given where two share one."""
     from pathlib import Path
 
-    from timm.models.vision_transformer import VisionTransformer
-
     from pullback_ext.tap.checkpoint import load_register
+    from pullback_ext.tap.run import check_model
+    from pullback_ext.tap.training import layer_layout
 
     folders = [f.strip() for f in text.split(",") if f.strip()]
     if not folders:
         raise PullbackError(f"--tap: expected TAP checkpoint folders (a comma list); got {text!r}")
-    if backbone.name != "demo" and not isinstance(model, VisionTransformer):
-        raise PullbackError(f"--tap: TAP's block loop runs on timm VisionTransformers (--model demo or timm:NAME); got {backbone.name}")
+    blocks, _ = layer_layout(model, backbone)
     names = [Path(folder).name or folder for folder in folders]
     names = names if len(set(names)) == len(names) else folders  # rows must not share a label
     taps = []
@@ -128,6 +128,10 @@ def load_taps(text: str, backbone, model, task: str) -> list:
         register = load_register(folder)
         if register.task != task:
             raise PullbackError(f"--tap {folder}: that register serves task {register.task!r}, but --task is {task!r}")
+        try:
+            check_model(register, blocks, backbone.features_dim)
+        except PullbackError as exc:
+            raise PullbackError(f"--tap {folder}: {exc}") from None
         taps.append((name, register))
     return taps
 

@@ -1,10 +1,13 @@
-"""``pullback train tap``: a TAP task register (TAP-F, or TAP-J with ``--adapt lora``) for the demo model.
+"""``pullback train tap``: a TAP task register (TAP-F, or TAP-J with ``--adapt lora``) for the demo
+model, a timm VisionTransformer (``timm:NAME``, cls) or a Hugging Face folder (``hf:DIR``: a ViT-family
+model, cls; DPT or Depth Anything, depth).
 
 Writes OUT/model.safetensors + OUT/config.json (kind ``tap``), the resume state, OUT/metrics.jsonl
 and OUT/results.json (held-out distortion of the deployed model at several keep rates, on the
 ``--images`` after the training ones or on the first ``--eval-images``; the training time; TAP-J:
 also the adapted model's unpruned distortion). Deploy with
-``patch.timm(model.backbone, strategy="tap", head=OUT, ratio=0.5)``. Runs under torchrun (DDP).
+``patch.timm(model.backbone, strategy="tap", head=OUT, ratio=0.5)`` (demo) or ``patch.auto(model,
+strategy="tap", head=OUT, ratio=0.5)``. Runs under torchrun (DDP).
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_json
     from pullback_ext.metric.training import TrainConfig
+    from pullback_ext.prune.backbones import load_backbone
     from pullback_ext.sources.images import open_images
-    from pullback_ext.sources.models import load_model
     from pullback_ext.tap.evaluation import heldout_report
     from pullback_ext.tap.training import TapConfig, train
 
@@ -54,16 +57,16 @@ def run(args: argparse.Namespace) -> int:
     args.task = args.task or "cls"
     if args.task not in ("cls", "depth"):
         raise PullbackError(f"--task: a TAP register serves cls or depth; got {args.task!r}")
-    if spec.kind != "demo":
-        raise PullbackError(f"--model: TAP trains on the demo model (--model demo); got {spec}")
     out = Path(args.out)
     if out.is_dir() and (out / "state.safetensors").exists() and not args.resume:
         raise PullbackError(f"--out: {str(out)!r} already holds a training run; pass --resume to continue it or choose another folder")
-    model, _ = load_model(spec, args.weights, headless=True)
+    backbone, model = load_backbone(spec, args.weights)
+    if args.task not in backbone.tasks:
+        raise PullbackError(f"--task: {spec} serves {' or '.join(backbone.tasks)}; got {args.task!r}")
     source = image_source(args, spec)
-    train_set = source.training(model_preprocess(model), args.num_images)
-    held = source.heldout(model_preprocess(model), args.heldout, after=args.num_images) if args.eval_images is None else \
-        open_images(args.eval_images, "--eval-images").heldout(model_preprocess(model), args.heldout)
+    train_set = source.training(backbone.preprocess, args.num_images)
+    held = source.heldout(backbone.preprocess, args.heldout, after=args.num_images) if args.eval_images is None else \
+        open_images(args.eval_images, "--eval-images").heldout(backbone.preprocess, args.heldout)
     config = TapConfig(task=args.task, adapt=args.adapt == "lora", lora_rank=args.lora_rank,
                        layers=None if args.tap_layers is None else _pair(args.tap_layers, "--tap-layers", int),
                        rho_range=_pair(args.rho_range, "--rho-range", float),
@@ -73,12 +76,13 @@ def run(args: argparse.Namespace) -> int:
     info = distributed.init_from_env()
     try:
         start = time.perf_counter()
-        register = train(model, train_set.load()["images"], config, out, resume=args.resume, progress=not renamed_switch(args, "--no-progress", "--quiet"))
+        register = train(model, train_set.load()["images"], config, out, resume=args.resume,
+                         progress=not renamed_switch(args, "--no-progress", "--quiet"), backbone=backbone)
         seconds = time.perf_counter() - start
     finally:
         distributed.shutdown(info)
     if info.is_main:
-        report = heldout_report(model, register, held.load()["images"], RHOS)
+        report = heldout_report(backbone, register, held.load()["images"], RHOS)
         results = {"variant": "TAP-J" if config.adapt else "TAP-F", "task": args.task, "steps": args.steps,
                    "train_seconds": seconds, "command": args.command_line, "heldout": report}
         atomic_write_json(out / "results.json", results)
@@ -86,9 +90,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"ρ = {row['rho']:.2f}: {row['metric']} {row['value']:.4f} ({row['images']} held-out images)")
         print(f"trained in {seconds:.0f} s; wrote {out / 'results.json'}")
     return 0
-
-
-def model_preprocess(model):
-    from pullback_ext.sources.preprocess import unit_range_preprocess
-
-    return unit_range_preprocess(int(model.image_size))

@@ -5,7 +5,7 @@ Anything's backbone), ViT, CLIP and SigLIP vision models, DINOv3 ViT (registers,
 Transformers records ``hidden_states`` (what a DPT or Depth Anything neck reads) with forward hooks
 on every layer, so each layer must *return* full-length features: a patched layer runs on the
 current (reduced) tokens and hands back the full sequence (pruned tokens frozen, merged tokens
-unmerged); the loop gathers the current tokens again before the next layer. Where the loop owner
+unmerged); the loop goes on with the layer's output on the current tokens. Where the loop owner
 itself installs those hooks (its forward is wrapped by transformers' ``capture_outputs``: DINOv2,
 DINOv3, ViT), the patched forward is wrapped the same way; DPT, CLIP and SigLIP install them one
 level up (``DPTModel``, ``CLIPVisionModel``, ``SiglipVisionModel``).
@@ -19,6 +19,11 @@ DINOv3 layers get the rotary rows of their current tokens (:mod:`pullback_ext.pr
 The original methods (ToMe, PiToMe, EViT, Expedite, ASAP) run their own loops on the layers
 (:mod:`pullback_ext.prune.hf_split`); the layers are called once more afterwards with their
 full-length outputs, which transformers' hooks then record.
+
+TAP (``strategy="tap"``) runs with its task register in the sequence, after the prefix tokens: what
+a layer returns (and transformers records) is the full-length sequence without it, while the loop
+goes on with the layer's own output on the current tokens, register included. The register is a
+prefix token to RoPE too: like CLS and the registers it gets no rotary row.
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pullback_ext import ops
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import hf_split
 from pullback_ext.prune.hf_families import FAMILIES, Family, attention_module, check_transformers, heads
@@ -41,6 +45,7 @@ from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import Reduction
 from pullback_ext.prune.rope import DeferredAttention, RotaryRows, still_cos_sin
 from pullback_ext.prune.tokens import TokenState
+from pullback_ext.tap.tokens import strip_register
 
 _LAYER_ATTR = "_pullback_layer_state"
 # Attention implementations that add a float attention_mask to the logits.
@@ -172,31 +177,35 @@ def _layer_forward(holder: dict, family: Family):
             return type(layer).forward(layer, x, *args, **kwargs)
         # the first layer is handed the unreduced input (see :func:`_unreduced_input`); it runs on state.x
         out = _current_forward(holder, family, layer, state, bias)
-        return state.full(out) if state.reduced else out
+        holder["current"] = out  # what the loop goes on with (see :func:`encoder_forward`)
+        full = state.full(out) if state.reduced else out
+        return full if holder.get("register") is None else strip_register(full, holder["register"])
 
     return forward
 
 
 def _unreduced_input(holder: dict):
     """A forward pre-hook for the first layer: transformers records its input as ``hidden_states[0]``,
-    which stays the full-length embedding when a stage reduces the input of layer 0."""
+    which stays the full-length embedding (without TAP's register) when a stage reduces the input of
+    layer 0."""
 
     def hook(layer, args):
-        state = holder.get("state")
-        return (holder["input"],) + tuple(args[1:]) if state is not None and state.reduced else None
+        return (holder["input"],) + tuple(args[1:]) if holder.get("state") is not None else None
 
     return hook
 
 
 def _attention_reader(encoder: Encoder, holder: dict, position_embeddings):
     """The ``attention_probs(layer, x, bias)`` the block loop calls; for RoPE families the rotary
-    tables go into ``holder`` and the attention is computed when the layer runs."""
+    tables go into ``holder`` and the attention is computed when the layer runs (TAP's register is
+    one more prefix token)."""
     family = FAMILIES[encoder.family]
     if family.rotary is None:
         return lambda layer, x, bias: attention_probs(layer, x, bias, encoder.family)
     if position_embeddings is None:
         raise PullbackError(f"position_embeddings: {family.title} layers need the rotary (cos, sin) tables; got None")
-    holder["rows"], holder["rotary"] = RotaryRows(encoder.num_prefix, still_cos_sin), tuple(position_embeddings)
+    prefix = encoder.num_prefix + int(holder.get("register") is not None)
+    holder["rows"], holder["rotary"] = RotaryRows(prefix, still_cos_sin), tuple(position_embeddings)
     holder["deferred"] = DeferredAttention(lambda layer, x, bias, rows: attention_probs(layer, x, bias, encoder.family, rows))
     return holder["deferred"].request
 
@@ -212,13 +221,12 @@ def encoder_forward(encoder: Encoder, reduction: Reduction, holder: dict, hidden
 
     def call_layer(layer, state: TokenState, bias) -> torch.Tensor:
         holder["state"], holder["bias"] = state, bias
-        out = layer(state.x)
-        if not state.reduced:
-            return out
-        return ops.gather_tokens(out, state.positions, check_values=False)
+        layer(state.x)  # returns the full-length sequence (recorded by transformers' hooks)
+        return holder.pop("current")
 
     try:
         holder["input"] = hidden_states
+        holder["register"] = encoder.num_prefix if reduction.strategy.name == "tap" else None
         probs = _attention_reader(encoder, holder, position_embeddings)
         if reduction.strategy.name in hf_split.METHODS:
             final = _run_original(encoder, reduction, holder, hidden_states, probs)

@@ -219,11 +219,14 @@ class BlockLoopMethod(Strategy):
 class TapMethod(BlockLoopMethod):
     """TAP (:mod:`pullback_ext.tap`): the task register's read-out ranks the tokens and splits the
     budget in TAP's own block loop; ``register`` is the trained
-    :class:`~pullback_ext.tap.register.TaskRegister`."""
+    :class:`~pullback_ext.tap.register.TaskRegister`. ``share_mean``: None deploys (tokens really
+    removed); a function of the shares ``[B, L − j]`` runs TAP's training forward instead
+    (:func:`pullback_ext.tap.relaxed.run_relaxed`, that function giving the batch's shares)."""
 
-    def __init__(self, register):
+    def __init__(self, register, share_mean=None):
         super().__init__("tap")
         self.register = register
+        self.share_mean = share_mean
 
 
 _TRAINING_FREE_CLASSES = {

@@ -12,9 +12,12 @@ state ``r`` (layer-normed, with the keep rate ρ appended: ``h = [LN(r), ρ]``) 
 - for dense tasks the recovery scale ``α_j = σ(w_α^j · h + b_α^j)`` per image (re-inserted features
   ``α·x^frozen + (1 − α)·m``, :func:`pullback_ext.prune.recovery.recover`).
 
-TAP-J adds LoRA adapters ``W + (α_lora / r) B A`` to the attention (``qkv``, ``proj``) and MLP
-(``fc1``, ``fc2``) linears of every block; the backbone's own weights are never changed (the
-adapted weights are handed to the block for each call, :func:`torch.func.functional_call`).
+TAP-J adds LoRA adapters ``W + (α_lora / r) B A`` to the attention and MLP linears of every block
+(:data:`LORA_TARGETS`: timm's ``qkv``, ``proj``, ``fc1``, ``fc2``; a Hugging Face family's query, key,
+value, attention output and two MLP linears); the backbone's own weights are never changed (the
+adapted weights are handed to the block for each call, :func:`torch.func.functional_call`). The
+adapters are keyed by the linears' names in the model they were trained on, so they deploy on a
+model with the same layer layout only (:func:`check_adapters`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,21 @@ from torch import nn
 from pullback_ext.errors import PullbackError
 
 TASKS = ("cls", "depth")
-LORA_TARGETS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+# The linears TAP-J adapts in one block, per layer layout: timm (the demo model, timm ViTs) and the
+# Hugging Face families of :mod:`pullback_ext.prune.hf_families` (a name a layer lacks is skipped:
+# DINOv3's gated MLP adds ``mlp.gate_proj``, DINOv2's SwiGLU MLP has ``weights_in`` / ``weights_out``).
+_HF_ATTENTION = tuple(f"attention.{n}_proj" for n in "qkvo")
+_CLIP_ATTENTION = tuple(f"self_attn.{n}_proj" for n in "qkv") + ("self_attn.out_proj",)
+LORA_TARGETS = {
+    "timm": ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"),
+    "dpt": ("attention.attention.query", "attention.attention.key", "attention.attention.value", "attention.output.dense",
+            "intermediate.dense", "output.dense"),
+    "dinov2": _HF_ATTENTION + ("mlp.fc1", "mlp.fc2", "mlp.weights_in", "mlp.weights_out"),
+    "vit": _HF_ATTENTION + ("mlp.fc1", "mlp.fc2"),
+    "clip": _CLIP_ATTENTION + ("mlp.fc1", "mlp.fc2"),
+    "siglip": _CLIP_ATTENTION + ("mlp.fc1", "mlp.fc2"),
+    "dinov3": _HF_ATTENTION + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+}
 
 
 class Readout(NamedTuple):
@@ -75,6 +92,10 @@ class TaskRegister(nn.Module):
         self.lora_a = nn.ParameterDict({_key(k): nn.Parameter(torch.randn(self.lora_rank, i) / math.sqrt(i))
                                         for k, (o, i) in self.lora_shapes.items()})
         self.lora_b = nn.ParameterDict({_key(k): nn.Parameter(torch.zeros(o, self.lora_rank)) for k, (o, i) in self.lora_shapes.items()})
+        self._targets: dict = {}
+        for name in self.lora_shapes:
+            index, target = name.split(".", 1)
+            self._targets.setdefault(int(index), []).append(target)
 
     def config(self) -> dict:
         """The constructor arguments (stored in the checkpoint)."""
@@ -127,11 +148,10 @@ class TaskRegister(nn.Module):
 
         def call(index, block, state, bias):
             weights = {}
-            for target in LORA_TARGETS:
+            for target in self._targets.get(index, ()):
                 key = _key(f"{index}.{target}")
-                if key in self.lora_a:
-                    base = block.get_parameter(f"{target}.weight")
-                    weights[f"block.{target}.weight"] = base + scale * (self.lora_b[key] @ self.lora_a[key]).to(base.dtype)
+                base = block.get_parameter(f"{target}.weight")
+                weights[f"block.{target}.weight"] = base + scale * (self.lora_b[key] @ self.lora_a[key]).to(base.dtype)
             return torch.func.functional_call(_Caller(block, call_block), weights, (state, bias), strict=False)
 
         return call
@@ -149,14 +169,32 @@ class _Caller(nn.Module):
         return self._call(self.block, state, bias)
 
 
-def lora_shapes(blocks) -> dict:
-    """``{"<i>.<target>": [out, in]}`` of the attention and MLP linears of timm ``blocks``."""
+def lora_shapes(blocks, layout: str = "timm") -> dict:
+    """``{"<i>.<target>": [out, in]}`` of the attention and MLP linears of ``blocks`` laid out as
+    ``layout`` (a key of :data:`LORA_TARGETS`; the names a block lacks are skipped)."""
     shapes = {}
     for i, block in enumerate(blocks):
-        for target in LORA_TARGETS:
-            weight = block.get_parameter(f"{target}.weight")
-            shapes[f"{i}.{target}"] = list(weight.shape)
+        linears = dict(block.named_modules())
+        for target in LORA_TARGETS[layout]:
+            if isinstance(linears.get(target), nn.Linear):
+                shapes[f"{i}.{target}"] = list(linears[target].weight.shape)
+    if not shapes:
+        raise PullbackError(f"TAP-J: these blocks have none of the {layout} linears {', '.join(LORA_TARGETS[layout])} to adapt")
     return shapes
+
+
+def check_adapters(register: TaskRegister, blocks) -> None:
+    """TAP-J's adapters must name linears of ``blocks`` of the shapes they were trained on: a
+    register trained on one layer layout (timm's fused ``attn.qkv``, a Hugging Face family's
+    ``q_proj`` / ``query``, ...) does not deploy on another."""
+    for name, shape in register.lora_shapes.items():
+        index, target = name.split(".", 1)
+        linear = dict(blocks[int(index)].named_modules()).get(target) if int(index) < len(blocks) else None
+        if not isinstance(linear, nn.Linear) or list(linear.weight.shape) != shape:
+            have = [n for n, m in blocks[0].named_modules() if isinstance(m, nn.Linear)]
+            raise PullbackError(f"this TAP-J register adapts {target} {shape} of block {index}, which this model's layers do not have "
+                                f"(their linears: {', '.join(have)}); its LoRA adapters are keyed on the layer layout it was "
+                                f"trained on: train a register on this model (pullback train tap --model ... --adapt lora)")
 
 
 def _key(name: str) -> str:

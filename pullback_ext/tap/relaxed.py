@@ -94,19 +94,31 @@ def run_relaxed(register: TaskRegister, x: torch.Tensor, blocks: Sequence, call_
             frozen = torch.where(live_before[..., None], candidate, frozen)
             live_st = live_st * keep
         llf = register.task == "depth" and i == depth - 1
-        out = call(i, block, _Tokens(x), _bias(live_st, q, llf))
-        if llf:
-            x = out
-        else:
-            a = live_st[..., None]
-            x = torch.cat([out[:, :q], a * out[:, q:] + (1 - a) * frozen], dim=1)
+        tokens = _Tokens(x, q, None if llf else (live_st, frozen))
+        x = tokens.full(call(i, block, tokens, _bias(live_st, q, llf)))
         if i in take:
             taken[i] = strip_register(x, p)
     return strip_register(x, p), taken
 
 
 class _Tokens:
-    """What ``call_block`` reads of a token state: ``x``."""
+    """The token state ``call_block`` is handed: ``x [B, K, D]``, all tokens (``num_prefix``: the
+    prefix and the register), and :meth:`full`, a block's output with the removed tokens held at
+    their frozen features — what a full-length read sees (a Hugging Face layer returns it to
+    transformers' hooks). ``mix``: ``(live [B, n] (ST), frozen [B, n, D])``, or None (Last-Layer
+    Fusion: the output as it is). Every token is current (``positions`` the identity): a RoPE layer
+    gets every row."""
 
-    def __init__(self, x: torch.Tensor):
-        self.x = x
+    reduced = True  # the full-length view is not the layer's own output
+
+    def __init__(self, x: torch.Tensor, num_prefix: int, mix):
+        self.x, self.num_prefix, self._mix = x, num_prefix, mix
+        self.positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+
+    def full(self, out: torch.Tensor) -> torch.Tensor:
+        if self._mix is None:
+            return out
+        live, frozen = self._mix
+        a = live[..., None]
+        q = self.num_prefix
+        return torch.cat([out[:, :q], a * out[:, q:] + (1 - a) * frozen], dim=1)

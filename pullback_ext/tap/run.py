@@ -26,7 +26,7 @@ from pullback_ext.prune.recovery import recover_pruned
 from pullback_ext.prune.strategies import lowest
 from pullback_ext.prune.tokens import TokenState
 from pullback_ext.tap.budget import BudgetPlan
-from pullback_ext.tap.register import TaskRegister
+from pullback_ext.tap.register import TaskRegister, check_adapters
 from pullback_ext.tap.tokens import batch_shares, strip_register
 
 
@@ -38,12 +38,27 @@ def check_fits(register: TaskRegister, depth: int) -> None:
                             f"(a {register.task} register's stop must be <= {last})")
 
 
+def check_model(register: TaskRegister, blocks: Sequence, width: int) -> None:
+    """At patch time: the register must fit the model's depth (:func:`check_fits`) and token
+    ``width``, and a TAP-J register's adapters the linears of ``blocks``."""
+    check_fits(register, len(blocks))
+    if register.dim != int(width):
+        raise PullbackError(f"the task register is {register.dim}-wide but this model's tokens are {int(width)}-wide: "
+                            f"a register serves the model it was trained on")
+    check_adapters(register, blocks)
+
+
 def run(reduction, x: torch.Tensor, blocks: Sequence, call_block: Callable, take=()):
     """Run ``blocks`` on ``x [B, N, D]`` with TAP (``reduction``: resolved options with
     ``strategy="tap"``, its strategy holding the :class:`TaskRegister`, ``ratio`` = 1 − ρ).
-    Returns ``(final [B, N, D], {i: features after block i [B, N, D] for i in take})``."""
+    Returns ``(final [B, N, D], {i: features after block i [B, N, D] for i in take})``. A strategy
+    with a ``share_mean`` runs the training forward (:func:`pullback_ext.tap.relaxed.run_relaxed`)."""
     register: TaskRegister = reduction.strategy.register
     p, depth = reduction.backbone.num_prefix, reduction.backbone.depth
+    if reduction.strategy.share_mean is not None:
+        from pullback_ext.tap.relaxed import run_relaxed
+
+        return run_relaxed(register, x, blocks, call_block, p, 1.0 - reduction.options.ratio, take, reduction.strategy.share_mean)
     check_fits(register, depth)
     rho = 1.0 - reduction.options.ratio
     grid = grid_shape(x.shape[1] - p)

@@ -1,16 +1,20 @@
-"""Training TAP on the demo model: TAP-F (register and read-out, backbone frozen) and TAP-J
-(the same, with LoRA adapters on every block's attention and MLP).
+"""Training TAP: TAP-F (register and read-out, backbone frozen) and TAP-J (the same, with LoRA
+adapters on every block's attention and MLP), on the demo model, a timm VisionTransformer or a
+Hugging Face model of the families :mod:`pullback_ext.prune.hf_families` names (through the
+evaluation's :class:`~pullback_ext.prune.backbones.Backbone`: its ``reduced`` forward with the
+training loop in place of the deployed one).
 
 Objective: the pruned model's distortion against the unpruned (original, frozen) model's outputs
 at a keep rate ρ drawn per step (uniform in ``rho_range``, a function of (seed, step), so resume
-and DDP see the same ρ): CLS ``1 − cos(e_pruned, e_full)`` of the embedding, depth the SILog of
-``log d_pruned − log d_full``. The forward is :func:`pullback_ext.tap.relaxed.run_relaxed`; the
+and DDP see the same ρ): CLS ``1 − cos(e_pruned, e_full)`` of the embedding (the backbone's
+``embedding`` output), depth the SILog of ``log d_pruned − log d_full``. The forward is :func:`pullback_ext.tap.relaxed.run_relaxed`; the
 loop, checkpoints (kind ``tap``), resume, DDP and progress bar are
 :func:`pullback_ext.metric.training.fit`'s. The targets are computed once, before training.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -22,6 +26,9 @@ from pullback_ext.errors import PullbackError
 from pullback_ext.metric.targets import image_generator
 from pullback_ext.metric.training import TrainConfig
 from pullback_ext.prune import timm_vit
+from pullback_ext.prune.backbones import Backbone
+from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
+from pullback_ext.prune.strategies import TapMethod
 from pullback_ext.tap.register import TASKS, TaskRegister, lora_shapes
 from pullback_ext.tap.relaxed import run_relaxed
 from pullback_ext.tap.tokens import batch_shares
@@ -62,6 +69,21 @@ class DemoRunner:
         return decode(m, self.task, final, hooked)
 
 
+class BackboneRunner:
+    """Another backbone's pruned forward for training: its ``reduced`` forward on a TAP reduction
+    whose strategy runs the training loop (:class:`~pullback_ext.prune.strategies.TapMethod` with a
+    ``share_mean``); the output of ``task`` (``embedding`` or ``depth``)."""
+
+    def __init__(self, backbone: Backbone, task: str):
+        self.backbone, self.key = backbone, "embedding" if task == "cls" else "depth"
+        self.shape = BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls)
+
+    def __call__(self, register: TaskRegister, images: torch.Tensor, rho: float) -> torch.Tensor:
+        reduction = ReductionOptions(strategy="tap", head=register, ratio=1.0 - rho).resolve(self.shape)
+        reduction = dataclasses.replace(reduction, strategy=TapMethod(register, share_mean=_share_mean))
+        return self.backbone.reduced(reduction, images)[self.key]
+
+
 def decode(model, task: str, final: torch.Tensor, hooked: dict) -> torch.Tensor:
     """The demo's ``embedding [B, E]`` (cls) or ``depth [B, H, W]`` from full-length block outputs."""
     norm = model.backbone.norm
@@ -85,7 +107,7 @@ def _share_mean(shares: torch.Tensor) -> list[float]:
 class TapTask:
     """The :class:`~pullback_ext.metric.training.Task` of TAP: distortion at the step's ρ."""
 
-    runner: DemoRunner
+    runner: DemoRunner | BackboneRunner
     task: str
     seed: int
     rho_range: tuple
@@ -119,33 +141,56 @@ class TapConfig:
             raise PullbackError(f"rho_range must be (low, high) with 0 < low <= high < 1; got {self.rho_range}")
 
 
-def build_register(model, config: TapConfig) -> TaskRegister:
-    """A fresh register for the demo ``model``, in its dtype (seeded by ``config.train.seed``)."""
-    bb = model.backbone
+def layer_layout(model, backbone: Backbone) -> tuple:
+    """``(blocks, layout)``: the block list of ``model`` (the demo model, a timm VisionTransformer or
+    a Hugging Face model; ``backbone`` its view) and its key in
+    :data:`~pullback_ext.tap.register.LORA_TARGETS`."""
+    if backbone.name == "demo":
+        return model.backbone.blocks, "timm"
+    if timm_vit.is_timm_vit(model):
+        timm_vit.check_strategy(model, "tap")  # an Eva (RoPE) is refused
+        return model.blocks, "timm"
+    from pullback_ext.prune.hf_encoders import find_encoder
+    from pullback_ext.prune.hf_families import FAMILIES
+
+    encoder = find_encoder(model, tuple(FAMILIES))
+    return encoder.layers, encoder.family
+
+
+def build_register(model, backbone: Backbone, config: TapConfig) -> TaskRegister:
+    """A fresh register for ``model`` (seen as ``backbone``), in its dtype (seeded by ``config.train.seed``)."""
+    blocks, layout = layer_layout(model, backbone)
     torch.manual_seed(config.train.seed)
-    layers = config.layers or default_layers(config.task, len(bb.blocks))
-    lora = lora_shapes(bb.blocks) if config.adapt else None
-    register = TaskRegister(int(bb.embed_dim), layers, config.task, config.key_dim, lora, config.lora_rank)
-    return register.to(bb.pos_embed.dtype)
+    layers = config.layers or default_layers(config.task, backbone.depth)
+    lora = lora_shapes(blocks, layout) if config.adapt else None
+    register = TaskRegister(backbone.features_dim, layers, config.task, config.key_dim, lora, config.lora_rank)
+    return register.to(next(model.parameters()).dtype)
 
 
 @torch.no_grad()
-def targets(model, task: str, images: torch.Tensor, batch: int = 16) -> torch.Tensor:
+def targets(backbone: Backbone, task: str, images: torch.Tensor, batch: int = 16) -> torch.Tensor:
     """The unpruned original model's outputs on ``images``: embeddings or depths."""
-    outs = [model(images[s:s + batch]) for s in range(0, len(images), batch)]
+    outs = [backbone.full(images[s:s + batch]) for s in range(0, len(images), batch)]
     return torch.cat([o["embedding" if task == "cls" else "depth"] for o in outs])
 
 
 def train(model, images: torch.Tensor, config: TapConfig, out: Path, resume: bool = False, progress: bool = True,
-          on_step=None) -> TaskRegister:
-    """Train a register for the frozen demo ``model`` on ``images [n, 3, H, W]``; checkpoints in ``out``
-    (``on_step(step)``: as in :func:`~pullback_ext.metric.training.fit`)."""
+          on_step=None, backbone: Optional[Backbone] = None) -> TaskRegister:
+    """Train a register for the frozen ``model`` on ``images [n, 3, H, W]``; checkpoints in ``out``
+    (``on_step(step)``: as in :func:`~pullback_ext.metric.training.fit`). ``backbone``: the
+    model's view, which must serve ``config.task`` (None: ``model`` is the demo model). The demo
+    model runs :class:`DemoRunner`, any other :class:`BackboneRunner`."""
     from pullback_ext.metric.training import fit
+    from pullback_ext.prune.backbones import demo_backbone
 
+    backbone = demo_backbone(model) if backbone is None else backbone
+    if config.task not in backbone.tasks:
+        raise PullbackError(f"--task: {backbone.name} serves {', '.join(backbone.tasks)}; got {config.task!r}")
     model.eval().requires_grad_(False)
-    register = build_register(model, config)
-    data = {"images": images, "target": targets(model, config.task, images)}
-    task = TapTask(DemoRunner(model, config.task), config.task, config.train.seed, tuple(config.rho_range))
+    register = build_register(model, backbone, config)
+    data = {"images": images, "target": targets(backbone, config.task, images)}
+    runner = DemoRunner(model, config.task) if backbone.name == "demo" else BackboneRunner(backbone, config.task)
+    task = TapTask(runner, config.task, config.train.seed, tuple(config.rho_range))
     extra = {"tap": {"variant": "TAP-J" if config.adapt else "TAP-F", **{k: v for k, v in asdict(config).items() if k != "train"}}}
     fit(task, register, data, config.train, out, extra_config=extra, resume=resume, progress=progress, on_step=on_step)
     return register
