@@ -154,8 +154,7 @@ def probe_decoder(args: argparse.Namespace, model: Optional[str], default: Optio
     if old is not None:
         if args.task is not None:
             raise PullbackError(f"--decoder: conflicts with --task {args.task!r}; write --task only")
-        new = {v: k for k, v in _DEMO_DECODERS.items()}.get(old, old) if demo else old
-        warnings.warn(f"--decoder is deprecated and will be removed in the next release; write --task {new}",
+        warnings.warn(f"--decoder is deprecated and will be removed in the next release; write --task {task_name(old, model)}",
                       FutureWarning, stacklevel=2)
         return old
     task = args.task if args.task is not None else default
@@ -165,6 +164,12 @@ def probe_decoder(args: argparse.Namespace, model: Optional[str], default: Optio
         raise PullbackError(f"--task logits: the classifier output is probed on the demo model only; "
                             f"for {model or 'this model'} write --task cls (the CLS embedding)")
     return _DEMO_DECODERS.get(task, task) if demo else task
+
+
+def task_name(decoder: str, model: Optional[str]) -> str:
+    """The ``--task`` spelling of the probe decoder ``decoder`` on ``model`` (the inverse of
+    :func:`probe_decoder`): on the demo model ``embedding`` is ``cls`` and ``cls`` is ``logits``."""
+    return {v: k for k, v in _DEMO_DECODERS.items()}.get(decoder, decoder) if model == "demo" else decoder
 
 
 def add_renamed(parser, old: str, new: str, **kwargs) -> None:
