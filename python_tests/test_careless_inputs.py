@@ -195,3 +195,33 @@ def test_the_summary_names_the_task_and_explains_r90(out_dir, capsys):
     assert kappa_at_1 < 0.9, "the check needs an image whose one direction captures less than 0.9"
     assert "r90" not in data["aggregate"]
     assert any(line.startswith("r90 n/a: κ_cap stays below 0.9 within the r = 1 directions") for line in lines), lines
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["evaluate", "--task", "segmentation"], ["--task", "segmentation", "cls"]),
+    (["evaluate", "--model", "demo", "--threads", "0"], ["--threads", "positive"]),
+    (["diagnose", "--rank", "many"], ["--rank", "many"]),
+    (["train", "tap", "--steps"], ["--steps"]),
+    (["evaluate", "--out", "out", "--no-such-option"], ["--no-such-option"]),
+    (["no-such-command"], ["no-such-command"]),
+])
+def test_an_argument_error_is_one_line_and_exit_2(argv, names, capsys):
+    err = _fail(argv, capsys, *names)
+    assert "usage:" not in err and err.endswith("--help"), err
+
+
+def test_a_timed_run_on_a_busy_machine_warns_in_one_line(monkeypatch, tmp_path, capsys):
+    import os
+
+    from pullback_ext.machine import busy_note, usable_cores
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (usable_cores() + 1.5, 0.0, 0.0))
+    note = busy_note("wall-clock times")
+    assert note is not None and f"{usable_cores() + 1.5:.1f} on {usable_cores()} cores" in note
+    assert busy_note("wall-clock times", cores=usable_cores() + 2) is None
+    # evaluate warns at its start (before anything is loaded): here the run then stops at a bad --seeds
+    assert main(["evaluate", "--model", "demo", "--seeds", "0", "--out", str(tmp_path / "out")]) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning == f"pullback evaluate: warning: {note}" and "--seeds" in error
+    assert main(["evaluate", "--model", "demo", "--seeds", "0", "--no-timing", "--out", str(tmp_path / "out")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1  # untimed: no warning

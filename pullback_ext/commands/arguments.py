@@ -75,6 +75,18 @@ def run_options(args: argparse.Namespace) -> Iterator[None]:
         yield
 
 
+def warn_if_busy(args: argparse.Namespace, what: str = "wall-clock times") -> None:
+    """At the start of a timed run: one warning line on stderr when the machine's load average
+    exceeds its cores (:func:`pullback_ext.machine.busy_note`)."""
+    import sys
+
+    from pullback_ext.machine import busy_note
+
+    note = busy_note(what)
+    if note is not None:
+        print(f"pullback {getattr(args, 'command', None) or 'bench'}: warning: {note}", file=sys.stderr, flush=True)
+
+
 def model_spec(args: argparse.Namespace, required: bool = True):
     """The :class:`~pullback_ext.sources.models.ModelSpec` of ``--model`` (``--demo``: demo, with
     a deprecation warning); None when neither is given and not ``required``."""

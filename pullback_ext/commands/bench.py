@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pullback_ext.bench import ops, report
+    from pullback_ext.commands.arguments import warn_if_busy
     from pullback_ext.errors import PullbackError
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -36,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         raise PullbackError(f"--repeats: expected a positive count, got {args.repeats}")
     if args.kernels and args.device != "cuda":
         raise PullbackError("--kernels: profiles CUDA kernels, needs --device cuda")
+    if args.device == "cpu":
+        warn_if_busy(args)
     result = ops.run(args.device, args.quick, args.repeats, not args.no_compile, kernel_breakdown=args.kernels)
     print(report.format_table(result))
     if args.out:

@@ -77,12 +77,14 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pullback_ext.commands import evaluate_plan
-    from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec, output_folder
+    from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec, output_folder, warn_if_busy
     from pullback_ext.errors import PullbackError
     from pullback_ext.prune.backbones import load_backbone
     from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
     from pullback_ext.prune.report import plot_quality, write_json, write_text
 
+    if not args.no_timing:
+        warn_if_busy(args)
     spec = model_spec(args)
     output_folder(args.out)
     images = image_source(args, spec)

@@ -49,12 +49,9 @@ class RankCappedWarning(UserWarning):
 def _warn_if_capped(config: DiagnoseConfig, images: Sequence[ImageDiagnosis]) -> None:
     M = images[0].M
     if config.rank > M:
-        warnings.warn(
-            f"rank: r = {config.rank} exceeds the output dimension M = {M}; the diagnosis uses r = {M} "
-            "(its settings record rank and rank_requested)",
-            RankCappedWarning,
-            stacklevel=3,
-        )
+        message = (f"rank: r = {config.rank} exceeds the output dimension M = {M}; the diagnosis uses r = {M} "
+                   "(its settings record rank and rank_requested)")
+        warnings.warn(message, RankCappedWarning, stacklevel=3)
 
 
 def diagnose(
