@@ -59,10 +59,10 @@ def pareto_run(tmp_path, *flags) -> dict:
 
 
 def mean_error(model, register, images, rho: float) -> float:
-    from pullback_ext.prune.backbones import demo_backbone
-    from pullback_ext.tap.evaluation import heldout_report
+    """The mean 100·(1 − cos) written out by hand (helpers.tap), not the code the command calls."""
+    from helpers.tap import cls_distortion_x100
 
-    return heldout_report(demo_backbone(model), register, images, [rho])[0]["value"]
+    return cls_distortion_x100(model, register, images, rho)
 
 
 def test_each_checkpoint_gets_a_labelled_row_over_rho_and_its_unpruned_drop(tmp_path, trained):

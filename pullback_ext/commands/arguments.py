@@ -49,8 +49,9 @@ def add_source_arguments(parser: argparse.ArgumentParser, num_images: int, num_i
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """``--threads N`` and ``--quiet``. ``pullback_ext.cli`` adds them to every subcommand after its
     own ``add_arguments`` and runs the command inside :func:`run_options`, so a subcommand gets
-    them without defining them (one that still defines either keeps its own)."""
-    group = parser.add_argument_group("run")
+    them without defining them (one that still defines either keeps its own). They join the
+    subcommand's own "run" section when it has one, so that ``--help`` shows one such section."""
+    group = next((g for g in parser._action_groups if g.title == "run"), None) or parser.add_argument_group("run")
     for flag, kwargs in (("--threads", dict(type=positive_int, default=None, metavar="N", help="torch CPU threads (default torch's)")),
                          ("--quiet", dict(action="store_true", help="no progress output and no info lines (which file was written, which "
                                                                    "stage runs); results, warnings and errors still show"))):
