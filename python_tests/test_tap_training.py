@@ -102,5 +102,5 @@ def test_train_tap_command_reports_on_the_eval_images(tmp_path):
     model = load_model(parse_model("demo"), headless=True)[0]
     photos = open_images("builtin:photos", "--eval-images").heldout(unit_range_preprocess(model.image_size), 2).load()["images"]
     expected = [cls_distortion_x100(model, load_register(out), photos, row["rho"]) for row in reported]
-    assert [row["value"] for row in reported] == pytest.approx(expected, rel=1e-5)
+    assert [row["value"] for row in reported] == pytest.approx(expected, rel=1e-5, abs=1e-5)  # float32 cosines
     assert all(value > 0 for rho, value in zip((row["rho"] for row in reported), expected) if rho < 1)  # tokens removed
