@@ -219,9 +219,19 @@ def test_a_timed_run_on_a_busy_machine_warns_in_one_line(monkeypatch, tmp_path, 
     note = busy_note("wall-clock times")
     assert note is not None and f"{usable_cores() + 1.5:.1f} on {usable_cores()} cores" in note
     assert busy_note("wall-clock times", cores=usable_cores() + 2) is None
-    # evaluate warns at its start (before anything is loaded): here the run then stops at a bad --seeds
-    assert main(["evaluate", "--model", "demo", "--seeds", "0", "--out", str(tmp_path / "out")]) == 2
-    warning, error = capsys.readouterr().err.strip().splitlines()
-    assert warning == f"pullback evaluate: warning: {note}" and "--seeds" in error
-    assert main(["evaluate", "--model", "demo", "--seeds", "0", "--no-timing", "--out", str(tmp_path / "out")]) == 2
-    assert len(capsys.readouterr().err.strip().splitlines()) == 1  # untimed: no warning
+    # an argument error stays one line: the warning comes once the options are checked
+    _fail(["evaluate", "--model", "demo", "--seeds", "0", "--out", str(tmp_path / "out")], capsys, "--seeds")
+    # evaluate --pareto warns when its run starts (interrupted here as it starts measuring)
+    from pullback_ext.prune import pareto
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pareto, "image_errors", interrupted)
+    argv = ["evaluate", "--model", "demo", "--pareto", "--methods", "random", "--num-images", "2", "--seeds", "1",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 130
+    warning, stopped = capsys.readouterr().err.strip().splitlines()
+    assert warning == f"pullback evaluate: warning: {note}" and "interrupted" in stopped
+    assert main([*argv, "--no-timing"]) == 130
+    assert "warning" not in capsys.readouterr().err  # untimed: no warning

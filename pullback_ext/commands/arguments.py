@@ -77,8 +77,9 @@ def run_options(args: argparse.Namespace) -> Iterator[None]:
 
 
 def warn_if_busy(args: argparse.Namespace, what: str = "wall-clock times") -> None:
-    """At the start of a timed run: one warning line on stderr when the machine's load average
-    exceeds its cores (:func:`pullback_ext.machine.busy_note`)."""
+    """At the start of a timed run, once its options are checked (an argument error stays one
+    line): one warning line on stderr when the machine's load average exceeds its cores
+    (:func:`pullback_ext.machine.busy_note`)."""
     import sys
 
     from pullback_ext.machine import busy_note

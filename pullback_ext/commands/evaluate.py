@@ -83,8 +83,6 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
     from pullback_ext.prune.report import plot_quality, write_json, write_text
 
-    if not args.no_timing:
-        warn_if_busy(args)
     spec = model_spec(args)
     output_folder(args.out)
     images = image_source(args, spec)
@@ -111,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
                 prop_attn={"auto": "auto", "on": True, "off": False}[args.prop_attn], selection=args.selection,
                 batch_size=args.batch_size, preset=args.preset, recovery=args.recovery)
     check_plan(plan, backbone)
+    if not args.no_timing:
+        warn_if_busy(args)  # every option checked: the run starts
     image_sets = [s.load() for s in images.seed_sets(backbone.preprocess, args.num_images, args.seeds)]
 
     out = Path(args.out)

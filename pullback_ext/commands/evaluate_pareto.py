@@ -166,7 +166,7 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     """Quality and cost of every point on ``images [n, 3, H, W]`` (``names``: one per image) for
     ``backbone`` (``model``: the module it wraps, which the scorer checkpoints are checked against)."""
     from pullback_ext.commands import evaluate_plan
-    from pullback_ext.commands.arguments import comma_floats, comma_ints
+    from pullback_ext.commands.arguments import comma_floats, comma_ints, warn_if_busy
     from pullback_ext.prune import pareto, row_rules
     from pullback_ext.prune.evaluation import PRIMARY
 
@@ -188,8 +188,10 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     reductions = [pareto.resolve(p.options, backbone) for p in points]  # every point checked before any forward pass
     labels = [p.row or row_rules.row_label(r) for p, r in zip(points, reductions)]
     metric = PRIMARY[args.task]
-    errors = [e[metric] for e in pareto.image_errors(backbone, images, points, args.task, args.batch_size, not args.quiet)]
     batches = () if args.no_timing else comma_ints(args.time_batches, "--time-batches")
+    if batches:
+        warn_if_busy(args)  # every option checked: the run starts
+    errors = [e[metric] for e in pareto.image_errors(backbone, images, points, args.task, args.batch_size, not args.quiet)]
     cost = pareto.measure_cost(backbone, images, points, batches, args.time_repeats, not args.quiet)
     etas = [None if backbone.eta is None else backbone.eta(p.options) for p in points]
     result = pareto.summarise(points, labels, errors, cost, etas)
