@@ -12,10 +12,10 @@ from pullback_ext.errors import PullbackError
 from pullback_ext.prune import timm_vit
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import ReductionOptions
-from pullback_ext.tap import run as tap_run
+from pullback_ext.prune.methods import tap as tap_run
 from pullback_ext.tap.budget import BudgetPlan, keep_count, largest_remainder
 from pullback_ext.tap.register import TaskRegister
-from pullback_ext.tap.relaxed import run_relaxed
+from pullback_ext.tap_training.relaxed import run_relaxed
 
 GRID = 5  # 40 px, patch 8: N = 25 patch tokens, so most keep rates do not divide N
 

@@ -244,8 +244,8 @@ def test_training_forward_through_the_hf_loop_equals_the_deployed_one(kind):
     frozen features in the hidden states a DPT neck reads) gives the deployed model's output."""
     from helpers.prune import tiny_dpt
     from pullback_ext.prune.backbones import hf_backbone
-    from pullback_ext.tap.evaluation import pruned_outputs
-    from pullback_ext.tap.training import BackboneRunner
+    from pullback_ext.tap_training.evaluation import pruned_outputs
+    from pullback_ext.tap_training.training import BackboneRunner
 
     model = tiny_dpt().double() if kind == "dpt" else tiny_hf("vit", "sdpa").double()
     task = "depth" if kind == "dpt" else "cls"

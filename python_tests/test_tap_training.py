@@ -15,7 +15,7 @@ import torch
 from helpers.metric import Killed, kill_at
 from pullback_ext.metric import checkpoint
 from pullback_ext.metric.training import TrainConfig
-from pullback_ext.tap.training import TapConfig, train
+from pullback_ext.tap_training.training import TapConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ WORKER = textwrap.dedent(
     import sys, torch, torch.distributed as dist
     sys.path.insert(0, {tests!r})
     from test_tap_training import demo_and_images, settings
-    from pullback_ext.tap.training import train
+    from pullback_ext.tap_training.training import train
     dist.init_process_group("gloo")
     model, images = demo_and_images()
     train(model.double(), images.double(), settings("depth", steps=2), sys.argv[1], progress=False)
@@ -93,7 +93,7 @@ def test_train_tap_command_reports_on_the_eval_images(tmp_path):
     from pullback_ext.sources.models import load_model, parse_model
     from pullback_ext.sources.preprocess import unit_range_preprocess
     from pullback_ext.tap.checkpoint import load_register
-    from pullback_ext.tap.evaluation import heldout_report
+    from pullback_ext.tap_training.evaluation import heldout_report
 
     out = tmp_path / "tap"
     assert main(["train", "tap", "--model", "demo", "--images", "builtin:scenes", "--eval-images", "builtin:photos", "--num-images", "2",

@@ -15,7 +15,8 @@ from helpers.prune import images, tiny_vit
 from helpers.broken_merges import merges_everywhere, no_proportional_attention, unweighted_averages
 from helpers.originals_reference import tome_reference
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune import reduction_options, timm_vit, tome
+from pullback_ext.prune import reduction_options, timm_vit
+from pullback_ext.prune.methods import tome
 from pullback_ext.prune.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.pipeline import run_blocks

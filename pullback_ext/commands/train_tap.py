@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.metric.training import TrainConfig
     from pullback_ext.prune.backbones import load_backbone
     from pullback_ext.sources.images import open_images
-    from pullback_ext.tap.evaluation import heldout_report
-    from pullback_ext.tap.training import TapConfig, train
+    from pullback_ext.tap_training.evaluation import heldout_report
+    from pullback_ext.tap_training.training import TapConfig, train
 
     spec = model_spec(args)
     args.task = args.task or "cls"

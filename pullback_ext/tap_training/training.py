@@ -7,7 +7,7 @@ training loop in place of the deployed one).
 Objective: the pruned model's distortion against the unpruned (original, frozen) model's outputs
 at a keep rate ρ drawn per step (uniform in ``rho_range``, a function of (seed, step), so resume
 and DDP see the same ρ): CLS ``1 − cos(e_pruned, e_full)`` of the embedding (the backbone's
-``embedding`` output), depth the SILog of ``log d_pruned − log d_full``. The forward is :func:`pullback_ext.tap.relaxed.run_relaxed`; the
+``embedding`` output), depth the SILog of ``log d_pruned − log d_full``. The forward is :func:`pullback_ext.tap_training.relaxed.run_relaxed`; the
 loop, checkpoints (kind ``tap``), resume, DDP and progress bar are
 :func:`pullback_ext.metric.training.fit`'s. The targets are computed once, before training.
 """
@@ -28,9 +28,9 @@ from pullback_ext.metric.training import TrainConfig
 from pullback_ext.prune import timm_vit
 from pullback_ext.prune.backbones import Backbone
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
-from pullback_ext.prune.strategies import TapMethod
 from pullback_ext.tap.register import TASKS, TaskRegister, lora_shapes
-from pullback_ext.tap.relaxed import run_relaxed
+from pullback_ext.prune.methods.tap import TAP
+from pullback_ext.tap_training.relaxed import run_relaxed
 from pullback_ext.tap.tokens import batch_shares
 
 
@@ -71,8 +71,8 @@ class DemoRunner:
 
 class BackboneRunner:
     """Another backbone's pruned forward for training: its ``reduced`` forward on a TAP reduction
-    whose strategy runs the training loop (:class:`~pullback_ext.prune.strategies.TapMethod` with a
-    ``share_mean``); the output of ``task`` (``embedding`` or ``depth``)."""
+    whose method runs the training loop (:class:`RelaxedTAP`); the output of ``task`` (``embedding``
+    or ``depth``)."""
 
     def __init__(self, backbone: Backbone, task: str):
         self.backbone, self.key = backbone, "embedding" if task == "cls" else "depth"
@@ -80,8 +80,21 @@ class BackboneRunner:
 
     def __call__(self, register: TaskRegister, images: torch.Tensor, rho: float) -> torch.Tensor:
         reduction = ReductionOptions(strategy="tap", head=register, ratio=1.0 - rho).resolve(self.shape)
-        reduction = dataclasses.replace(reduction, strategy=TapMethod(register, share_mean=_share_mean))
+        reduction = dataclasses.replace(reduction, method=RELAXED_TAP)
         return self.backbone.reduced(reduction, images)[self.key]
+
+
+class RelaxedTAP(TAP):
+    """TAP's training forward (:func:`~pullback_ext.tap_training.relaxed.run_relaxed`, the shares of
+    a batch averaged over DDP ranks) in place of the deployed loop."""
+
+    def run(self, reduction, x: torch.Tensor, loop, take=()):
+        rho = 1.0 - reduction.options.ratio
+        return run_relaxed(reduction.strategy, x, loop.blocks, loop.call_block, reduction.backbone.num_prefix, rho, take,
+                           _share_mean)
+
+
+RELAXED_TAP = RelaxedTAP()
 
 
 def decode(model, task: str, final: torch.Tensor, hooked: dict) -> torch.Tensor:

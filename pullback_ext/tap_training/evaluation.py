@@ -10,7 +10,7 @@ import torch
 from pullback_ext.prune.backbones import Backbone
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 from pullback_ext.tap.register import TaskRegister
-from pullback_ext.tap.training import distortion, targets
+from pullback_ext.tap_training.training import distortion, targets
 
 
 @torch.no_grad()

@@ -1,0 +1,68 @@
+"""The registry of token-reduction methods: every module of this package but :mod:`.base` is one
+method family and exports ``METHODS``, a tuple of :class:`~pullback_ext.prune.methods.base.Method`
+objects (one per ``strategy`` name it provides).
+
+Adding a method is adding a module here (or in a folder appended to this package's ``__path__``):
+the patch functions, :class:`~pullback_ext.prune.reduction_options.ReductionOptions`, η, the
+row labels, the family refusals, the command line's choices and the generated support tables all
+iterate :func:`all_methods`. Modules are found with :mod:`pkgutil` and imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune.methods.base import Method, Traits, refusal
+
+_SKIP = ("base",)
+_cache: dict = {}
+
+
+def all_methods() -> tuple[Method, ...]:
+    """Every registered method, in module order (the single-stage criteria first, as ``single_stage`` sorts)."""
+    key = tuple(__path__)
+    if key not in _cache:
+        found: dict = {}
+        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: (m.name != "single_stage", m.name)):
+            if info.name in _SKIP:
+                continue
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            for method in getattr(module, "METHODS", ()):
+                if method.name in found:
+                    raise PullbackError(f"two token-reduction methods are named {method.name!r} ({module.__name__})")
+                found[method.name] = method
+        _cache.clear()
+        _cache[key] = tuple(found.values())
+    return _cache[key]
+
+
+def names() -> tuple[str, ...]:
+    """Every ``strategy`` name."""
+    return tuple(m.name for m in all_methods())
+
+
+def get(name: str) -> Method:
+    """The method of ``strategy=name``."""
+    for method in all_methods():
+        if method.name == name:
+            return method
+    raise PullbackError(f"strategy must be one of {', '.join(names())}; got {name!r}")
+
+
+def option_owners(field: str) -> tuple[str, ...]:
+    """The methods that take the own option ``field``."""
+    return tuple(m.name for m in all_methods() if field in m.option_names())
+
+
+def supported(traits: Traits) -> tuple[str, ...]:
+    """The methods a model with ``traits`` runs."""
+    return tuple(m.name for m in all_methods() if refusal(m, traits) is None)
+
+
+def check_supported(name: str, traits: Traits, model: str) -> None:
+    """Raise unless a model with ``traits`` (``model``: what it is, in words) runs the method ``name``."""
+    reason = refusal(get(name), traits)
+    if reason is not None:
+        raise PullbackError(f"strategy {name!r} on {model}: it {reason}; this model runs {', '.join(supported(traits))}")
