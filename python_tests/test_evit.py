@@ -21,8 +21,6 @@ from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 
-pytestmark = pytest.mark.filterwarnings("ignore:strategy 'evit' now means:FutureWarning")
-
 
 def _previous_block_attention(monkeypatch, model, stages):
     """Rank by the class token's attention in the block *before* each stage (the single-stage

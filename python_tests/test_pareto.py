@@ -17,8 +17,6 @@ from pullback_ext.errors import PullbackError
 from pullback_ext.prune.cost import interleaved_wall_clock
 from pullback_ext.prune.pareto import error_summary, frontier, matched_error
 
-pytestmark = pytest.mark.filterwarnings("ignore:strategy '(tome|evit)' now means:FutureWarning")
-
 
 def _dominated(i, xs, ys):
     return any(xs[j] >= xs[i] and ys[j] <= ys[i] and (xs[j] > xs[i] or ys[j] < ys[i]) for j in range(len(xs)))

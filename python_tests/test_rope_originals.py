@@ -18,8 +18,6 @@ from helpers.prune import tiny_eva, tiny_hf
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import rope
 
-pytestmark = pytest.mark.filterwarnings("ignore:strategy '(tome|evit|asap)' now means:FutureWarning")
-
 EVAS = {"eva02": ("eva02_tiny_patch14_224", 56), "rope_mixed": ("vit_small_patch16_rope_mixed_224", 64),
         "timm_dinov3": ("vit_small_patch16_dinov3", 64)}
 

@@ -183,6 +183,8 @@ def _normalised(values: dict) -> dict:
     """Every field checked and in its one representation, the method's own in ``method_options``;
     rules between fields apply to the values already chosen (an ``auto`` is checked again once
     :meth:`ReductionOptions.resolve` chose it)."""
+    held = values.pop("method_options", None)  # given back whole by dataclasses.replace: its fields, unless named
+    values = {**({f.name: getattr(held, f.name) for f in dataclasses.fields(held)} if held is not None else {}), **values}
     names = option_names()
     unknown = sorted(set(values) - set(names))
     if unknown:

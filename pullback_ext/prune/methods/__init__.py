@@ -1,6 +1,7 @@
 """The registry of token-reduction methods: every module of this package but :mod:`.base` is one
 method family and exports ``METHODS``, a tuple of :class:`~pullback_ext.prune.methods.base.Method`
-objects (one per ``strategy`` name it provides).
+objects (one per ``strategy`` name it provides) and may set ``ORDER`` (an int, default 100), where
+its methods stand in every listing.
 
 Adding a method is adding a module here (or in a folder appended to this package's ``__path__``):
 the patch functions, :class:`~pullback_ext.prune.reduction_options.ReductionOptions`, η, the
@@ -21,14 +22,13 @@ _cache: dict = {}
 
 
 def all_methods() -> tuple[Method, ...]:
-    """Every registered method, in module order (the single-stage criteria first, as ``single_stage`` sorts)."""
+    """Every registered method, by the ``ORDER`` of its module, then by module name."""
     key = tuple(__path__)
     if key not in _cache:
         found: dict = {}
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: (m.name != "single_stage", m.name)):
-            if info.name in _SKIP:
-                continue
-            module = importlib.import_module(f"{__name__}.{info.name}")
+        modules = [importlib.import_module(f"{__name__}.{info.name}") for info in pkgutil.iter_modules(__path__)
+                   if info.name not in _SKIP]
+        for module in sorted(modules, key=lambda m: (getattr(m, "ORDER", 100), m.__name__)):
             for method in getattr(module, "METHODS", ()):
                 if method.name in found:
                     raise PullbackError(f"two token-reduction methods are named {method.name!r} ({module.__name__})")

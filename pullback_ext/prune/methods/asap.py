@@ -222,4 +222,5 @@ class ASAP(Method):
                 "averaging": averaging}
 
 
+ORDER = 3
 METHODS = (ASAP(),)

@@ -155,4 +155,5 @@ class EViT(BlockLoopMethod):
         return patch_tokens_per_block(reduction.options, num_patch, reduction.backbone.depth)
 
 
+ORDER = 2
 METHODS = (EViT(),)

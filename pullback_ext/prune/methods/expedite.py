@@ -243,4 +243,5 @@ class Expedite(BlockLoopMethod):
         return patch_tokens_per_block(reduction.options, num_patch, reduction.backbone.depth)
 
 
+ORDER = 5
 METHODS = (Expedite(),)

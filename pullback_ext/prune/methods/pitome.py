@@ -147,4 +147,5 @@ class PiToMe(tome.MergingMethod):
         return patch_tokens_per_block(reduction.options, num_patch, reduction.backbone.depth)
 
 
+ORDER = 4
 METHODS = (PiToMe(),)

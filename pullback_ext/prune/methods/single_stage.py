@@ -197,4 +197,5 @@ def _auto_choices(o, mode: str, scored: bool) -> dict:
     return {name: value for name, value in choices.items() if isinstance(getattr(o, name), str) and getattr(o, name) == "auto"}
 
 
+ORDER = 0
 METHODS = tuple(SingleStage(name, scorer_class) for name, scorer_class in strategies.SCORERS.items())

@@ -152,4 +152,5 @@ class TAP(Method):
         return {"method": method, "selection": selection, "averaging": averaging}
 
 
+ORDER = 6
 METHODS = (TAP(),)

@@ -247,4 +247,5 @@ class ToMe(MergingMethod):
         return patch_tokens_per_block(reduction.options, reduction.backbone.num_prefix, num_patch, reduction.backbone.depth)
 
 
+ORDER = 1
 METHODS = (ToMe(),)
