@@ -194,7 +194,7 @@ def test_nothing_reduced_is_the_unpatched_eva_and_unpatch_restores_it(name):
     assert torch.equal(final, plain[0]) and all(torch.equal(a, b) for a, b in zip(per_layer, plain[1]))
 
 
-@pytest.mark.parametrize("name,runs", [("hf_dinov3", "tome, pitome, evit, asap"), ("eva02", "tome, evit, asap, pitome")])
+@pytest.mark.parametrize("name,runs", [("hf_dinov3", "tome, evit, asap, pitome, tap"), ("eva02", "tome, evit, asap, pitome")])
 def test_expedite_is_refused_its_cluster_tokens_have_no_rotary_position(name, runs):
     m = rope_model(name)
     with pytest.raises(PullbackError, match=rf"strategy 'expedite'.*no rotary position.*runs the originals {runs} and"):

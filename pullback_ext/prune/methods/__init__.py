@@ -65,4 +65,9 @@ def check_supported(name: str, traits: Traits, model: str) -> None:
     """Raise unless a model with ``traits`` (``model``: what it is, in words) runs the method ``name``."""
     reason = refusal(get(name), traits)
     if reason is not None:
-        raise PullbackError(f"strategy {name!r} on {model}: it {reason}; this model runs {', '.join(supported(traits))}")
+        runs = [get(m) for m in supported(traits)]
+        originals = ", ".join(m.name for m in runs if m.kind == "original")
+        others = "".join(f", {m.name}" for m in runs if m.kind == "ours")
+        hint = f" (e.g. '{name}_score')" if f"{name}_score" in names() else ""
+        raise PullbackError(f"strategy {name!r} on {model}: it {reason}; this model runs the originals {originals}{others} "
+                            f"and the single-stage strategies{hint}")

@@ -107,6 +107,7 @@ class Method:
     name: str = ""
     short: str = ""  # the name in prose ("ToMe")
     title: str = ""
+    kind: str = "original"  # "original" (as its authors define it), "ours" (the library's own), "criterion" (single-stage)
     ours: bool = False  # the library's own method (marked in tables and plots)
     options_type: Optional[type] = None  # frozen dataclass of the method's own fields
     takes: tuple = ()  # common ReductionOptions fields it accepts besides strategy and seed
@@ -149,7 +150,7 @@ class Method:
     def check(self, fields: dict, changed: set) -> None:
         """Rules between the fields of built options (``fields``: common and own, by name;
         ``changed``: the fields that differ from their defaults)."""
-        refused = sorted(changed - set(self.takes))
+        refused = sorted(changed - set(self.takes) - set(self.option_names()))
         if refused:
             raise PullbackError(f"strategy {self.name!r} does not take {refused[0]}; it takes {self.takes_in_words()}")
 

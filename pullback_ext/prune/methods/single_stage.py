@@ -85,6 +85,7 @@ class SingleStage(Method):
 
     takes = ("ratio", "layers", "head", "spn", "matching", "eps", "weights", "selection", "llf", "preset", "recovery",
              "mode", "prop_attn")
+    kind = "criterion"
     folds_attention = True
     staged = True
 
