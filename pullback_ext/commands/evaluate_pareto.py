@@ -70,6 +70,9 @@ def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ra
     if unknown:
         raise PullbackError(f"--sweep names {', '.join(unknown)}, which --methods does not include")
     points = []
+    unknown = [m for m in methods if m not in registry.names()]
+    if unknown:
+        raise PullbackError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(registry.names())}")
     for method in methods:
         m = registry.get(method)
         if m.head_from is not None and m.head_from not in scorers:
