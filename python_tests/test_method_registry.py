@@ -1,10 +1,10 @@
 """The method registry: a method is one module, seen everywhere methods are listed, with no other
-file edited (the recipe of docs/architecture.md, "Adding a method")."""
+file edited (the recipe of docs/architecture.md, "Adding a method", run as written there)."""
 
 from __future__ import annotations
 
 import json
-import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,53 +18,13 @@ from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.methods.base import Traits, refusal
 from pullback_ext.prune.reduction_options import ReductionOptions, option_names
 
-SCRATCH = '''
-"""A scratch method: prune the last ``drop`` patch tokens at the input of block ``at``."""
-
-from dataclasses import dataclass
-
-import torch
-
-from pullback_ext.errors import PullbackError
-from pullback_ext.prune.methods.base import Method
-from pullback_ext.prune.tokens import TokenState
+DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 
-@dataclass(frozen=True)
-class TailOptions:
-    drop: int = 0
-    at: int = 1
-
-    def __post_init__(self):
-        if not isinstance(self.drop, int) or self.drop < 0:
-            raise PullbackError(f"drop must be an int >= 0; got {self.drop!r}")
-
-
-class Tail(Method):
-    name, short, title = "scratch_tail", "Tail", "the last patch tokens pruned at one block"
-    options_type = TailOptions
-    sweep = {"drop": (8, 16)}
-
-    def run(self, reduction, x, loop, take=()):
-        o, p = reduction.options, reduction.backbone.num_prefix
-        state, taken = TokenState.start(x, p), {}
-        for i, block in enumerate(loop.blocks):
-            if i == o.at and o.drop:
-                k = state.x.shape[1]
-                drop = torch.arange(k - o.drop, k, device=x.device).expand(x.shape[0], -1)
-                state = state.prune(drop)
-            state.x = loop.call_block(block, state, state.attention_bias(proportional=False))
-            if i in take:
-                taken[i] = state.full()
-        return state.full(), taken
-
-    def patch_tokens_per_block(self, reduction, num_patch):
-        o = reduction.options
-        return [num_patch - (o.drop if i >= o.at else 0) for i in range(reduction.backbone.depth)]
-
-
-METHODS = (Tail(),)
-'''
+def recipe(section: str) -> str:
+    """The python block of docs/architecture.md under the heading ``section``."""
+    text = DOC.read_text().split(f"## {section}\n", 1)[1]
+    return text.split("```python\n", 1)[1].split("```\n", 1)[0]
 
 
 @pytest.fixture
@@ -72,7 +32,7 @@ def scratch_method(tmp_path, monkeypatch):
     """The scratch module in a folder of its own, appended to the methods package's path."""
     folder = tmp_path / "more_methods"
     folder.mkdir()
-    (folder / "scratch_tail.py").write_text(textwrap.dedent(SCRATCH))
+    (folder / "scratch_tail.py").write_text(recipe("Adding a method"))
     monkeypatch.setattr(methods, "__path__", [*methods.__path__, str(folder)])
     yield methods.get("scratch_tail")
 
