@@ -13,7 +13,7 @@ Presets (each value can be overridden by its flag):
 - ``full``: ViT-B/16 at 224 and 448, DINOv2-B/14 with registers at 224, Depth Anything (small) at
   518; batch 1, 64, 256; fp16 and bf16; eager and compiled; every method.
 
-Every method of a cell runs in one interleaved timing run (``pullback_ext.prune.cost``, the
+Every method of a cell runs in one interleaved timing run (``pullback_ext.comparison.cost``, the
 harness of ``pullback evaluate``); the JSON records what ran, with the machine, versions and
 command (``pullback_ext.results_pages.stamp``).
 """

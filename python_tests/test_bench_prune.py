@@ -12,8 +12,8 @@ import torch
 from pullback_ext.bench import prune_models, prune_report
 from pullback_ext.bench.prune_matrix import Sweep, kernel_share, run_sweep
 from pullback_ext.bench.prune_models import MODELS, Method, ModelCase, stage_layers
+from pullback_ext.comparison.cost import count_flops
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.cost import count_flops
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelCase("tiny", "tiny timm ViT", prune_models._timm("vit_tiny_patch16_224", patch_size=8, depth=6, embed_dim=48, num_heads=2),

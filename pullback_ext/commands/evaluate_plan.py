@@ -8,9 +8,9 @@ import sys
 import warnings
 from typing import Optional
 
+from pullback_ext.comparison.backbones import Backbone
 from pullback_ext.errors import CheckpointError, PullbackError
 from pullback_ext.metric.schedule import is_schedule, read_schedule
-from pullback_ext.prune.backbones import Backbone
 from pullback_ext.prune.schedules import parse_layers, scale_layers
 from pullback_ext.prune.strategies import STRATEGIES, TRAINING_FREE
 
