@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.plots import grid_shape
+from pullback_ext.grids import grid_shape
 from pullback_ext.prune import asap, evit, expedite, pitome, tome
 from pullback_ext.prune.matching import merge_drift, nearest_destinations, patch_distances, select_with_partners
 from pullback_ext.prune.recovery import recover_pruned
