@@ -65,7 +65,7 @@ def reduction_layers(args: argparse.Namespace, depth: int) -> tuple:
 
 def load_metric(path: str, expected_dim: int):
     """``(model, config)`` of an importance head or SPN checkpoint, checked against the backbone."""
-    from pullback_ext.metric.checkpoint import load_model
+    from pullback_ext.tap.checkpoint import load_model
 
     model, config = load_model(path)
     if config.get("kind") not in ("head", "spn"):

@@ -182,6 +182,7 @@ def train(model, images: torch.Tensor, config: TapConfig, out: Path, resume: boo
     model runs :class:`DemoRunner`, any other :class:`BackboneRunner`."""
     from pullback_ext.comparison.backbones import demo_backbone
     from pullback_ext.metric.training import fit
+    from pullback_ext.tap.checkpoint import model_classes
 
     backbone = demo_backbone(model) if backbone is None else backbone
     if config.task not in backbone.tasks:
@@ -192,5 +193,6 @@ def train(model, images: torch.Tensor, config: TapConfig, out: Path, resume: boo
     runner = DemoRunner(model, config.task) if backbone.name == "demo" else BackboneRunner(backbone, config.task)
     task = TapTask(runner, config.task, config.train.seed, tuple(config.rho_range))
     extra = {"tap": {"variant": "TAP-J" if config.adapt else "TAP-F", **{k: v for k, v in asdict(config).items() if k != "train"}}}
-    fit(task, register, data, config.train, out, extra_config=extra, resume=resume, progress=progress, on_step=on_step)
+    fit(task, register, data, config.train, out, extra_config=extra, resume=resume, progress=progress, on_step=on_step,
+        classes=model_classes())
     return register
