@@ -27,8 +27,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler behind the "our ops" column is quiet
-# run from a source checkout without installing
+# run from a source checkout without installing; the script's own modules are in prune_bench/ beside it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PRESETS = {
     "cpu": [dict(model="vit_s16", sizes=(224,), batches=(1, 16), dtypes=("float32",), compiled=(False,))],
@@ -65,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def sweeps(args) -> tuple[list, str]:
     """The preset's sweeps with the flags' overrides, and the preset's name."""
-    from pullback_ext.bench.prune_matrix import Sweep
+    from prune_bench.matrix import Sweep
     from pullback_ext.commands.arguments import comma_ints
 
     preset = args.preset or ("cpu" if args.device == "cpu" else "headline")
@@ -89,10 +90,10 @@ def sweeps(args) -> tuple[list, str]:
 def main(argv=None) -> int:
     import torch
 
-    from pullback_ext.bench import prune_report
-    from pullback_ext.bench.prune_matrix import run_sweep
-    from pullback_ext.bench.prune_models import MODELS
-    from pullback_ext.bench.prune_overhead import measure_overhead
+    from prune_bench import report as prune_report
+    from prune_bench.matrix import run_sweep
+    from prune_bench.models import MODELS
+    from prune_bench.overhead import measure_overhead
     from pullback_ext.commands.arguments import comma_floats, comma_ints
     from pullback_ext.fileio import atomic_write_json
     from pullback_ext.results_pages import current_command, publish, stamp

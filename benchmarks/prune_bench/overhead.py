@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from pullback_ext import ops
-from pullback_ext.bench.prune_models import ModelCase, stage_layers
+from prune_bench.models import ModelCase, stage_layers
 from pullback_ext.comparison.cost import interleaved_wall_clock
 from pullback_ext.metric.head import ImportanceHead
 from pullback_ext.prune.strategies import StageContext, lowest, make_strategy
