@@ -15,7 +15,7 @@ from helpers.originals_reference import asap_reference
 from helpers.prune import images, tiny_dinov2, tiny_eva, tiny_vit
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.methods import asap
-from pullback_ext.prune.cost import count_flops
+from pullback_ext.comparison.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.reduction_options import ReductionOptions
 

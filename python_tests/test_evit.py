@@ -16,7 +16,7 @@ from helpers.prune import images, tiny_vit
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import timm_vit
 from pullback_ext.prune.methods import evit
-from pullback_ext.prune.cost import count_flops
+from pullback_ext.comparison.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions

@@ -88,7 +88,7 @@ def test_two_process_ddp_matches_single_process(tmp_path):
 
 def test_train_tap_command_reports_on_the_eval_images(tmp_path):
     from pullback_ext.cli import main
-    from pullback_ext.prune.backbones import demo_backbone
+    from pullback_ext.comparison.backbones import demo_backbone
     from pullback_ext.sources.images import open_images
     from pullback_ext.sources.models import load_model, parse_model
     from pullback_ext.sources.preprocess import unit_range_preprocess

@@ -17,7 +17,7 @@ from helpers.originals_reference import tome_reference
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import timm_vit
 from pullback_ext.prune.methods import tome
-from pullback_ext.prune.cost import count_flops
+from pullback_ext.comparison.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import ReductionOptions

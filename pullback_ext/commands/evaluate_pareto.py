@@ -60,10 +60,10 @@ def method_grid(method: str, mode: str, ratios: tuple, given: dict) -> dict:
 
 
 def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ratios: tuple) -> list:
-    """:class:`~pullback_ext.prune.pareto.Point` s of every method's grid. ``base``: the options the
+    """:class:`~pullback_ext.comparison.pareto.Point` s of every method's grid. ``base``: the options the
     single-stage methods share (``layers``, ``mode``, ``preset``)."""
     from pullback_ext.prune import methods as registry
-    from pullback_ext.prune.pareto import Point
+    from pullback_ext.comparison.pareto import Point
     from pullback_ext.prune.reduction_options import ReductionOptions
 
     unknown = sorted(set(given) - set(methods))
@@ -126,7 +126,7 @@ def load_taps(text: str, backbone, model, task: str) -> list:
 def tap_points(taps, ratios: tuple = tuple(round(1.0 - rho, 10) for rho in TAP_RHOS)) -> list:
     """Per ``(name, register)`` of ``taps``: its row at every η of ``ratios`` (``knob`` ρ = 1 − η), then
     its one-point row at ρ = 1 (nothing removed: the register alone, or TAP-J's adapted backbone)."""
-    from pullback_ext.prune.pareto import Point
+    from pullback_ext.comparison.pareto import Point
     from pullback_ext.prune.reduction_options import ReductionOptions
     from pullback_ext.prune.row_rules import tap_row
 
@@ -154,8 +154,9 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     ``backbone`` (``model``: the module it wraps, which the scorer checkpoints are checked against)."""
     from pullback_ext.commands import evaluate_plan
     from pullback_ext.commands.arguments import comma_floats, comma_ints
-    from pullback_ext.prune import pareto, row_rules
-    from pullback_ext.prune.evaluation import PRIMARY
+    from pullback_ext.prune import row_rules
+    from pullback_ext.comparison import pareto
+    from pullback_ext.comparison.evaluation import PRIMARY
 
     ratios = comma_floats(args.ratios, "--ratios")
     layers = evaluate_plan.reduction_layers(args, backbone.depth)

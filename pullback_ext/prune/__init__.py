@@ -1,4 +1,4 @@
-"""Token merging and pruning with the learned geometry, baselines and their evaluation.
+"""Token merging and pruning with the learned geometry, and the baselines.
 
 - ``tokens``: the running token state (prune / merge / re-insert through the kernels)
 - ``strategies``: which tokens go (importance, oracle, random, tome_score, evit_score, norm, cls_sim,
@@ -9,10 +9,8 @@
 - ``reduction_options``: the validated options of a reduction; ``pipeline``: the reducing block
   loop; ``timm_vit`` / ``hf_encoders`` adapters; ``eta``: the η a setting produces
 - ``schedules``: ViT-B stage schedules scaled to other depths
-- ``quality``, ``cost``, ``evaluation``, ``report``: metrics, FLOPs / wall-clock, strategy × ratio
-  tables, JSON and plots; ``backbones``: the models ``pullback evaluate`` loads
-- ``subspace``: Geosubprobe-style subspace interventions
 
-The patch API itself is :mod:`pullback_ext.patch`.
+The patch API itself is :mod:`pullback_ext.patch`; the evaluation of reduced models (quality,
+cost, Pareto fronts, reports) is :mod:`pullback_ext.comparison`.
 """
 

@@ -1,5 +1,5 @@
 """Held-out quality of a trained TAP register, deployed (tokens really removed), on any
-:class:`~pullback_ext.prune.backbones.Backbone`."""
+:class:`~pullback_ext.comparison.backbones.Backbone`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from pullback_ext.prune.backbones import Backbone
+from pullback_ext.comparison.backbones import Backbone
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 from pullback_ext.tap.register import TaskRegister
 from pullback_ext.tap_training.training import distortion, targets

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from pullback_ext.plots import grid_shape
+from pullback_ext.grids import grid_shape
 from pullback_ext.prune.recovery import recover
 from pullback_ext.tap.budget import BudgetPlan
 from pullback_ext.tap.register import TaskRegister

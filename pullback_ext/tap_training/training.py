@@ -1,7 +1,7 @@
 """Training TAP: TAP-F (register and read-out, backbone frozen) and TAP-J (the same, with LoRA
 adapters on every block's attention and MLP), on the demo model, a timm VisionTransformer or a
 Hugging Face model of the families :mod:`pullback_ext.prune.hf_families` names (through the
-evaluation's :class:`~pullback_ext.prune.backbones.Backbone`: its ``reduced`` forward with the
+evaluation's :class:`~pullback_ext.comparison.backbones.Backbone`: its ``reduced`` forward with the
 training loop in place of the deployed one).
 
 Objective: the pruned model's distortion against the unpruned (original, frozen) model's outputs
@@ -22,11 +22,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from pullback_ext.comparison.backbones import Backbone
 from pullback_ext.errors import PullbackError
 from pullback_ext.metric.targets import image_generator
 from pullback_ext.metric.training import TrainConfig
 from pullback_ext.prune import timm_vit
-from pullback_ext.prune.backbones import Backbone
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 from pullback_ext.tap.register import TASKS, TaskRegister, lora_shapes
 from pullback_ext.prune.methods.tap import TAP
@@ -193,8 +193,9 @@ def train(model, images: torch.Tensor, config: TapConfig, out: Path, resume: boo
     (``on_step(step)``: as in :func:`~pullback_ext.metric.training.fit`). ``backbone``: the
     model's view, which must serve ``config.task`` (None: ``model`` is the demo model). The demo
     model runs :class:`DemoRunner`, any other :class:`BackboneRunner`."""
+    from pullback_ext.comparison.backbones import demo_backbone
     from pullback_ext.metric.training import fit
-    from pullback_ext.prune.backbones import demo_backbone
+    from pullback_ext.tap.checkpoint import model_classes
 
     backbone = demo_backbone(model) if backbone is None else backbone
     if config.task not in backbone.tasks:
@@ -205,5 +206,6 @@ def train(model, images: torch.Tensor, config: TapConfig, out: Path, resume: boo
     runner = DemoRunner(model, config.task) if backbone.name == "demo" else BackboneRunner(backbone, config.task)
     task = TapTask(runner, config.task, config.train.seed, tuple(config.rho_range))
     extra = {"tap": {"variant": "TAP-J" if config.adapt else "TAP-F", **{k: v for k, v in asdict(config).items() if k != "train"}}}
-    fit(task, register, data, config.train, out, extra_config=extra, resume=resume, progress=progress, on_step=on_step)
+    fit(task, register, data, config.train, out, extra_config=extra, resume=resume, progress=progress, on_step=on_step,
+        classes=model_classes())
     return register

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.plots import grid_shape
+from pullback_ext.grids import grid_shape
 from pullback_ext.prune import strategies
 from pullback_ext.prune.matching import merge_drift, nearest_destinations, patch_distances, select_with_partners
 from pullback_ext.prune.methods.base import PRUNED, BackboneShape, BlockLoop, Method, Needs, Reduction

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.plots import grid_shape
+from pullback_ext.grids import grid_shape
 from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, Method, Needs
 from pullback_ext.prune.recovery import recover_pruned
 from pullback_ext.prune.strategies import lowest
