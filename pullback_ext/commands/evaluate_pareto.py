@@ -127,13 +127,13 @@ def tap_points(taps, ratios: tuple = tuple(round(1.0 - rho, 10) for rho in TAP_R
     """Per ``(name, register)`` of ``taps``: its row at every η of ``ratios`` (``knob`` ρ = 1 − η), then
     its one-point row at ρ = 1 (nothing removed: the register alone, or TAP-J's adapted backbone)."""
     from pullback_ext.comparison.pareto import Point
+    from pullback_ext.prune.methods.tap import TAP, tap_row
     from pullback_ext.prune.reduction_options import ReductionOptions
-    from pullback_ext.prune.row_rules import tap_row
 
     points = []
     for name, register in taps:
         for ratio in (*ratios, 0.0):
-            options = ReductionOptions(strategy="tap", head=register, ratio=float(ratio))
+            options = ReductionOptions(strategy=TAP.name, head=register, ratio=float(ratio))
             points.append(Point(options=options, knob={"rho": round(1.0 - ratio, 10)}, row=tap_row(register, name, ratio == 0.0)))
     return points
 
