@@ -222,7 +222,7 @@ def test_a_timed_run_on_a_busy_machine_warns_in_one_line(monkeypatch, tmp_path, 
     # an argument error stays one line: the warning comes once the options are checked
     _fail(["evaluate", "--model", "demo", "--seeds", "0", "--out", str(tmp_path / "out")], capsys, "--seeds")
     # evaluate --pareto warns when its run starts (interrupted here as it starts measuring)
-    from pullback_ext.prune import pareto
+    from pullback_ext.comparison import pareto
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

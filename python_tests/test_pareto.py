@@ -13,11 +13,9 @@ import torch
 
 from pullback_ext.cli import main
 from pullback_ext.commands.evaluate_pareto import build_points, method_grid, parse_sweeps
+from pullback_ext.comparison.cost import interleaved_wall_clock
+from pullback_ext.comparison.pareto import error_summary, frontier, matched_error
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.cost import interleaved_wall_clock
-from pullback_ext.prune.pareto import error_summary, frontier, matched_error
-
-pytestmark = pytest.mark.filterwarnings("ignore:strategy '(tome|evit)' now means:FutureWarning")
 
 
 def _dominated(i, xs, ys):
@@ -54,7 +52,7 @@ def test_error_summary():
 def test_interleaved_timing_rotates_the_order_and_times_every_round(monkeypatch):
     """On a scripted clock each call takes a known time: the warm-up round is dropped, every timed
     call is recorded in order, and the median and minimum are those of the scripted times."""
-    import pullback_ext.prune.cost as cost
+    import pullback_ext.comparison.cost as cost
 
     now = [0.0]
     monkeypatch.setattr(cost.time, "perf_counter", lambda: now[0])

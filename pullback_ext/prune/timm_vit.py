@@ -17,8 +17,9 @@ import torch
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.folded_attention import FoldedSizes, StaleKeys, folded_block
+from pullback_ext.prune.methods import check_supported
+from pullback_ext.prune.methods.base import BackboneShape, Reduction, Traits
 from pullback_ext.prune.pipeline import run_blocks
-from pullback_ext.prune.reduction_options import BackboneShape, Reduction
 from pullback_ext.prune.split_block import Attended, SplitBlock
 
 REQUIRED = ("patch_embed", "_pos_embed", "blocks", "norm", "num_prefix_tokens", "forward_features")
@@ -51,16 +52,18 @@ def is_timm_vit(model) -> bool:
     return isinstance(model, (VisionTransformer, Eva))
 
 
-def check_strategy(model, strategy: str) -> None:
-    """Raise if ``model`` cannot run ``strategy`` (an ``Eva``: see :func:`pullback_ext.prune.timm_eva.refusal`)."""
+def traits(model) -> Traits:
+    """What a timm ``VisionTransformer`` or ``Eva`` offers the methods: an ``Eva`` has rotary
+    positions and no room for an extra prefix token in its rotary rows."""
     from pullback_ext.prune import timm_eva
-    from pullback_ext.prune.strategies import ORIGINALS
 
-    reason = timm_eva.refusal(strategy) if timm_eva.is_eva(model) else None
-    if reason is not None:
-        runs = ", ".join(m for m in ORIGINALS if timm_eva.refusal(m) is None)
-        raise PullbackError(f"strategy {strategy!r} (the original method) on an Eva ({type(model).__name__}): it {reason}; "
-                            f"an Eva runs the originals {runs} and the single-stage strategies (e.g. '{strategy}_score')")
+    eva = timm_eva.is_eva(model)
+    return Traits(has_cls=getattr(model, "cls_token", None) is not None, rotary=eva, takes_extra_token=not eva)
+
+
+def check_strategy(model, strategy: str) -> None:
+    """Raise if ``model`` cannot run ``strategy`` (:func:`traits`)."""
+    check_supported(strategy, traits(model), f"a timm {type(model).__name__}")
 
 
 def backbone_shape(model) -> BackboneShape:

@@ -1,5 +1,5 @@
 """An oracle for a TAP register's held-out CLS distortion, written out apart from
-``pullback_ext.tap.evaluation`` (the code the commands call)."""
+``pullback_ext.tap_training.evaluation`` (the code the commands call)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def cls_distortion_x100(model, register, images: torch.Tensor, rho: float) -> fl
     """Mean over ``images [B, 3, H, W]`` of 100·(1 − cos) between the demo ``model``'s CLS embedding
     with ``register`` deployed at keep rate ``rho`` (tokens removed) and the unpruned model's own
     forward ``model(images)``; the cosine from float64 dot products and norms."""
-    from pullback_ext.prune.backbones import demo_backbone
+    from pullback_ext.comparison.backbones import demo_backbone
     from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 
     register.eval()
