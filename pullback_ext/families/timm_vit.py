@@ -1,0 +1,10 @@
+"""timm ``VisionTransformer`` (ViT, DeiT, DeiT-III, DINOv2 ports; CLS and register tokens, LayerScale)."""
+
+from pullback_ext.families.adapter import TimmFamily
+
+LORA_TARGETS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+
+ADAPTER = TimmFamily(
+    name="timm_vit", title="a timm VisionTransformer", listing="a timm VisionTransformer or Eva",
+    classes=("timm.models.vision_transformer:VisionTransformer",), lora_targets=LORA_TARGETS, priority=1,
+)
