@@ -39,11 +39,13 @@ def supported(names=None) -> str:
     return "; ".join(a.title if a.listing is None else a.listing for a in adapters if a.listing != "")
 
 
-def detect(model, names=None):
+def detect(model, names=None, who: str = "model"):
     """The adapter of ``model``'s family: the first of ``names`` (default: every family), in
-    detection order, that recognises it; a PullbackError naming the families otherwise."""
+    detection order, that recognises it; otherwise a PullbackError, starting with ``who``, naming the
+    families."""
     adapters = [a for a in table().values() if names is None or a.name in names]
     found = next((a for a in adapters if a.matches(model)), None)
     if found is None:
-        raise PullbackError(f"model: {type(model).__name__} is none of the supported families: {supported(names)}")
+        which = "supported" if names is None else "expected"
+        raise PullbackError(f"{who}: {type(model).__name__} is none of the {which} families: {supported(names)}")
     return found

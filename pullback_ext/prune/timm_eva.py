@@ -24,15 +24,6 @@ from pullback_ext.prune.split_block import Attended, SplitBlock
 from pullback_ext.prune.timm_vit import BlockRunner, attention_with_qk
 
 
-def is_eva(model) -> bool:
-    """Whether ``model`` is a timm ``Eva``."""
-    try:
-        from timm.models.eva import Eva
-    except ImportError:
-        return False
-    return isinstance(model, Eva)
-
-
 def refusal(strategy: str) -> Optional[str]:
     """Why an ``Eva`` cannot run the original ``strategy``, or None."""
     if strategy == "expedite":

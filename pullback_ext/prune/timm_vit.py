@@ -16,6 +16,7 @@ from typing import Callable, List, NamedTuple, Optional, Union
 import torch
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.families.timm_eva import ADAPTER as EVA
 from pullback_ext.prune.folded_attention import FoldedSizes, StaleKeys, folded_block
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import BackboneShape, Reduction
@@ -41,22 +42,12 @@ def check_model(model) -> None:
         raise PullbackError(f"model must be a timm VisionTransformer; {type(model).__name__} lacks {', '.join(missing)}")
 
 
-def is_timm_vit(model) -> bool:
-    """Whether ``model`` is a timm ``VisionTransformer`` or ``Eva`` (or a subclass)."""
-    try:
-        from timm.models.eva import Eva
-        from timm.models.vision_transformer import VisionTransformer
-    except ImportError:
-        return False
-    return isinstance(model, (VisionTransformer, Eva))
-
-
 def check_strategy(model, strategy: str) -> None:
     """Raise if ``model`` cannot run ``strategy`` (an ``Eva``: see :func:`pullback_ext.prune.timm_eva.refusal`)."""
     from pullback_ext.prune import timm_eva
     from pullback_ext.prune.strategies import ORIGINALS
 
-    reason = timm_eva.refusal(strategy) if timm_eva.is_eva(model) else None
+    reason = timm_eva.refusal(strategy) if EVA.matches(model) else None
     if reason is not None:
         runs = ", ".join(m for m in ORIGINALS if timm_eva.refusal(m) is None)
         raise PullbackError(f"strategy {strategy!r} (the original method) on an Eva ({type(model).__name__}): it {reason}; "
@@ -157,7 +148,7 @@ def _embed(model, x: torch.Tensor) -> tuple[torch.Tensor, BlockRunner]:
     """The input of the first block ``[B, N, D]`` and the runner of the blocks."""
     from pullback_ext.prune import timm_eva
 
-    if timm_eva.is_eva(model):
+    if EVA.matches(model):
         return timm_eva.embed(model, x)
     x = model.patch_embed(x)
     x = model._pos_embed(x)
