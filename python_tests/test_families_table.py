@@ -1,96 +1,83 @@
-"""pullback_ext.families: one adapter per family, the table found by walking the package, detect,
-the traits the reduction methods read, and the transformers range stated once."""
+"""docs/families.md: every cell of the support table names tests that exist, or says why it names none."""
 
 from __future__ import annotations
 
 import ast
-import tomllib
+import re
 from pathlib import Path
 
 import pytest
-import torch
-
-import pullback_ext.families as families
-import pullback_ext.patch as patch
-from helpers.blocks import small_timm
-from helpers.diagnose import tiny_depth_anything
-from helpers.prune import tiny_dinov2, tiny_dpt, tiny_eva, tiny_hf
-from pullback_ext.errors import PullbackError
-from pullback_ext.families import HFFamily, TimmFamily, detect, table
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = ("prune", "probes", "tap", "sources", "metric", "commands", "demo", "bench", "cli")
+PAGE = ROOT / "docs" / "families.md"
+TESTS = Path(__file__).resolve().parent
+COLUMNS = ["family", "diagnose", "train", "merge", "prune", "LLF", "prop-attn", "RoPE", "tome", "evit", "pitome",
+           "expedite", "asap"]
+REFERENCE = re.compile(r"`(test_\w+\.py)::(test_\w+)`")
+WITHOUT_TEST = ("no:", "n/a:", "untested:")  # what a cell that names no test starts with
 
 
-def test_every_family_has_one_module_and_one_adapter():
-    assert list(table()) == ["timm_eva", "timm_vit", "dpt", "depth_anything", "dinov2", "vit", "clip", "siglip", "dinov3"]
-    for name, adapter in table().items():
-        assert isinstance(adapter, (HFFamily, TimmFamily)) and adapter.name == name
-        assert adapter.lora_targets and isinstance(adapter.splittable, bool) and isinstance(adapter.rotary, bool)
-        assert isinstance(adapter.takes_extra_token, bool)
+def support_table(text: str) -> list[dict]:
+    """The rows (column -> cell) of the first markdown table whose header is :data:`COLUMNS`."""
+    lines = text.splitlines()
+    for start, line in enumerate(lines):
+        if [c.strip() for c in line.strip().strip("|").split("|")] == COLUMNS:
+            break
+    else:
+        raise AssertionError(f"no table with the columns {COLUMNS} in {PAGE.name}")
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        assert len(cells) == len(COLUMNS), f"row {cells[0]!r} has {len(cells)} cells, expected {len(COLUMNS)}"
+        rows.append(dict(zip(COLUMNS, cells)))
+    return rows
 
 
-def test_the_families_package_imports_no_higher_layer():
-    for path in (ROOT / "pullback_ext" / "families").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                assert not node.module.startswith(tuple(f"pullback_ext.{p}" for p in FORBIDDEN)), (path.name, node.module)
+def defined_tests(path: Path) -> set:
+    """The names of the test functions defined at the top of a test module (what pytest collects by name)."""
+    tree = ast.parse(path.read_text())
+    return {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
 
 
-@pytest.mark.parametrize("build, name, has_cls, rotary, extra", [
-    (lambda: small_timm("vit_tiny_patch16_224", 32), "timm_vit", True, False, True),
-    (lambda: tiny_eva(img_size=28), "timm_eva", True, True, False),
-    (lambda: tiny_dinov2(), "dinov2", True, False, True),
-    (lambda: tiny_dpt(), "dpt", True, False, True),
-    (lambda: tiny_depth_anything(), "depth_anything", True, False, True),
-    (lambda: tiny_hf("siglip"), "siglip", False, False, True),
-    (lambda: tiny_hf("dinov3"), "dinov3", True, True, True),
-    (lambda: tiny_hf("clip_projection"), "clip", True, False, True),
+def problems(rows: list[dict], tests_dir: Path) -> list[str]:
+    """What is wrong with the table: a cell without a test or a reason, a named test that does not exist."""
+    found, cache = [], {}
+    for row in rows:
+        for column, cell in list(row.items())[1:]:
+            references = REFERENCE.findall(cell)
+            where = f"{row['family']} / {column}"
+            if not references and not cell.startswith(WITHOUT_TEST):
+                found.append(f"{where}: names no test and does not start with {' / '.join(WITHOUT_TEST)}")
+            for module, name in references:
+                path = tests_dir / module
+                if module not in cache:
+                    cache[module] = defined_tests(path) if path.is_file() else None
+                if cache[module] is None:
+                    found.append(f"{where}: {module} does not exist")
+                elif name not in cache[module]:
+                    found.append(f"{where}: {module} has no test {name}")
+    return found
+
+
+def test_every_cell_names_existing_tests_or_a_reason():
+    rows = support_table(PAGE.read_text())
+    families = [row["family"] for row in rows]
+    for expected in ("timm `VisionTransformer`", "timm `Eva`", "HF DINOv2", "HF DPT", "HF Depth Anything", "HF ViT",
+                     "HF CLIP", "HF SigLIP", "HF DINOv3"):
+        assert any(f.startswith(expected) for f in families), f"no row for {expected}"
+    assert problems(rows, TESTS) == []
+
+
+@pytest.mark.parametrize("cell,expected", [
+    ("yes: `test_probes.py::test_no_such_test`", "test_probes.py has no test test_no_such_test"),
+    ("yes: `test_nowhere.py::test_bad_inputs`", "test_nowhere.py does not exist"),
+    ("yes, it works", "names no test"),
 ])
-def test_detect_names_the_family_and_its_traits(build, name, has_cls, rotary, extra):
-    model = build()
-    family = detect(model)
-    assert (family.name, family.has_cls(model), family.rotary, family.takes_extra_token) == (name, has_cls, rotary, extra)
-    assert family.splittable
-    assert len(family.layers(model)) > 0
-
-
-def test_detect_refuses_anything_else_naming_the_families():
-    with pytest.raises(PullbackError, match=r"model: Linear is none of the supported families: a timm VisionTransformer "
-                                            r"or Eva; .*Depth Anything.*SiglipVisionModel"):
-        detect(torch.nn.Linear(2, 2))
-    with pytest.raises(PullbackError, match=r"model: SiglipVisionModel is none of the expected families: a Hugging Face CLIP"):
-        detect(tiny_hf("siglip"), ("clip",))
-
-
-SCRATCH = '''
-from pullback_ext.families import clip
-from pullback_ext.families.adapter import HFFamily
-
-ADAPTER = HFFamily(name="scratch", title="a scratch family", loops=("Scratch",), attention=clip.ATTENTION,
-                   branches=clip.BRANCHES, lora_targets=("fc",), priority=5, rotate=None)
-'''
-
-
-class Scratch(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
-        self.config = type("Config", (), {"num_register_tokens": 2})()
-
-
-def test_a_new_family_is_one_new_module(tmp_path, monkeypatch):
-    (tmp_path / "scratch.py").write_text(SCRATCH)
-    monkeypatch.setattr(families, "__path__", [*families.__path__, str(tmp_path)])
-    family = detect(Scratch())
-    assert family.name == "scratch" and list(table())[2] == "scratch"
-    assert family.num_prefix(Scratch()) == 3 and family.layers(Scratch()) is not None
-    assert "a scratch family" in families.supported()
-    with pytest.raises(PullbackError, match="patch.auto: Linear is none of the supported families: .*a scratch family"):
-        patch.auto(torch.nn.Linear(2, 2), strategy="norm")
-
-
-def test_pyproject_states_the_transformers_range_of_the_families():
-    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["models"]
-    low, high = families.CHECKED_TRANSFORMERS
-    assert f"transformers>={low},<{high}" in extra
+def test_the_check_catches_a_cell_that_points_at_nothing(cell, expected):
+    row = {column: "no: reason" for column in COLUMNS}
+    row.update(family="some family", merge=cell)
+    assert problems([row], TESTS) and expected in problems([row], TESTS)[0]
+    row["merge"] = "yes: `test_probes.py::test_bad_inputs`"
+    assert problems([row], TESTS) == []
