@@ -19,7 +19,6 @@ training ask instead of testing classes themselves:
 
 from __future__ import annotations
 
-import importlib
 import operator
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -83,13 +82,14 @@ def first_module(model, names: tuple) -> Optional[torch.nn.Module]:
 
 @dataclass(frozen=True)
 class TimmFamily:
-    """A timm family: ``classes`` are ``"module:Class"`` paths (imported when asked; a model of
-    one, or of a subclass, belongs to it); ``rotary_table(model)``: the rotary table its blocks
+    """A timm family: ``classes()`` returns the timm classes a model of which (or of a subclass)
+    belongs to it (imported when asked: an ImportError means timm is not installed);
+    ``rotary_table(model)``: the rotary table its blocks
     read (None: none); ``block_rotary``: the blocks take it as ``block(x, rope=...)``."""
 
     name: str
     title: str
-    classes: tuple
+    classes: Callable
     lora_targets: tuple
     priority: int = 0
     listing: Optional[str] = None
@@ -100,7 +100,7 @@ class TimmFamily:
 
     def matches(self, model) -> bool:
         try:
-            classes = tuple(getattr(importlib.import_module(path.split(":")[0]), path.split(":")[1]) for path in self.classes)
+            classes = self.classes()
         except ImportError:
             return False
         return isinstance(model, classes)

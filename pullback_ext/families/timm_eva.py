@@ -21,7 +21,13 @@ def rotary_table(model) -> Optional[torch.Tensor]:
     return rope
 
 
+def _classes() -> tuple:
+    from timm.models.eva import Eva
+
+    return (Eva,)
+
+
 ADAPTER = TimmFamily(
-    name="timm_eva", title="a timm Eva", listing="", classes=("timm.models.eva:Eva",), lora_targets=LORA_TARGETS,
+    name="timm_eva", title="a timm Eva", listing="", classes=_classes, lora_targets=LORA_TARGETS,
     priority=0, rotary=True, takes_extra_token=False, rotary_table=rotary_table,
 )

@@ -32,13 +32,14 @@ import inspect
 import types
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.families import HFFamily, check_transformers, detect, family as family_named
+from pullback_ext.families.dpt import ADAPTER as DPT
 from pullback_ext.prune import hf_split
 from pullback_ext.prune.hf_vit import model_forward, refuse_attention_mask
 from pullback_ext.prune.pipeline import run_blocks
@@ -94,19 +95,21 @@ def dinov2_attention_probs(layer, x: torch.Tensor, bias=None) -> torch.Tensor:
 def biased_layer_forward(layer, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``DPTViTLayer.forward`` on ``x [B, K, D]`` with ``bias`` (``[B, 1, 1|K, K]``) added to the
     attention logits of every head (inference: no dropout)."""
-    attn, h, (q, key, v) = family_named("dpt").heads(layer, x, 3)
+    attn, h, (q, key, v) = DPT.heads(layer, x, 3)
     b, k, _ = h.shape
     context = F.scaled_dot_product_attention(q, key, v, attn_mask=bias.to(q.dtype), scale=attn.scaling)
     x = layer.attention.output(context.transpose(1, 2).reshape(b, k, attn.all_head_size), h) + x
     return layer.output(layer.intermediate(layer.layernorm_after(x)), x)
 
 
-def masked_layer_forward(layer, x: torch.Tensor, bias: Optional[torch.Tensor], family: str = "dinov2", **extra):
+def masked_layer_forward(layer, x: torch.Tensor, bias: Optional[torch.Tensor], family: Union[str, HFFamily] = "dinov2",
+                         **extra):
     """The layer's own forward on ``x [B, K, D]`` with ``bias`` (``[B, 1, 1|K, K]`` or None) as its
-    additive ``attention_mask`` (the families whose layers take one); ``extra``: further layer
-    arguments (DINOv3's ``position_embeddings``)."""
+    additive ``attention_mask`` (the families whose layers take one; ``family``: its adapter or
+    name); ``extra``: further layer arguments (DINOv3's ``position_embeddings``)."""
     if bias is not None:
-        implementation = family_named(family).attention_module(layer).config._attn_implementation
+        adapter = family_named(family) if isinstance(family, str) else family
+        implementation = adapter.attention_module(layer).config._attn_implementation
         if implementation not in _MASKABLE_ATTENTION:
             raise PullbackError(f"attention implementation {implementation!r} takes no additive attention mask, which "
                                 f"proportional attention and masked LLF need; load the model with "
@@ -129,7 +132,7 @@ def _current_forward(holder: dict, family: HFFamily, layer, state, bias) -> torc
         extra["position_embeddings"] = _rotary_rows(holder, state)
         holder["deferred"].fill(layer, x, bias, extra["position_embeddings"])
     if family.takes_mask:
-        return masked_layer_forward(layer, x, bias, family.name, **extra)
+        return masked_layer_forward(layer, x, bias, family, **extra)
     return type(layer).forward(layer, x) if bias is None else biased_layer_forward(layer, x, bias)
 
 
