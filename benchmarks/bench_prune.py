@@ -13,7 +13,7 @@ Presets (each value can be overridden by its flag):
 - ``full``: ViT-B/16 at 224 and 448, DINOv2-B/14 with registers at 224, Depth Anything (small) at
   518; batch 1, 64, 256; fp16 and bf16; eager and compiled; every method.
 
-Every method of a cell runs in one interleaved timing run (``pullback_ext.prune.cost``, the
+Every method of a cell runs in one interleaved timing run (``pullback_ext.comparison.cost``, the
 harness of ``pullback evaluate``); the JSON records what ran, with the machine, versions and
 command (``pullback_ext.results_pages.stamp``).
 """
@@ -27,8 +27,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler behind the "our ops" column is quiet
-# run from a source checkout without installing
+# run from a source checkout without installing; the script's own modules are in prune_bench/ beside it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PRESETS = {
     "cpu": [dict(model="vit_s16", sizes=(224,), batches=(1, 16), dtypes=("float32",), compiled=(False,))],
@@ -65,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def sweeps(args) -> tuple[list, str]:
     """The preset's sweeps with the flags' overrides, and the preset's name."""
-    from pullback_ext.bench.prune_matrix import Sweep
+    from prune_bench.matrix import Sweep
     from pullback_ext.commands.arguments import comma_ints
 
     preset = args.preset or ("cpu" if args.device == "cpu" else "headline")
@@ -89,10 +90,10 @@ def sweeps(args) -> tuple[list, str]:
 def main(argv=None) -> int:
     import torch
 
-    from pullback_ext.bench import prune_report
-    from pullback_ext.bench.prune_matrix import run_sweep
-    from pullback_ext.bench.prune_models import MODELS
-    from pullback_ext.bench.prune_overhead import measure_overhead
+    from prune_bench import report as prune_report
+    from prune_bench.matrix import run_sweep
+    from prune_bench.models import MODELS
+    from prune_bench.overhead import measure_overhead
     from pullback_ext.commands.arguments import comma_floats, comma_ints
     from pullback_ext.fileio import atomic_write_json
     from pullback_ext.results_pages import current_command, publish, stamp

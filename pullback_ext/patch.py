@@ -70,14 +70,14 @@ and reads no tensor value on the host: every shape follows from the ratio, never
 
 ``strategy="tome"``, ``"evit"`` and ``"pitome"`` are the original methods: they reduce inside
 the blocks, between attention and MLP — ToMe ``r`` tokens in every block of ``block_range``
-(:mod:`pullback_ext.prune.tome`), EViT at three blocks keeping ``keep_rate`` of the patch tokens
-(:mod:`pullback_ext.prune.evit`), PiToMe ``r`` high-energy tokens in every block of ``block_range``
-(:mod:`pullback_ext.prune.pitome`) — and take their own options instead of ``ratio`` / ``layers`` /
+(:mod:`pullback_ext.prune.methods.tome`), EViT at three blocks keeping ``keep_rate`` of the patch tokens
+(:mod:`pullback_ext.prune.methods.evit`), PiToMe ``r`` high-energy tokens in every block of ``block_range``
+(:mod:`pullback_ext.prune.methods.pitome`) — and take their own options instead of ``ratio`` / ``layers`` /
 ``mode``; the single-stage criteria of the paper's controlled comparison are ``tome_score`` and
 ``evit_score``. ``strategy="expedite"`` clusters the patch tokens into a
 ``cluster_grid`` before block ``cluster_layer`` and rebuilds full-resolution tokens wherever they
-are read (:mod:`pullback_ext.prune.expedite`). ``strategy="asap"`` is ASAP reconstructed from its abstract
-(:mod:`pullback_ext.prune.asap`): one stage at ``layers`` (one block) that never removes its
+are read (:mod:`pullback_ext.prune.methods.expedite`). ``strategy="asap"`` is ASAP reconstructed from its abstract
+(:mod:`pullback_ext.prune.methods.asap`): one stage at ``layers`` (one block) that never removes its
 attention sink and pools the background per diffusion ring (merge) or prunes it (prune, with
 ``llf``); its single-stage criterion is ``asap_score``. :func:`pullback_ext.prune.eta.eta` gives the
 η a setting produces. The originals run on the timm ``VisionTransformer`` and on the Hugging Face
@@ -95,13 +95,13 @@ IPython and editors that read runtime signatures show (explicit keyword lists wo
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import types
 from typing import Optional
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions, with_overrides
+from pullback_ext.prune.methods import check_supported
+from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions, keyword_parameters, with_overrides
 
 _ATTR = "_pullback_reduction"
 
@@ -111,11 +111,10 @@ def _is_patched(model) -> bool:
 
 
 def _option_keywords(fn):
-    """Show every :class:`ReductionOptions` field as a keyword of ``fn(model, options=None, /, **overrides)``."""
+    """Show every option (:func:`~pullback_ext.prune.reduction_options.keyword_parameters`) as a
+    keyword of ``fn(model, options=None, /, **overrides)``."""
     signature = inspect.signature(fn)
-    keywords = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-                for f in dataclasses.fields(ReductionOptions)]
-    fn.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:2] + keywords)
+    fn.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:2] + keyword_parameters())
     return fn
 
 
@@ -140,10 +139,7 @@ def timm(model, options: Optional[ReductionOptions] = None, /, **overrides):
 
         check_foldable(model.blocks)
     reduction = options.resolve(timm_vit.backbone_shape(model))
-    if options.strategy == "tap":
-        from pullback_ext.tap.run import check_model
-
-        check_model(reduction.strategy.register, model.blocks, model.embed_dim)
+    reduction.method.check_blocks(reduction, model.blocks, model.embed_dim)
     model.forward_features = types.MethodType(_with_reduction(timm_vit.forward_features, reduction), model)
     model.forward_intermediates = types.MethodType(_with_reduction(timm_vit.forward_intermediates, reduction), model)
     setattr(model, _ATTR, ("timm", reduction))
@@ -260,16 +256,12 @@ def _patch_hf(model, families: tuple, options: Optional[ReductionOptions], overr
     dense = encoder.feeds_dense_neck if dense_neck is None else dense_neck
     shape = BackboneShape(depth=len(encoder.layers), num_prefix=encoder.num_prefix, has_cls=encoder.has_cls, dense_neck=dense)
     options = with_overrides(options, **overrides)
-    if options.strategy in hf_split.METHODS:
-        hf_split.check(encoder.family, options.strategy)  # before resolve: the family's own reason
+    check_supported(options.strategy, hf_split.traits(encoder.family), encoder.family.title)  # before resolve: the family's own reason
     reduction = options.resolve(shape)
     if reduction.options.prop_attn == "folded":
         raise PullbackError("prop_attn='folded' needs timm's standard Block and Attention (patch.timm); "
                             "Hugging Face layers take prop_attn=True")
-    if reduction.options.strategy == "tap":
-        from pullback_ext.tap.run import check_model
-
-        check_model(reduction.strategy.register, encoder.layers, encoder.module.config.hidden_size)
+    reduction.method.check_blocks(reduction, encoder.layers, encoder.module.config.hidden_size)
     install(encoder, reduction)
     setattr(encoder.module, _ATTR, ("hf", reduction))
     return model

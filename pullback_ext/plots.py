@@ -20,8 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pullback_ext.fileio import atomic_path
 from pullback_ext.errors import PullbackError
+from pullback_ext.fileio import atomic_path
+from pullback_ext.grids import grid_shape
 
 FLOOR_MARKER = dict(marker="v", mfc="none", ls="none", ms=6)
 
@@ -146,17 +147,6 @@ def plot_spectrum(sigmas: Sequence[Tensor], traces: Sequence[float], path: str |
                   kappa_threshold: float = 0.9) -> Path:
     """:func:`spectrum_figure` written to ``path``."""
     return save_figure(spectrum_figure(sigmas, traces, title, kappa_threshold), path)
-
-
-def grid_shape(num_patch_tokens: int, grid_size: Optional[Sequence[int]] = None) -> tuple[int, int]:
-    """(h, w) of the patch grid: ``grid_size`` if given, else the square root of the token count."""
-    if grid_size is not None:
-        h, w = int(grid_size[0]), int(grid_size[1])
-    else:
-        h = w = int(round(math.sqrt(num_patch_tokens)))
-    if h * w != num_patch_tokens:
-        raise PullbackError(f"grid_size: {num_patch_tokens} patch tokens do not fill a {h}×{w} grid")
-    return h, w
 
 
 def colour_range(values: Tensor) -> tuple[float, float]:

@@ -13,6 +13,12 @@
     same-shape entries such as keyword arguments or registrations), nor two overlapping windows
     of one file (a repeated pattern, not a copy).
 
+(d) No import cycle between subpackages: in the graph whose nodes are the first-level subpackages
+    of pullback_ext (``pullback_ext.prune``, ``pullback_ext.tap``, …; a top-level module such as
+    ``pullback_ext.plots`` is its own node) and whose edges are the imports between them (in
+    function bodies and relative ones included, as in (a)), no two nodes reach each other. Each
+    cycle is reported with one example import (module:line) per edge.
+
 Each checker is a plain function returning its findings, and is tested on small bad examples.
 """
 
@@ -171,6 +177,64 @@ def duplicate_blocks(sources: dict[str, str], min_lines: int = MIN_DUPLICATE_LIN
     return sorted(" = ".join(f"{label}:{line}" for label, _, line in w) for w in starts)
 
 
+def import_edges(package: Path = PACKAGE) -> dict[tuple[str, str], str]:
+    """``{(a, b): "module:line"}``: for each pair of first-level nodes of ``package`` where a module
+    of ``a`` imports ``b`` (or something inside it), the first such import (by module, then line).
+    The package face (``package/__init__.py``) is no node."""
+    root = package.name
+    files = {p: module_name(p, package) for p in python_files(package)}
+    nodes = {".".join(name.split(".")[:2]) for name in files.values() if "." in name}
+    edges: dict[tuple[str, str], tuple[str, int]] = {}
+    for path, module in files.items():
+        source = ".".join(module.split(".")[:2])
+        if source not in nodes:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            for name in _imported_names(node, module, path.name == "__init__.py"):
+                target = ".".join(name.split(".")[:2])
+                if name.startswith(root + ".") and target in nodes and target != source:
+                    edges[source, target] = min(edges.get((source, target), (module, node.lineno)), (module, node.lineno))
+    return {edge: f"{module}:{line}" for edge, (module, line) in sorted(edges.items())}
+
+
+def _shortest_path(successors: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
+    """The shortest path ``[start, …, goal]`` (breadth first, neighbours in name order); None if none."""
+    before: dict[str, str | None] = {start: None}
+    todo = [start]
+    while todo:
+        node = todo.pop(0)
+        if node == goal:
+            path = [node]
+            while before[path[-1]] is not None:
+                path.append(before[path[-1]])
+            return path[::-1]
+        for nxt in sorted(successors[node] - before.keys()):
+            before[nxt] = node
+            todo.append(nxt)
+    return None
+
+
+def import_cycles(edges: dict[tuple[str, str], str]) -> list[str]:
+    """The cycles of the graph ``edges`` (:func:`import_edges`), one line each: for every edge that
+    lies on a cycle, the shortest cycle through it, written ``a -> b (example import) -> … -> a
+    (example import)`` from its first node by name; each cycle once."""
+    successors: dict[str, set[str]] = defaultdict(set)
+    for a, b in edges:
+        successors[a].add(b)
+    cycles = set()
+    for a, b in edges:
+        back = _shortest_path(successors, b, a)
+        if back is not None:
+            ring = [a] + back[:-1]
+            first = ring.index(min(ring))
+            cycles.add(tuple(ring[first:] + ring[:first]))
+    found = []
+    for ring in sorted(cycles):
+        steps = zip(ring, ring[1:] + ring[:1])
+        found.append(ring[0] + "".join(f" -> {b} ({edges[a, b]})" for a, b in steps))
+    return found
+
+
 def _tree_sources() -> dict[str, str]:
     return {str(p.relative_to(PACKAGE.parent)): p.read_text() for p in python_files()}
 
@@ -193,6 +257,11 @@ def test_no_function_is_longer_than_80_lines():
 def test_no_duplicated_blocks_of_six_same_shape_lines():
     found = duplicate_blocks(_tree_sources())
     assert not found, f"blocks of {MIN_DUPLICATE_LINES}+ same-shape lines in two places:\n" + "\n".join(found)
+
+
+def test_no_import_cycle_between_subpackages():
+    found = import_cycles(import_edges())
+    assert not found, "import cycles between subpackages:\n" + "\n".join(found)
 
 
 def test_the_tree_is_scanned():
@@ -281,3 +350,55 @@ def test_duplicate_checker_ignores_what_is_not_a_copy():
     assert duplicate_blocks({"a.py": imports, "b.py": imports}) == []
     documented = '"""Module doc\n\nover\nseveral\nlines\nand more\nstill\n"""\n'
     assert duplicate_blocks({"a.py": documented, "b.py": documented}) == []
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    """A scratch package ``root/pkg`` with ``files`` ({path inside pkg: source})."""
+    for name, source in {"__init__.py": "", **files}.items():
+        path = root / "pkg" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    return root / "pkg"
+
+
+_LAYERED = {
+    "low/__init__.py": "",
+    "low/core.py": "import math\n",
+    "grids.py": "from pkg.low.core import math\n",
+    "high/__init__.py": "from pkg.low import core\n",
+    "high/run.py": "from ..grids import math\nfrom . import other\n\n\ndef f():\n    import pkg.low.core\n",
+    "high/other.py": "",
+}
+
+
+def test_cycle_checker_finds_a_cycle_through_function_bodies_and_relative_imports(tmp_path):
+    package = _package(tmp_path, _LAYERED | {
+        "low/core.py": "import math\n\n\ndef late():\n    from pkg.high import run\n    return run\n",
+        "grids.py": "from .low.core import math\n",
+    })
+    edges = import_edges(package)
+    assert edges[("pkg.low", "pkg.high")] == "pkg.low.core:5"  # in a function body
+    assert edges[("pkg.grids", "pkg.low")] == "pkg.grids:1"  # relative, from a top-level module
+    assert edges[("pkg.high", "pkg.grids")] == "pkg.high.run:1"  # relative, two levels up
+    assert import_cycles(edges) == [
+        "pkg.grids -> pkg.low (pkg.grids:1) -> pkg.high (pkg.low.core:5) -> pkg.grids (pkg.high.run:1)",
+        "pkg.high -> pkg.low (pkg.high:1) -> pkg.high (pkg.low.core:5)",
+    ]
+
+
+def test_cycle_checker_accepts_a_layered_package(tmp_path):
+    package = _package(tmp_path, _LAYERED | {"__init__.py": "from pkg.high import run\nfrom pkg import grids\n"})
+    edges = import_edges(package)
+    assert edges == {("pkg.grids", "pkg.low"): "pkg.grids:1", ("pkg.high", "pkg.grids"): "pkg.high.run:1",
+                     ("pkg.high", "pkg.low"): "pkg.high:1"}  # the package face is no node
+    assert import_cycles(edges) == []
+
+
+def test_cycle_checker_reports_each_cycle_once_with_an_example_import_per_edge():
+    edges = {("a", "b"): "a.x:1", ("b", "c"): "b:2", ("c", "a"): "c.y:3", ("c", "d"): "c:4", ("b", "a"): "b.z:5",
+             ("e", "f"): "e:5", ("f", "e"): "f:6", ("d", "e"): "d:7"}
+    assert import_cycles(edges) == [
+        "a -> b (a.x:1) -> a (b.z:5)",
+        "a -> b (a.x:1) -> c (b:2) -> a (c.y:3)",
+        "e -> f (e:5) -> e (f:6)",
+    ]

@@ -14,12 +14,10 @@ from helpers.blocks import small_timm, tokens_after_each_block
 from helpers.originals_reference import asap_reference
 from helpers.prune import images, tiny_dinov2, tiny_eva, tiny_vit
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune import asap, reduction_options
-from pullback_ext.prune.cost import count_flops
+from pullback_ext.prune.methods import asap
+from pullback_ext.comparison.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.reduction_options import ReductionOptions
-
-pytestmark = pytest.mark.filterwarnings("ignore:strategy 'asap' now means:FutureWarning")
 
 
 def _sink_removable(monkeypatch):
@@ -212,10 +210,7 @@ def test_options_round_trip_and_what_refuses_it():
     assert patch.config(patch.timm(tiny_eva(), strategy="asap", layers=2)).mode == "merge"  # RoPE: see test_rope_originals
 
 
-def test_using_asap_notes_once_that_its_meaning_changed():
-    reduction_options._note_new_meaning.cache_clear()
-    with pytest.warns(FutureWarning, match="'asap_score'"):
-        ReductionOptions(strategy="asap", layers=2)
+def test_using_asap_warns_of_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ReductionOptions(strategy="asap", layers=3)

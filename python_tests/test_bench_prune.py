@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pullback_ext.bench import prune_models, prune_report
-from pullback_ext.bench.prune_matrix import Sweep, kernel_share, run_sweep
-from pullback_ext.bench.prune_models import MODELS, Method, ModelCase, stage_layers
+from prune_bench import models as prune_models
+from prune_bench import report as prune_report
+from prune_bench.matrix import Sweep, kernel_share, run_sweep
+from prune_bench.models import MODELS, Method, ModelCase, stage_layers
+from pullback_ext.comparison.cost import count_flops
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.cost import count_flops
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelCase("tiny", "tiny timm ViT", prune_models._timm("vit_tiny_patch16_224", patch_size=8, depth=6, embed_dim=48, num_heads=2),

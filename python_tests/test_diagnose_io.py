@@ -8,7 +8,8 @@ from pullback_ext.distributed import gather_objects, init_from_env, shard, shard
 from pullback_ext.errors import PullbackError
 from pullback_ext.sources.image_files import check_readable, list_images, load_images
 from pullback_ext.sources.preprocess import Preprocess, hf_preprocess, timm_preprocess
-from pullback_ext.plots import grid_shape, plot_spectrum, plot_token_energy
+from pullback_ext.grids import grid_shape
+from pullback_ext.plots import plot_spectrum, plot_token_energy
 
 
 def write_png(path, h=30, w=50, seed=0):

@@ -14,13 +14,12 @@ from helpers.blocks import embed, small_timm, tokens_after_each_block
 from helpers.originals_reference import evit_reference
 from helpers.prune import images, tiny_vit
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune import evit, timm_vit
-from pullback_ext.prune.cost import count_flops
+from pullback_ext.prune import timm_vit
+from pullback_ext.prune.methods import evit
+from pullback_ext.comparison.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
-
-pytestmark = pytest.mark.filterwarnings("ignore:strategy 'evit' now means:FutureWarning")
 
 
 def _previous_block_attention(monkeypatch, model, stages):

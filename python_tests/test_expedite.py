@@ -13,9 +13,9 @@ import pullback_ext.patch as patch
 from helpers.blocks import attention_half, mlp_half, small_timm, tokens_after_each_block
 from helpers.originals_reference import cluster_reference, expedite_reference, rebuild, reconstruction_reference
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune import expedite
-from pullback_ext.prune.backbones import demo_backbone
-from pullback_ext.prune.cost import count_flops
+from pullback_ext.prune.methods import expedite
+from pullback_ext.comparison.backbones import demo_backbone
+from pullback_ext.comparison.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 

@@ -13,11 +13,9 @@ import torch
 
 from pullback_ext.cli import main
 from pullback_ext.commands.evaluate_pareto import build_points, method_grid, parse_sweeps
+from pullback_ext.comparison.cost import interleaved_wall_clock
+from pullback_ext.comparison.pareto import error_summary, frontier, matched_error
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.cost import interleaved_wall_clock
-from pullback_ext.prune.pareto import error_summary, frontier, matched_error
-
-pytestmark = pytest.mark.filterwarnings("ignore:strategy '(tome|evit)' now means:FutureWarning")
 
 
 def _dominated(i, xs, ys):

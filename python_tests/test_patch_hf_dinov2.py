@@ -189,7 +189,6 @@ ORIGINALS = {"tome": dict(r=3), "pitome": dict(r=3), "evit": dict(keep_rate=0.5,
              "expedite": dict(cluster_grid=(2, 3), cluster_layer=1), "asap": dict(layers=2, ratio=0.4, mode="prune")}
 
 
-@pytest.mark.filterwarnings("ignore:strategy '(tome|evit|asap)' now means:FutureWarning")
 @pytest.mark.parametrize("strategy", list(ORIGINALS))
 def test_depth_anything_runs_each_original_as_the_dinov2_model_with_the_same_weights(strategy):
     """The backbone's hidden states (what the neck reads) under each original are those of HF

@@ -12,9 +12,9 @@ import pytest
 import pullback_ext.patch as patch
 from helpers.prune import norm_scorer, tiny_dinov2, tiny_dpt, tiny_vit
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions, with_overrides
+from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions, common_names, option_names, with_overrides
 
-NAMES = [f.name for f in dataclasses.fields(ReductionOptions)]
+NAMES = list(option_names())
 
 
 def test_options_are_frozen_and_normalised():
@@ -77,7 +77,7 @@ def test_resolve_chooses_every_auto_and_leaves_the_options_unchanged():
 def test_options_round_trip_through_a_json_dict():
     options = ReductionOptions(head=norm_scorer, ratio=(0.1, 0.2), layers=(1, 3), mode="prune", llf=False, eps=0.5, seed=None)
     data = json.loads(json.dumps(options.to_dict()))
-    assert set(data) == set(NAMES) - {"head", "spn"}
+    assert set(data) == set(common_names()) - {"head", "spn"}
     assert data["ratio"] == [0.1, 0.2] and data["llf"] is False
     assert ReductionOptions.from_dict(data, head=norm_scorer) == options
     with pytest.raises(PullbackError, match="give head as keyword"):

@@ -16,8 +16,8 @@ from helpers.prune import images, tiny_vit
 from helpers.broken_merges import merges_everywhere, no_proportional_attention, unweighted_averages
 from helpers.originals_reference import pitome_reference
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune import pitome, tome
-from pullback_ext.prune.cost import count_flops
+from pullback_ext.prune.methods import pitome, tome
+from pullback_ext.comparison.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.reduction_options import ReductionOptions
 

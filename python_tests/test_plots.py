@@ -71,7 +71,7 @@ def bench_result() -> dict:
 
 
 def _quality(result):
-    from pullback_ext.prune.report import quality_figure
+    from pullback_ext.comparison.report import quality_figure
 
     return quality_figure(result)
 
@@ -108,7 +108,7 @@ def _training():
 
 
 def _pareto():
-    from pullback_ext.prune.pareto_report import figure
+    from pullback_ext.comparison.pareto_report import figure
 
     return figure(pareto_result())
 

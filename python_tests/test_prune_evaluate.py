@@ -10,8 +10,8 @@ import torch
 
 from helpers.images import random_image_folder
 from pullback_ext.cli import main
-from pullback_ext.prune.backbones import demo_backbone
-from pullback_ext.prune.evaluation import Plan, markdown_table, run_cost, run_quality
+from pullback_ext.comparison.backbones import demo_backbone
+from pullback_ext.comparison.evaluation import Plan, markdown_table, run_cost, run_quality
 
 
 def _demo_model():

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from pullback_ext.comparison.quality import cosine_x100, knn_top1, silog_x100, wilcoxon_p
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.quality import cosine_x100, knn_top1, silog_x100, wilcoxon_p
 
 
 def test_cosine_x100_closed_forms():

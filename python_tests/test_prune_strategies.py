@@ -8,7 +8,7 @@ import torch
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import merge_drift, nearest_destinations, patch_distances, pullback_distances, select_with_partners
-from pullback_ext.prune.pipeline import apply_stage
+from pullback_ext.prune.methods.single_stage import apply_stage
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.strategies import StageContext, lowest, make_strategy

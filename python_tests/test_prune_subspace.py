@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.subspace import fit_linear_probe, interventions, probe_basis, projector
+from pullback_ext.studies.subspace import fit_linear_probe, interventions, probe_basis, projector
 
 
 def _planted(c=3, d=12, b=4, t=10, seed=0):

@@ -18,8 +18,6 @@ from helpers.prune import tiny_eva, tiny_hf
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import rope
 
-pytestmark = pytest.mark.filterwarnings("ignore:strategy '(tome|evit|asap)' now means:FutureWarning")
-
 EVAS = {"eva02": ("eva02_tiny_patch14_224", 56), "rope_mixed": ("vit_small_patch16_rope_mixed_224", 64),
         "timm_dinov3": ("vit_small_patch16_dinov3", 64)}
 
@@ -196,7 +194,7 @@ def test_nothing_reduced_is_the_unpatched_eva_and_unpatch_restores_it(name):
     assert torch.equal(final, plain[0]) and all(torch.equal(a, b) for a, b in zip(per_layer, plain[1]))
 
 
-@pytest.mark.parametrize("name,runs", [("hf_dinov3", "tome, pitome, evit, asap"), ("eva02", "tome, evit, asap, pitome")])
+@pytest.mark.parametrize("name,runs", [("hf_dinov3", "tome, evit, asap, pitome, tap"), ("eva02", "tome, evit, asap, pitome")])
 def test_expedite_is_refused_its_cluster_tokens_have_no_rotary_position(name, runs):
     m = rope_model(name)
     with pytest.raises(PullbackError, match=rf"strategy 'expedite'.*no rotary position.*runs the originals {runs} and"):

@@ -174,8 +174,8 @@ def test_study_criteria_equals_evaluate_at_each_layer(tmp_path):
 # ---- demo:random, the untrained control --------------------------------------------------------
 
 def test_random_demo_is_the_seeded_untrained_architecture():
+    from pullback_ext.comparison.backbones import load_backbone
     from pullback_ext.embedded.model import DemoModel
-    from pullback_ext.prune.backbones import load_backbone
     from pullback_ext.sources.models import parse_model
     from pullback_ext.studies.models import parse_study_model, random_demo
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from pullback_ext.errors import PullbackError
+from pullback_ext.errors import CheckpointError, PullbackError
 from pullback_ext.prune import timm_vit
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import ReductionOptions
-from pullback_ext.tap import run as tap_run
+from pullback_ext.prune.methods import tap as tap_run
 from pullback_ext.tap.budget import BudgetPlan, keep_count, largest_remainder
 from pullback_ext.tap.register import TaskRegister
-from pullback_ext.tap.relaxed import run_relaxed
+from pullback_ext.tap_training.relaxed import run_relaxed
 
 GRID = 5  # 40 px, patch 8: N = 25 patch tokens, so most keep rates do not divide N
 
@@ -173,10 +173,15 @@ def test_recovery_alpha_is_applied_where_features_are_read(monkeypatch, broken):
 
 def test_checkpoint_folder_deploys_and_bad_options_are_refused(tmp_path):
     from pullback_ext.metric import checkpoint
+    from pullback_ext.tap.checkpoint import model_classes
 
     model = small_vit(4)
     register = register_for("cls", (1, 4))
-    checkpoint.save_model(tmp_path / "tap", "tap", register)
+    checkpoint.save_model(tmp_path / "tap", "tap", register, classes=model_classes())
+    with pytest.raises(CheckpointError, match="expected a 'head' checkpoint, got a 'tap' checkpoint"):
+        checkpoint.load_model(tmp_path / "tap", kind="head")  # the metric loader knows only its own kinds
+    with pytest.raises(CheckpointError, match=r"unknown model kind 'tap' \(expected one of \['head', 'spn', 'vae'\]\)"):
+        checkpoint.load_model(tmp_path / "tap")
     images = torch.randn(2, 3, 40, 40, dtype=torch.float64)
     expected = patch.timm(model, strategy="tap", head=register, ratio=0.3).forward_features(images)
     assert torch.equal(patch.timm(model, strategy="tap", head=str(tmp_path / "tap"), ratio=0.3).forward_features(images), expected)

@@ -242,9 +242,9 @@ def test_training_forward_through_the_hf_loop_equals_the_deployed_one(kind):
     """The training runner (the relaxed loop inside the HF patch: removed tokens masked, their
     frozen features in the hidden states a DPT neck reads) gives the deployed model's output."""
     from helpers.prune import tiny_dpt
-    from pullback_ext.prune.backbones import hf_backbone
-    from pullback_ext.tap.evaluation import pruned_outputs
-    from pullback_ext.tap.training import BackboneRunner
+    from pullback_ext.comparison.backbones import hf_backbone
+    from pullback_ext.tap_training.evaluation import pruned_outputs
+    from pullback_ext.tap_training.training import BackboneRunner
 
     model = tiny_dpt().double() if kind == "dpt" else tiny_hf("vit", "sdpa").double()
     task = "depth" if kind == "dpt" else "cls"

@@ -15,9 +15,10 @@ from pullback_ext.cli import build_parser, main
 from pullback_ext.commands.evaluate_pareto import TAP_RHOS, tap_points
 from pullback_ext.errors import PullbackError
 from pullback_ext.metric.training import TrainConfig
-from pullback_ext.prune import pareto, row_rules
-from pullback_ext.prune.backbones import demo_backbone
-from pullback_ext.tap.training import TapConfig, train
+from pullback_ext.prune import row_rules
+from pullback_ext.comparison import pareto
+from pullback_ext.comparison.backbones import demo_backbone
+from pullback_ext.tap_training.training import TapConfig, train
 
 N = 196  # the demo model's patch tokens
 
@@ -59,8 +60,8 @@ def pareto_run(tmp_path, *flags) -> dict:
 
 
 def mean_error(model, register, images, rho: float) -> float:
-    from pullback_ext.prune.backbones import demo_backbone
-    from pullback_ext.tap.evaluation import heldout_report
+    from pullback_ext.comparison.backbones import demo_backbone
+    from pullback_ext.tap_training.evaluation import heldout_report
 
     return heldout_report(demo_backbone(model), register, images, [rho])[0]["value"]
 

@@ -15,7 +15,8 @@ import torch
 from helpers.metric import Killed, kill_at
 from pullback_ext.metric import checkpoint
 from pullback_ext.metric.training import TrainConfig
-from pullback_ext.tap.training import TapConfig, train
+from pullback_ext.tap.checkpoint import load_register
+from pullback_ext.tap_training.training import TapConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +61,7 @@ WORKER = textwrap.dedent(
     import sys, torch, torch.distributed as dist
     sys.path.insert(0, {tests!r})
     from test_tap_training import demo_and_images, settings
-    from pullback_ext.tap.training import train
+    from pullback_ext.tap_training.training import train
     dist.init_process_group("gloo")
     model, images = demo_and_images()
     train(model.double(), images.double(), settings("depth", steps=2), sys.argv[1], progress=False)
@@ -79,7 +80,7 @@ def test_two_process_ddp_matches_single_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     model, images = demo_and_images()
     single = train(model.double(), images.double(), settings("depth", steps=2), tmp_path / "single", progress=False)
-    ddp, _ = checkpoint.load_model(tmp_path / "ddp", kind="tap")
+    ddp = load_register(tmp_path / "ddp")
     for (name, a), (_, b) in zip(single.state_dict().items(), ddp.state_dict().items()):
         assert torch.allclose(a, b, rtol=1e-7, atol=1e-9), name
     losses = lambda d: [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
@@ -88,12 +89,11 @@ def test_two_process_ddp_matches_single_process(tmp_path):
 
 def test_train_tap_command_reports_on_the_eval_images(tmp_path):
     from pullback_ext.cli import main
-    from pullback_ext.prune.backbones import demo_backbone
+    from pullback_ext.comparison.backbones import demo_backbone
     from pullback_ext.sources.images import open_images
     from pullback_ext.sources.models import load_model, parse_model
     from pullback_ext.sources.preprocess import unit_range_preprocess
-    from pullback_ext.tap.checkpoint import load_register
-    from pullback_ext.tap.evaluation import heldout_report
+    from pullback_ext.tap_training.evaluation import heldout_report
 
     out = tmp_path / "tap"
     assert main(["train", "tap", "--model", "demo", "--images", "builtin:scenes", "--eval-images", "builtin:photos", "--num-images", "2",

@@ -15,14 +15,13 @@ from helpers.prune import images, tiny_vit
 from helpers.broken_merges import merges_everywhere, no_proportional_attention, unweighted_averages
 from helpers.originals_reference import tome_reference
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune import reduction_options, timm_vit, tome
-from pullback_ext.prune.cost import count_flops
+from pullback_ext.prune import timm_vit
+from pullback_ext.prune.methods import tome
+from pullback_ext.comparison.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import ReductionOptions
 from pullback_ext.prune.split_block import SplitBlock
-
-pytestmark = pytest.mark.filterwarnings("ignore:strategy 'tome' now means:FutureWarning")
 
 
 def _features_as_keys(monkeypatch):
@@ -201,11 +200,9 @@ def test_options_round_trip_and_a_backbone_that_cannot_split_its_blocks_refuses_
                    model.blocks, timm_vit.call_block, timm_vit.attention_probs)
 
 
-def test_using_tome_notes_once_that_its_meaning_changed():
-    reduction_options._note_new_meaning.cache_clear()
-    with pytest.warns(FutureWarning, match="'tome_score'"):
-        ReductionOptions(strategy="tome", r=2)
+def test_using_tome_warns_of_nothing():  # the user named the method; nothing to warn about
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ReductionOptions(strategy="tome", r=3)
+        ReductionOptions(strategy="tome", r=2)
+        patch.timm(tiny_vit(), strategy="tome", r=3)
         ReductionOptions(strategy="tome_score")

@@ -78,10 +78,10 @@ def run(args: argparse.Namespace) -> int:
 
     from pullback_ext.commands import evaluate_plan
     from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec, output_folder
+    from pullback_ext.comparison.backbones import load_backbone
+    from pullback_ext.comparison.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
+    from pullback_ext.comparison.report import plot_quality, write_json, write_text
     from pullback_ext.errors import PullbackError
-    from pullback_ext.prune.backbones import load_backbone
-    from pullback_ext.prune.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
-    from pullback_ext.prune.report import plot_quality, write_json, write_text
 
     spec = model_spec(args)
     output_folder(args.out)
@@ -140,8 +140,8 @@ def _run_pareto(args: argparse.Namespace, backbone, model, images) -> int:
     import torch
 
     from pullback_ext.commands import evaluate_pareto
-    from pullback_ext.prune import pareto_report
-    from pullback_ext.prune.report import write_json, write_text
+    from pullback_ext.comparison import pareto_report
+    from pullback_ext.comparison.report import write_json, write_text
 
     device = evaluate_pareto.device(args.device)
     model.to(device)

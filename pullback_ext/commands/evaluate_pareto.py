@@ -17,24 +17,15 @@ import itertools
 from pullback_ext.errors import PullbackError
 
 DEFAULT_METHODS = ("importance", "tome", "evit", "random")
-DEFAULT_SWEEPS = {
-    "tome": {"r": (1, 2, 4, 6, 8, 12, 16, 20, 24), "schedule": ("constant", "decreasing")},
-    "pitome": {"r": (1, 2, 4, 6, 8, 12, 16, 20, 24)},
-    "evit": {"keep_rate": (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)},
-    "expedite": {"cluster_grid": (144, 121, 100, 81, 64, 49, 36, 25)},
-}
-STAGED_ORIGINALS = ("asap",)  # originals that reduce at the single-stage ``layers`` and sweep ``ratio``
-OURS_MERGE = {"selection": ("bound", "lowest")}  # both of our rules, side by side
-OURS_PRUNE = {"llf": ("masked", "full")}
 TAP_RHOS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)  # keep rates of every --tap checkpoint
 
 
 def parse_sweeps(texts) -> dict:
     """``{method: {field: values}}`` from the ``METHOD:FIELD=v1,v2`` of ``texts``: the fields they
     replace in the method grids (:func:`method_grid`)."""
-    from pullback_ext.prune.reduction_options import ReductionOptions
+    from pullback_ext.prune.reduction_options import option_names
 
-    fields = set(ReductionOptions.__dataclass_fields__) - {"head", "spn", "strategy"}
+    fields = set(option_names()) - {"head", "spn", "strategy"}
     given: dict = {}
     for text in texts or ():
         method, sep, rest = text.partition(":")
@@ -58,43 +49,39 @@ def _value(text: str):
 
 
 def method_grid(method: str, mode: str, ratios: tuple, given: dict) -> dict:
-    """The fields and values method ``method`` is swept over."""
-    from pullback_ext.prune.strategies import NEEDS_SCORER, ORIGINALS
+    """The fields and values method ``method`` is swept over: its own default sweep
+    (:meth:`~pullback_ext.prune.methods.base.Method.sweep_grid`) with ``given`` replacing fields."""
+    from pullback_ext.prune import methods
 
-    if method in ORIGINALS and method not in STAGED_ORIGINALS:
-        grid = dict(DEFAULT_SWEEPS.get(method, {}))
-    else:
-        grid = {"ratio": ratios}
-        if method in NEEDS_SCORER:
-            grid |= OURS_MERGE if mode == "merge" else OURS_PRUNE
-    grid |= given.get(method, {})
+    grid = methods.get(method).sweep_grid(mode, ratios) | given.get(method, {})
     if not grid:
         raise PullbackError(f"--sweep: method {method!r} has no default sweep; give one with --sweep {method}:FIELD=v1,v2")
     return grid
 
 
 def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ratios: tuple) -> list:
-    """:class:`~pullback_ext.prune.pareto.Point` s of every method's grid. ``base``: the options the
+    """:class:`~pullback_ext.comparison.pareto.Point` s of every method's grid. ``base``: the options the
     single-stage methods share (``layers``, ``mode``, ``preset``)."""
-    from pullback_ext.prune.pareto import Point
+    from pullback_ext.prune import methods as registry
+    from pullback_ext.comparison.pareto import Point
     from pullback_ext.prune.reduction_options import ReductionOptions
-    from pullback_ext.prune.strategies import NEEDS_SCORER, ORIGINALS
 
     unknown = sorted(set(given) - set(methods))
     if unknown:
         raise PullbackError(f"--sweep names {', '.join(unknown)}, which --methods does not include")
     points = []
+    unknown = [m for m in methods if m not in registry.names()]
+    if unknown:
+        raise PullbackError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(registry.names())}")
     for method in methods:
-        if method == "tap":
-            raise PullbackError("--methods: TAP rows come from trained registers; give their folders with --tap DIR[,DIR]")
-        if method in NEEDS_SCORER and method not in scorers:
-            raise PullbackError(f"--methods: {method!r} needs {'--head CKPT' if method == 'importance' else '--oracle'}")
+        m = registry.get(method)
+        if m.head_from is not None and m.head_from not in scorers:
+            raise PullbackError(f"--methods: {method!r} needs {'--oracle' if m.head_from == 'oracle' else '--head CKPT'}")
         grid = method_grid(method, base["mode"], ratios, given)
-        fixed = {"layers": base["layers"][:1], "mode": base["mode"]} if method in STAGED_ORIGINALS else \
-            {} if method in ORIGINALS else dict(base)
-        if method in NEEDS_SCORER:
-            fixed["head"] = scorers[method]
-            if spn is not None and base["mode"] == "merge":
+        fixed = m.sweep_base(base)
+        if m.head_from is not None:
+            fixed["head"] = scorers[m.head_from]
+            if spn is not None and base["mode"] == "merge" and "spn" in m.takes:
                 fixed["spn"] = spn
         for combo in itertools.product(*grid.values()):
             knob = dict(zip(grid, combo))
@@ -114,8 +101,8 @@ def load_taps(text: str, backbone, model, task: str) -> list:
     from pathlib import Path
 
     from pullback_ext.tap.checkpoint import load_register
-    from pullback_ext.tap.run import check_model
-    from pullback_ext.tap.training import layer_layout
+    from pullback_ext.prune.methods.tap import check_model
+    from pullback_ext.tap_training.training import layer_layout
 
     folders = [f.strip() for f in text.split(",") if f.strip()]
     if not folders:
@@ -139,14 +126,14 @@ def load_taps(text: str, backbone, model, task: str) -> list:
 def tap_points(taps, ratios: tuple = tuple(round(1.0 - rho, 10) for rho in TAP_RHOS)) -> list:
     """Per ``(name, register)`` of ``taps``: its row at every η of ``ratios`` (``knob`` ρ = 1 − η), then
     its one-point row at ρ = 1 (nothing removed: the register alone, or TAP-J's adapted backbone)."""
-    from pullback_ext.prune.pareto import Point
+    from pullback_ext.comparison.pareto import Point
+    from pullback_ext.prune.methods.tap import TAP, tap_row
     from pullback_ext.prune.reduction_options import ReductionOptions
-    from pullback_ext.prune.row_rules import tap_row
 
     points = []
     for name, register in taps:
         for ratio in (*ratios, 0.0):
-            options = ReductionOptions(strategy="tap", head=register, ratio=float(ratio))
+            options = ReductionOptions(strategy=TAP.name, head=register, ratio=float(ratio))
             points.append(Point(options=options, knob={"rho": round(1.0 - ratio, 10)}, row=tap_row(register, name, ratio == 0.0)))
     return points
 
@@ -167,8 +154,9 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     ``backbone`` (``model``: the module it wraps, which the scorer checkpoints are checked against)."""
     from pullback_ext.commands import evaluate_plan
     from pullback_ext.commands.arguments import comma_floats, comma_ints
-    from pullback_ext.prune import pareto, row_rules
-    from pullback_ext.prune.evaluation import PRIMARY
+    from pullback_ext.prune import row_rules
+    from pullback_ext.comparison import pareto
+    from pullback_ext.comparison.evaluation import PRIMARY
 
     ratios = comma_floats(args.ratios, "--ratios")
     layers = evaluate_plan.reduction_layers(args, backbone.depth)
@@ -200,7 +188,9 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
 
 
 def _default_methods(scorers: dict) -> str:
-    return ",".join(m for m in DEFAULT_METHODS if m != "importance" or "importance" in scorers)
+    from pullback_ext.prune import methods
+
+    return ",".join(m for m in DEFAULT_METHODS if methods.get(m).head_from in (None, *scorers))
 
 
 def device(text: str):

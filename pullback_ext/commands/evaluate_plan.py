@@ -8,9 +8,9 @@ import sys
 import warnings
 from typing import Optional
 
+from pullback_ext.comparison.backbones import Backbone
 from pullback_ext.errors import CheckpointError, PullbackError
 from pullback_ext.metric.schedule import is_schedule, read_schedule
-from pullback_ext.prune.backbones import Backbone
 from pullback_ext.prune.schedules import parse_layers, scale_layers
 from pullback_ext.prune.strategies import STRATEGIES, TRAINING_FREE
 
@@ -65,7 +65,7 @@ def reduction_layers(args: argparse.Namespace, depth: int) -> tuple:
 
 def load_metric(path: str, expected_dim: int):
     """``(model, config)`` of an importance head or SPN checkpoint, checked against the backbone."""
-    from pullback_ext.metric.checkpoint import load_model
+    from pullback_ext.tap.checkpoint import load_model
 
     model, config = load_model(path)
     if config.get("kind") not in ("head", "spn"):

@@ -116,10 +116,10 @@ def _images(args, model):
 def _diagnose(args, models, out) -> dict | None:
     import torch
 
-    from pullback_ext.commands.diagnose import diagnose_config
     from pullback_ext.commands.arguments import comma_ints
+    from pullback_ext.commands.diagnose import diagnose_config
+    from pullback_ext.comparison.backbones import load_backbone
     from pullback_ext.errors import PullbackError
-    from pullback_ext.prune.backbones import load_backbone
     from pullback_ext.sources.probe_setup import build_probe_setup
     from pullback_ext.studies import diagnose_study as ds
     from pullback_ext.studies.engine import UnitStore
@@ -193,8 +193,8 @@ def _subspace(args, models, out) -> dict | None:
 def _criteria(args, models, out) -> dict | None:
     from pullback_ext.commands import evaluate_plan
     from pullback_ext.commands.arguments import comma_floats
+    from pullback_ext.comparison.evaluation import check_plan
     from pullback_ext.errors import PullbackError
-    from pullback_ext.prune.evaluation import check_plan
     from pullback_ext.studies import criteria_study as cs
     from pullback_ext.studies.engine import UnitStore
     from pullback_ext.studies.layers import parse_layers

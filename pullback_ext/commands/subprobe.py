@@ -29,10 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def subspace_report(probe: str, model, backbone, layer: int, ks: tuple, data: dict) -> dict:
     """Interventions on a linear token probe read at the output of block ``layer`` of ``backbone``,
     on ``data`` (``images``, and ``depth`` where known: the fitted probe's depth error)."""
+    from pullback_ext.comparison.backbones import block_output_tokens
     from pullback_ext.errors import CheckpointError, PullbackError
-    from pullback_ext.prune.backbones import block_output_tokens
-    from pullback_ext.prune.subspace import interventions, subspace_analysis
     from pullback_ext.sources.weights import read_state_dict
+    from pullback_ext.studies.subspace import interventions, subspace_analysis
 
     if not 0 <= layer < backbone.depth:
         raise PullbackError(f"--layer must lie in [0, {backbone.depth - 1}]; got {layer}")
@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from pullback_ext.commands.arguments import comma_ints, image_source, model_spec, output_folder
-    from pullback_ext.prune.backbones import load_backbone
-    from pullback_ext.prune.report import write_json
+    from pullback_ext.comparison.backbones import load_backbone
+    from pullback_ext.comparison.report import write_json
 
     spec = model_spec(args)
     out = output_folder(args.out)

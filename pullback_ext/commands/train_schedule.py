@@ -32,8 +32,8 @@ def checked_stages(args: argparse.Namespace) -> tuple:
     """``(stage layers, model spec)`` of ``--stages``, checked against the command's other flags
     and the model's depth."""
     from pullback_ext.commands.arguments import model_spec
+    from pullback_ext.comparison.backbones import load_backbone
     from pullback_ext.metric.schedule import check_stages
-    from pullback_ext.prune.backbones import load_backbone
 
     if args.kind != "head":
         raise PullbackError(f"--stages: only for `pullback train head` (one importance head per stage), got {args.kind}")

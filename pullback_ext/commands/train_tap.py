@@ -45,13 +45,13 @@ def run(args: argparse.Namespace) -> int:
 
     from pullback_ext import distributed
     from pullback_ext.commands.arguments import image_source, model_spec, renamed_switch
+    from pullback_ext.comparison.backbones import load_backbone
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_json
     from pullback_ext.metric.training import TrainConfig
-    from pullback_ext.prune.backbones import load_backbone
     from pullback_ext.sources.images import open_images
-    from pullback_ext.tap.evaluation import heldout_report
-    from pullback_ext.tap.training import TapConfig, train
+    from pullback_ext.tap_training.evaluation import heldout_report
+    from pullback_ext.tap_training.training import TapConfig, train
 
     spec = model_spec(args)
     args.task = args.task or "cls"

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pullback_ext.comparison.backbones import demo_backbone
+from pullback_ext.comparison.evaluation import METRICS, Plan, check_plan, markdown_table, run_cost, run_quality
+from pullback_ext.comparison.report import plot_quality, write_json, write_text
 from pullback_ext.demo.stages import DemoInputs, StageResult
-from pullback_ext.prune.backbones import demo_backbone
-from pullback_ext.prune.evaluation import METRICS, Plan, check_plan, markdown_table, run_cost, run_quality
-from pullback_ext.prune.report import plot_quality, write_json, write_text
 from pullback_ext.prune.schedules import scale_layers
-from pullback_ext.prune.subspace import subspace_analysis
 from pullback_ext.prune.strategies import TRAINING_FREE
+from pullback_ext.studies.subspace import subspace_analysis
 
 NAME = "pruning"
 QUICK = {"images": 16, "seeds": 1, "cls_ratios": (0.1, 0.3, 0.5), "depth_ratios": (0.25, 0.5), "batches": (1, 16), "repeats": 2}

@@ -27,13 +27,15 @@ CONFIG_FILE = "config.json"
 STATE_FILE = "state.safetensors"
 
 
-def _model_classes() -> dict[str, type]:
+def model_classes() -> dict[str, type]:
+    """{kind: model class} of the metric models ('spn', 'head', 'vae'). A package above that stores
+    its own models in this format passes its larger table as ``classes`` to :func:`save_model` and
+    :func:`load_model` (TAP adds 'tap': ``pullback_ext.tap.checkpoint``)."""
     from pullback_ext.metric.head import ImportanceHead
     from pullback_ext.metric.spn import SPN
     from pullback_ext.metric.vae import FeatureVAE
-    from pullback_ext.tap.register import TaskRegister
 
-    return {"spn": SPN, "head": ImportanceHead, "vae": FeatureVAE, "tap": TaskRegister}
+    return {"spn": SPN, "head": ImportanceHead, "vae": FeatureVAE}
 
 
 def atomic_save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -68,13 +70,16 @@ def _read_tensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     return tensors, metadata
 
 
-def save_model(directory: str | os.PathLike, kind: str, model: nn.Module, extra: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` (kind 'spn', 'head', 'vae' or 'tap', with a ``config()`` method) to ``directory``.
+def save_model(directory: str | os.PathLike, kind: str, model: nn.Module, extra: dict[str, Any] | None = None,
+               classes: dict[str, type] | None = None) -> Path:
+    """Write ``model`` (with a ``config()`` method) of ``kind``, a key of ``classes`` (default
+    :func:`model_classes`: 'spn', 'head', 'vae'), to ``directory``.
 
     ``extra`` (the probe definition, training settings, results) is stored in the config.
     """
-    if kind not in _model_classes():
-        raise PullbackError(f"kind: expected one of {sorted(_model_classes())}, got {kind!r}")
+    classes = model_classes() if classes is None else classes
+    if kind not in classes:
+        raise PullbackError(f"kind: expected one of {sorted(classes)}, got {kind!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = {"format": FORMAT, "kind": kind, "model": model.config(), **(extra or {})}
@@ -131,19 +136,21 @@ def _difference(stated: Any, stored: Any, where: str = "") -> str:
     return f"{where or 'the config'}: {stated!r} in config.json, {stored!r} stored"
 
 
-def load_model(path: str | os.PathLike, kind: str | None = None, dtype: torch.dtype | None = None) -> tuple[nn.Module, dict]:
+def load_model(path: str | os.PathLike, kind: str | None = None, dtype: torch.dtype | None = None,
+               classes: dict[str, type] | None = None) -> tuple[nn.Module, dict]:
     """Rebuild the model stored at ``path`` (directory or file) -> (model in eval mode, config).
+    ``classes``: {kind: model class} of the kinds to build (default :func:`model_classes`).
 
     Raises CheckpointError when the file is missing or corrupt, holds another kind of model than
-    ``kind``, or its tensors do not fit the configured architecture.
+    ``kind`` or one ``classes`` does not hold, or its tensors do not fit the configured architecture.
     """
     tensors, config = _load(path)
-    classes = _model_classes()
+    classes = model_classes() if classes is None else classes
     stored = config.get("kind")
-    if stored not in classes:
-        raise CheckpointError(f"{path}: unknown model kind {stored!r} (expected one of {sorted(classes)})")
     if kind is not None and stored != kind:
         raise CheckpointError(f"{path}: expected a {kind!r} checkpoint, got a {stored!r} checkpoint")
+    if stored not in classes:
+        raise CheckpointError(f"{path}: unknown model kind {stored!r} (expected one of {sorted(classes)})")
     try:
         model = classes[stored](**config["model"])
     except (KeyError, TypeError, ValueError) as exc:

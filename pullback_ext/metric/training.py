@@ -88,7 +88,8 @@ def batch_indices(step: int, num_samples: int, cfg: TrainConfig) -> Tensor:
 
 
 class Task(Protocol):
-    """What the loop trains: ``kind`` ('spn', 'head', 'vae') and a loss on a batch."""
+    """What the loop trains: ``kind`` ('spn', 'head', 'vae', or a kind of ``fit``'s ``classes``) and
+    a loss on a batch."""
 
     kind: str
 
@@ -188,6 +189,7 @@ def fit(
     resume: bool = False,
     progress: bool = True,
     on_step: Optional[Callable[[int], None]] = None,
+    classes: Optional[dict[str, type]] = None,
 ) -> dict[str, float]:
     """Train ``model`` on ``data`` (tensors with a leading sample dim) for ``cfg.steps`` steps.
 
@@ -196,7 +198,9 @@ def fit(
     Under torchrun each rank computes the loss on its slice of the global batch. ``on_step(step)``
     runs after each completed step (progress hooks, tests). With ``ema_decay`` > 0 the checkpoints'
     model.safetensors hold the moving average of the weights (state.safetensors both), and ``model``
-    ends with the averaged weights. Returns the last logged metrics.
+    ends with the averaged weights. ``classes``: the checkpoint kinds when ``task.kind`` is not a
+    metric model's (:func:`~pullback_ext.metric.checkpoint.save_model`). Returns the last logged
+    metrics.
     """
     from pullback_ext.progress import progress_bar
 
@@ -216,7 +220,7 @@ def fit(
     def save(step: int) -> None:
         if rank == 0:
             checkpoint.save_training_state(out, step, model, optimizer, averaged=averaged)
-            checkpoint.save_model(out, task.kind, averaged if averaged is not None else model, dict(config, step=step))
+            checkpoint.save_model(out, task.kind, averaged if averaged is not None else model, dict(config, step=step), classes)
         _barrier(world)
 
     model.train()

@@ -204,9 +204,9 @@ def encoder_forward(encoder: Encoder, reduction: Reduction, holder: dict, hidden
 
     try:
         holder["input"] = hidden_states
-        holder["register"] = encoder.num_prefix if reduction.strategy.name == "tap" else None
+        holder["register"] = encoder.num_prefix if reduction.method.needs.extra_token else None
         probs = _attention_reader(encoder, holder, position_embeddings)
-        if reduction.strategy.name in hf_split.METHODS:
+        if reduction.method.own_loop:
             final = _run_original(encoder, reduction, holder, hidden_states, probs)
         else:
             final, _ = run_blocks(reduction, hidden_states, encoder.layers, call_layer, probs)

@@ -5,8 +5,8 @@ ToMe, PiToMe and EViT reduce between a layer's attention and its MLP: :func:`spl
 of any family in those two halves, from the family's :class:`~pullback_ext.families.adapter.AttentionLayout`
 (norm, projections, head width, logit scale) and :class:`~pullback_ext.families.adapter.Branches`
 (output projection, LayerScale, MLP), as the :class:`~pullback_ext.prune.split_block.SplitBlock`
-that :func:`pullback_ext.prune.tome.run`, :func:`pullback_ext.prune.evit.run` and
-:func:`pullback_ext.prune.pitome.run` take for timm blocks. The attention half runs
+that :func:`pullback_ext.prune.methods.tome.run`, :func:`pullback_ext.prune.methods.evit.run` and
+:func:`pullback_ext.prune.methods.pitome.run` take for timm blocks. The attention half runs
 ``scaled_dot_product_attention`` with the additive bias (ToMe's proportional attention) on every
 family alike, DPT included; Expedite and ASAP run whole layers and read attention probabilities
 between them, as every family gives them.
@@ -17,9 +17,9 @@ the rotary rows of their original positions, which the token state
 reordering (a merged token at its destination's position); EViT's fused token is not rotated (see
 :mod:`pullback_ext.prune.rope`).
 
-What each family takes (:func:`refusal`): a family without a class token (SigLIP) cannot run EViT,
-which ranks tokens by the CLS row of the attention; a RoPE family cannot run Expedite, whose cluster
-tokens have no rotary position.
+What each family takes follows from its :func:`traits` and each method's needs
+(:func:`pullback_ext.prune.methods.supported`): a family without a class token (SigLIP) runs no
+method that reads it; a RoPE family none that makes tokens without a rotary position.
 """
 
 from __future__ import annotations
@@ -33,32 +33,16 @@ import torch.nn.functional as F
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.families import HFFamily
+from pullback_ext.prune.methods import check_supported
+from pullback_ext.prune.methods.base import Traits
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.split_block import Attended, SplitBlock
 
-METHODS = ("tome", "pitome", "evit", "expedite", "asap")  # the originals the Hugging Face loops run
 
-
-def refusal(family: HFFamily, strategy: str) -> Optional[str]:
-    """Why ``family`` cannot run the original ``strategy`` (one of :data:`METHODS`), or None."""
-    if strategy == "evit" and not family.has_cls():
-        return "needs a class token (EViT ranks the tokens by the class token's attention); this model has none"
-    if family.rotary and strategy == "expedite":
-        return "clusters the tokens into cluster tokens, which have no rotary position"
-    return None
-
-
-def supported(family: HFFamily) -> tuple:
-    """The originals ``family`` runs."""
-    return tuple(m for m in METHODS if refusal(family, m) is None)
-
-
-def check(family: HFFamily, strategy: str) -> None:
-    """Raise unless ``family`` runs the original ``strategy``, naming the family and what it runs."""
-    reason = refusal(family, strategy)
-    if reason is not None:
-        raise PullbackError(f"strategy {strategy!r} on {family.title}: it {reason}; this family runs the originals "
-                            f"{', '.join(supported(family))} and the single-stage strategies (e.g. '{strategy}_score')")
+def traits(family: HFFamily) -> Traits:
+    """What ``family`` offers the methods (:func:`pullback_ext.prune.methods.supported`): its adapter's traits."""
+    return Traits(has_cls=family.has_cls(), rotary=family.rotary, splittable=family.splittable,
+                  takes_extra_token=family.takes_extra_token)
 
 
 def _apply(layer, paths: tuple, h: torch.Tensor) -> torch.Tensor:
@@ -102,7 +86,7 @@ def run(family: HFFamily, reduction, x: torch.Tensor, layers, call_layer, attent
     (``call_layer(layer, state, bias)``, ``attention_probs(layer, x, bias)``: see
     :func:`~pullback_ext.prune.pipeline.run_blocks`; ``rows``: see :func:`split`). Returns
     ``(final [B, N, D], [output of layer i, full-length [B, N, D], for every layer])``."""
-    check(family, reduction.strategy.name)
+    check_supported(reduction.method.name, traits(family), family.title)
     final, taken = run_blocks(reduction, x, layers, call_layer, attention_probs, take=range(len(layers)),
                               split=split(family, rows))
     return final, [taken[i] for i in range(len(layers))]

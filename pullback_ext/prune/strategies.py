@@ -1,40 +1,30 @@
-"""Token selection strategies: which patch tokens a stage removes (or merges away).
+"""The single-stage criteria: which patch tokens a stage removes (or merges away).
 
-Every strategy maps the current tokens to *keep scores* ``[B, n]`` over the ``n`` current patch
+Every scorer maps the current tokens to *keep scores* ``[B, n]`` over the ``n`` current patch
 tokens (prefix tokens — CLS, registers — are never scored); a stage removes the ``R`` tokens with
-the lowest scores, so every strategy removes exactly ``R`` tokens through the same pipeline.
+the lowest scores, so every scorer removes exactly ``R`` tokens through the same pipeline
+(:mod:`pullback_ext.prune.methods.single_stage`, which registers one method per entry of
+:data:`SCORERS`).
 
 Names: ``importance`` (learned head or SPN), ``oracle`` (imp* from the diagnostic, any callable),
 ``random``, ``tome_score`` (ToMe bipartite score), ``evit_score`` (CLS attention), ``norm`` (token l2
-norm), ``cls_sim`` (cosine similarity to CLS), ``asap_score`` (diffusion distance to the attention sink).
-
-:data:`ORIGINALS` are the methods as their authors run them: ToMe, EViT and PiToMe (``tome``:
-:mod:`pullback_ext.prune.tome`, ``evit``: :mod:`pullback_ext.prune.evit`, ``pitome``:
-:mod:`pullback_ext.prune.pitome`) reduce inside the blocks, between attention and MLP, with their
-own block loop; Expedite (``expedite``: :mod:`pullback_ext.prune.expedite`) clusters the tokens
-between two blocks and rebuilds them for full-length reads; ASAP (``asap``:
-:mod:`pullback_ext.prune.asap`, reconstructed from its abstract) pools or prunes the background
-around its attention sink in one shot. They have no keep score; :func:`make_strategy` gives them a
-:class:`BlockLoopMethod` that only names them. (Before this release ``tome``, ``evit`` and
-``asap`` named the single-stage scores, now ``tome_score``, ``evit_score`` and ``asap_score``.)
+norm), ``cls_sim`` (cosine similarity to CLS), ``asap_score`` (diffusion distance to the attention
+sink). The original methods these scores are taken from run in their own modules of
+:mod:`pullback_ext.prune.methods`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, get_args
+from typing import Optional
 
 import torch
 
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune import asap
 from pullback_ext.prune.matching import working_precision
+from pullback_ext.prune.methods import asap
 
-StrategyName = Literal["importance", "random", "tome_score", "evit_score", "norm", "cls_sim", "asap_score", "oracle"]
-STRATEGIES = get_args(StrategyName)  # the single-stage keep-score criteria
-OriginalName = Literal["tome", "evit", "asap", "pitome", "expedite", "tap"]
-ORIGINALS = get_args(OriginalName)
 NEEDS_SCORER = ("importance", "oracle")
 
 
@@ -60,7 +50,9 @@ class Strategy:
     """Base class: ``keep_scores(ctx) -> [B, n]`` over the current patch tokens."""
 
     name = ""
+    title = ""  # what the scorer rates, in words
     attention = "none"  # "none" | "last" (block before the stage) | "all" (blocks since last stage)
+    reads_cls: Optional[str] = None  # why it needs a class token, when it does
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -81,6 +73,8 @@ class ScorerStrategy(Strategy):
     softplus ``lam``, never negative). ``scorer`` may also be a sequence with one
     scorer per stage of the schedule (e.g. heads trained at each stage's layer).
     """
+
+    title = "the tokens a scorer (importance head, SPN, imp*) rates least important"
 
     def __init__(self, name: str, scorer):
         self.name = name
@@ -114,6 +108,7 @@ class RandomStrategy(Strategy):
     cannot create inside a graph)."""
 
     name = "random"
+    title = "random tokens"
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
         b, k, _ = ctx.x.shape
@@ -136,6 +131,7 @@ class ToMeScoreStrategy(Strategy):
     after every A token, ordered the same way against A, should R exceed |A|)."""
 
     name = "tome_score"
+    title = "ToMe's bipartite score, once per stage"
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
         t = torch.nn.functional.normalize(working_precision(ctx.x[:, ctx.num_prefix:]), dim=-1)
@@ -154,7 +150,9 @@ class EViTScoreStrategy(Strategy):
     block before the stage, averaged over heads."""
 
     name = "evit_score"
+    title = "EViT's class-token attention, once per stage"
     attention = "last"
+    reads_cls = "it ranks the tokens by the class token's attention"
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
         return ctx.attentions[-1][:, 0, ctx.num_prefix:]
@@ -164,6 +162,7 @@ class NormStrategy(Strategy):
     """Token l2 norm: the smallest-norm tokens go first."""
 
     name = "norm"
+    title = "smallest token norm"
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
         return working_precision(ctx.x[:, ctx.num_prefix:]).norm(dim=-1)
@@ -173,6 +172,8 @@ class ClsSimilarityStrategy(Strategy):
     """Cosine similarity to the CLS token: the tokens least similar to CLS go first."""
 
     name = "cls_sim"
+    title = "least cosine similarity to the class token"
+    reads_cls = "it compares every token with the class token"
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
         x = working_precision(ctx.x)
@@ -180,7 +181,7 @@ class ClsSimilarityStrategy(Strategy):
 
 
 class ASAPScoreStrategy(Strategy):
-    """Single-stage ASAP score (the reconstructed method is ``asap``, :mod:`pullback_ext.prune.asap`):
+    """Single-stage ASAP score (the reconstructed method is ``asap``, :mod:`pullback_ext.prune.methods.asap`):
     lazy random walk over the attention since the previous stage.
 
     ``P_l = α I + (1-α) A_l``, ``T = P_last ⋯ P_first``; the sink is the token with the largest
@@ -192,6 +193,7 @@ class ASAPScoreStrategy(Strategy):
     """
 
     name = "asap_score"
+    title = "ASAP's diffusion distance to the attention sink, once per stage"
     attention = "all"
 
     def __init__(self, alpha: float = asap.ALPHA):
@@ -203,32 +205,6 @@ class ASAPScoreStrategy(Strategy):
         return d[:, ctx.num_prefix:].to(ctx.x.dtype)
 
 
-class BlockLoopMethod(Strategy):
-    """One of the :data:`ORIGINALS` as their authors run them: they reduce in their own block loop
-    (:mod:`pullback_ext.prune.tome`, :mod:`~pullback_ext.prune.evit`, :mod:`~pullback_ext.prune.pitome`,
-    :mod:`~pullback_ext.prune.expedite`, :mod:`~pullback_ext.prune.asap`), so there is no keep score
-    to ask for."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def keep_scores(self, ctx: StageContext) -> torch.Tensor:
-        raise PullbackError(f"strategy {self.name!r} reduces in its own block loop and has no single-stage keep score")
-
-
-class TapMethod(BlockLoopMethod):
-    """TAP (:mod:`pullback_ext.tap`): the task register's read-out ranks the tokens and splits the
-    budget in TAP's own block loop; ``register`` is the trained
-    :class:`~pullback_ext.tap.register.TaskRegister`. ``share_mean``: None deploys (tokens really
-    removed); a function of the shares ``[B, L − j]`` runs TAP's training forward instead
-    (:func:`pullback_ext.tap.relaxed.run_relaxed`, that function giving the batch's shares)."""
-
-    def __init__(self, register, share_mean=None):
-        super().__init__("tap")
-        self.register = register
-        self.share_mean = share_mean
-
-
 _TRAINING_FREE_CLASSES = {
     "random": RandomStrategy,
     "tome_score": ToMeScoreStrategy,
@@ -238,13 +214,8 @@ _TRAINING_FREE_CLASSES = {
     "asap_score": ASAPScoreStrategy,
 }
 TRAINING_FREE = tuple(_TRAINING_FREE_CLASSES)
-NEEDS_CLS = ("evit_score", "cls_sim", "evit")
-
-
-def attention_needed(name: str) -> str:
-    """Which attention of earlier blocks the strategy ``name`` reads: ``none``, ``last`` or ``all``
-    (see :class:`Strategy`; the originals read the attention of the block they reduce in)."""
-    return _TRAINING_FREE_CLASSES[name].attention if name in _TRAINING_FREE_CLASSES else "none"
+SCORERS = {"importance": ScorerStrategy, **_TRAINING_FREE_CLASSES, "oracle": ScorerStrategy}
+STRATEGIES = tuple(SCORERS)  # the single-stage keep-score criteria
 
 
 def check_scorer(name: str, scorer) -> None:
@@ -260,15 +231,12 @@ def check_scorer(name: str, scorer) -> None:
 
 
 def make_strategy(name: str, scorer=None) -> Strategy:
-    """Build a strategy by name; ``importance`` and ``oracle`` need ``scorer`` (see :func:`check_scorer`)."""
-    if name not in STRATEGIES + ORIGINALS:
-        raise PullbackError(f"strategy must be one of {', '.join(STRATEGIES + ORIGINALS)}; got {name!r}")
+    """Build the scorer ``name`` of :data:`SCORERS`; ``importance`` and ``oracle`` need ``scorer``
+    (see :func:`check_scorer`)."""
+    if name not in SCORERS:
+        raise PullbackError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}")
     check_scorer(name, scorer)
-    if name == "tap":
-        return TapMethod(scorer)
-    if name in ORIGINALS:
-        return BlockLoopMethod(name)
-    return ScorerStrategy(name, scorer) if name in NEEDS_SCORER else _TRAINING_FREE_CLASSES[name]()
+    return ScorerStrategy(name, scorer) if name in NEEDS_SCORER else SCORERS[name]()
 
 
 def lowest(keep_scores: torch.Tensor, count: int, num_prefix: int) -> torch.Tensor:

@@ -9,7 +9,8 @@ tokens but the prefix. Each current token is given the row of its own original p
 The originals ToMe, PiToMe and EViT run an ``EvaBlock`` in two halves (:func:`attend`,
 :func:`feed_forward`), the attention half with the rotary rows of the current tokens' original
 positions (a merged token at its destination's; EViT's fused token not rotated); ASAP runs whole
-blocks. Expedite is refused (:func:`refusal`): its cluster tokens have no rotary position.
+blocks. Methods whose tokens have no rotary position (Expedite's clusters) or that add a prefix token
+(TAP's register) are refused (:func:`pullback_ext.prune.timm_vit.traits`).
 """
 
 from __future__ import annotations
@@ -22,15 +23,6 @@ from pullback_ext.errors import PullbackError
 from pullback_ext.prune.rope import DeferredAttention, RotaryRows, still_sin_cos_cat
 from pullback_ext.prune.split_block import Attended, SplitBlock
 from pullback_ext.prune.timm_vit import BlockRunner, attention_with_qk
-
-
-def refusal(strategy: str) -> Optional[str]:
-    """Why an ``Eva`` cannot run the original ``strategy``, or None."""
-    if strategy == "expedite":
-        return "clusters the tokens into cluster tokens, which have no rotary position"
-    if strategy == "tap":
-        return "runs timm VisionTransformer blocks only"
-    return None
 
 
 def _rotate(t: torch.Tensor, rope: torch.Tensor, attn) -> torch.Tensor:

@@ -17,9 +17,11 @@ import torch
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.families.timm_eva import ADAPTER as EVA
+from pullback_ext.families.timm_vit import ADAPTER as VIT
 from pullback_ext.prune.folded_attention import FoldedSizes, StaleKeys, folded_block
+from pullback_ext.prune.methods import check_supported
+from pullback_ext.prune.methods.base import BackboneShape, Reduction, Traits
 from pullback_ext.prune.pipeline import run_blocks
-from pullback_ext.prune.reduction_options import BackboneShape, Reduction
 from pullback_ext.prune.split_block import Attended, SplitBlock
 
 REQUIRED = ("patch_embed", "_pos_embed", "blocks", "norm", "num_prefix_tokens", "forward_features")
@@ -42,16 +44,17 @@ def check_model(model) -> None:
         raise PullbackError(f"model must be a timm VisionTransformer; {type(model).__name__} lacks {', '.join(missing)}")
 
 
-def check_strategy(model, strategy: str) -> None:
-    """Raise if ``model`` cannot run ``strategy`` (an ``Eva``: see :func:`pullback_ext.prune.timm_eva.refusal`)."""
-    from pullback_ext.prune import timm_eva
-    from pullback_ext.prune.strategies import ORIGINALS
+def traits(model) -> Traits:
+    """What a timm ``VisionTransformer`` or ``Eva`` offers the methods: its family adapter's traits
+    (an ``Eva`` has rotary positions and no room for an extra prefix token in its rotary rows)."""
+    family = EVA if EVA.matches(model) else VIT
+    return Traits(has_cls=family.has_cls(model), rotary=family.rotary, splittable=family.splittable,
+                  takes_extra_token=family.takes_extra_token)
 
-    reason = timm_eva.refusal(strategy) if EVA.matches(model) else None
-    if reason is not None:
-        runs = ", ".join(m for m in ORIGINALS if timm_eva.refusal(m) is None)
-        raise PullbackError(f"strategy {strategy!r} (the original method) on an Eva ({type(model).__name__}): it {reason}; "
-                            f"an Eva runs the originals {runs} and the single-stage strategies (e.g. '{strategy}_score')")
+
+def check_strategy(model, strategy: str) -> None:
+    """Raise if ``model`` cannot run ``strategy`` (:func:`traits`)."""
+    check_supported(strategy, traits(model), f"a timm {type(model).__name__}")
 
 
 def backbone_shape(model) -> BackboneShape:

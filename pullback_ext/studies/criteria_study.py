@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from pullback_ext.prune.evaluation import PRIMARY, Plan, output_errors
+from pullback_ext.comparison.evaluation import PRIMARY, Plan, output_errors
 
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 MODES = {"cls": "merge", "depth": "prune"}

@@ -23,12 +23,12 @@ QUANTITIES = ("kappa_cap", "cv", "r_eff_trunc", "r_eff_slq", "r90")
 
 
 def fitted_probe_file(model, layer: int, folder: Path, train_n: int = 128) -> Path:
-    """The demo's per-token log-depth probe at block ``layer`` (``prune.subspace.fit_depth_probe``)
+    """The demo's per-token log-depth probe at block ``layer`` (``studies.subspace.fit_depth_probe``)
     as ``folder/probe-layer-NN.safetensors`` (weight [4, D], bias [4]), for ``--decoder linear:FILE``."""
     from safetensors.torch import save_file
 
     from pullback_ext.fileio import atomic_path
-    from pullback_ext.prune.subspace import fit_depth_probe
+    from pullback_ext.studies.subspace import fit_depth_probe
 
     weight, bias = fit_depth_probe(model, layer, train_n)
     path = Path(folder) / f"probe-layer-{layer:02d}.safetensors"

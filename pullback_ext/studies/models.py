@@ -75,8 +75,8 @@ def _refuse_weights(weights: Optional[str]) -> None:
 
 
 def load_study_backbone(model: StudyModel, weights: Optional[str], seed: int):
-    """``(Backbone, model)`` of a study model (see ``pullback_ext.prune.backbones.load_backbone``)."""
-    from pullback_ext.prune.backbones import demo_backbone, load_backbone
+    """``(Backbone, model)`` of a study model (see ``pullback_ext.comparison.backbones.load_backbone``)."""
+    from pullback_ext.comparison.backbones import demo_backbone, load_backbone
 
     if model.random:
         _refuse_weights(weights)

@@ -3,14 +3,14 @@ quality survives when the features are projected onto the top-k right-singular s
 weight ``W``, onto the complement, or onto a random k-subspace, for k = 1, 2, 4, … up to rank(W).
 
 Quality is R² = 1 − MSE / Var(targets) of the probe's predictions against the per-token targets
-(``prune.subspace.interventions`` gives the RMSE); without targets it is the fidelity
+(``studies.subspace.interventions`` gives the RMSE); without targets it is the fidelity
 1 − output_change² (R² against the unprojected predictions). Closed form (the oracle of the
 tests): for features that are centred and white (covariance I over the tokens), the fidelity of
 a projector P is ‖W P‖²_F / ‖W‖²_F, i.e. Σ_{j≤k} σ_j² / Σ_j σ_j² for the top-k subspace, one
 minus that for its complement, and k / D in expectation for a random subspace.
 
 The probe: on the demo model (trained or ``demo:random``) without user targets, the per-token
-log-depth probe fitted on rendered scenes (``prune.subspace.fit_depth_probe``, exactly what
+log-depth probe fitted on rendered scenes (``studies.subspace.fit_depth_probe``, exactly what
 ``pullback subprobe --probe fit`` does), judged on the study's images (their depth where the image
 source knows it); with user targets ``[num_images, N, C]``, a ridge probe fitted on the first half
 of the images and judged on the second half.
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from pullback_ext.errors import DataError
-from pullback_ext.prune.subspace import INTERVENTIONS, depth_probe_targets, fit_linear_probe, interventions, probe_basis
+from pullback_ext.studies.subspace import INTERVENTIONS, depth_probe_targets, fit_linear_probe, interventions, probe_basis
 
 KEEP = 0.95  # the share of the unprojected quality that "k95" keeps
 
@@ -103,7 +103,7 @@ def read_targets(path: str, count: int, num_patch: int, num_prefix: int, flag: s
 
 @dataclass
 class SubspaceStudy:
-    """One model's sweep: ``backbone`` and ``model`` (``prune.backbones.load_backbone``), the images
+    """One model's sweep: ``backbone`` and ``model`` (``comparison.backbones.load_backbone``), the images
     (``images [n, 3, H, W]``), per-token ``targets [n, T, C]`` or None, and whether the probe is the
     demo's depth probe fitted on rendered scenes (``fit_demo``) or fitted on the first half of the
     images (user targets)."""
@@ -123,7 +123,7 @@ class SubspaceStudy:
 
     def measure(self, layer: int, indices: list) -> list[torch.Tensor]:
         """Patch tokens ``[T, D]`` after block ``layer`` of every image of ``indices``."""
-        from pullback_ext.prune.backbones import block_output_tokens
+        from pullback_ext.comparison.backbones import block_output_tokens
 
         out = []
         for start in range(0, len(indices), self.batch_size):
@@ -132,7 +132,7 @@ class SubspaceStudy:
         return out
 
     def finish(self, layer: int, tokens: list) -> dict:
-        from pullback_ext.prune.subspace import fit_depth_probe
+        from pullback_ext.studies.subspace import fit_depth_probe
 
         tokens = torch.stack(tokens)
         if self.fit_demo:
@@ -150,7 +150,7 @@ class SubspaceStudy:
 
 def demo_depth_targets(model, depth: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The fitted depth probe's per-token targets of depth maps ``[n, H, W]`` (None without depth)."""
-    from pullback_ext.prune.subspace import demo_grid
+    from pullback_ext.studies.subspace import demo_grid
 
     return None if depth is None else depth_probe_targets(depth, demo_grid(model))
 

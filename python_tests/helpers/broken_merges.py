@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pullback_ext import ops
-from pullback_ext.prune import tome
+from pullback_ext.prune.methods import tome
 from pullback_ext.prune.merged_tokens import MergedTokens
 
 

@@ -1,15 +1,15 @@
 """What our token reduction adds to a forward: importance-head scoring, selection and gather, and
 LLF re-insertion, each as a share of the unpruned forward, next to the ToMe score's cost. All
-timed in one interleaved run (:func:`~pullback_ext.prune.cost.interleaved_wall_clock`)."""
+timed in one interleaved run (:func:`~pullback_ext.comparison.cost.interleaved_wall_clock`)."""
 
 from __future__ import annotations
 
 import torch
 
 from pullback_ext import ops
-from pullback_ext.bench.prune_models import ModelCase, stage_layers
+from prune_bench.models import ModelCase, stage_layers
+from pullback_ext.comparison.cost import interleaved_wall_clock
 from pullback_ext.metric.head import ImportanceHead
-from pullback_ext.prune.cost import interleaved_wall_clock
 from pullback_ext.prune.strategies import StageContext, lowest, make_strategy
 from pullback_ext.prune.tokens import TokenState, split_budget
 

@@ -14,7 +14,7 @@ The live mask ``a`` (value 0/1, ST gradient) enters twice: as the attention bias
 the keys (a removed token is invisible, as if gathered out), and in ``x_t ← a_t·x_t + (1 − a_t)·f_t``
 with ``f_t`` the feature the token was (or would be) frozen at — its recovered feature at the last
 eligible layer (:func:`pullback_ext.prune.recovery.recover`, dense) — so that a removed token is read
-with its frozen feature. Values equal the deployed loop's (:mod:`pullback_ext.tap.run`) up to the
+with its frozen feature. Values equal the deployed loop's (:mod:`pullback_ext.prune.methods.tap`) up to the
 ``ε``-leak of the bias.
 """
 
@@ -24,11 +24,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from pullback_ext.plots import grid_shape
+from pullback_ext.grids import grid_shape
 from pullback_ext.prune.recovery import recover
 from pullback_ext.tap.budget import BudgetPlan
 from pullback_ext.tap.register import TaskRegister
-from pullback_ext.tap.run import check_fits
+from pullback_ext.prune.methods.tap import check_fits
 from pullback_ext.tap.tokens import batch_shares, strip_register
 
 TEMPERATURE = 0.5  # of the soft mask, as a fraction of the live scores' standard deviation
@@ -71,7 +71,7 @@ def run_relaxed(register: TaskRegister, x: torch.Tensor, blocks: Sequence, call_
     """Training forward of TAP on ``x [B, N, D]`` (block-0 input) at keep rate ``rho``; ``call_block(block,
     state, bias)`` as in :func:`pullback_ext.prune.pipeline.run_blocks` (``state.x``: all tokens);
     ``share_mean``: shares ``[B, L − j]`` -> the batch's shares (DDP: averaged over the ranks too).
-    Returns ``(final [B, N, D], {i: [B, N, D]})`` like :func:`pullback_ext.tap.run.run`."""
+    Returns ``(final [B, N, D], {i: [B, N, D]})`` like :func:`pullback_ext.prune.methods.tap.run`."""
     p, depth = num_prefix, len(blocks)
     check_fits(register, depth)
     q, n = p + 1, x.shape[1] - p

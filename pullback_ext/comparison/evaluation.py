@@ -20,10 +20,10 @@ from typing import Callable, Literal, Optional, Sequence
 
 import torch
 
+from pullback_ext.comparison import quality
+from pullback_ext.comparison.backbones import Backbone
+from pullback_ext.comparison.cost import count_flops, wall_clock
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune import quality
-from pullback_ext.prune.backbones import Backbone
-from pullback_ext.prune.cost import count_flops, wall_clock
 from pullback_ext.prune.reduction_options import MODES, PRESETS, BackboneShape, Reduction, ReductionOptions
 from pullback_ext.prune.row_rules import describe
 from pullback_ext.prune.strategies import NEEDS_SCORER, TRAINING_FREE

@@ -45,6 +45,7 @@ and exactly with ``cluster_iters=0, reconstruct_k=1``. η counts ``1 − hw / N`
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
@@ -52,6 +53,8 @@ import torch
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import working_precision
 from pullback_ext.prune.merged_tokens import MergedTokens
+from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, BlockLoopMethod, Needs
+from pullback_ext.prune.option_checks import check_layer_range, count, is_int, is_real
 
 REFERENCE_LAYER, REFERENCE_DEPTH = 10, 24  # the paper's α for a 24-layer ViT-L
 
@@ -177,3 +180,68 @@ def patch_tokens_per_block(options, num_patch: int, depth: int) -> list[int]:
     grid_side(num_patch, options.cluster_grid)
     clusters = options.cluster_grid[0] * options.cluster_grid[1]
     return [clusters if i >= options.cluster_layer else num_patch for i in range(depth)]
+
+
+def checked_grid(grid) -> Optional[tuple[int, int]]:
+    """``cluster_grid`` as ``(h, w)`` (a square count becomes its square grid), or None."""
+    if grid is None:
+        return None
+    if is_int(grid) and grid >= 1 and math.isqrt(grid) ** 2 == grid:
+        return math.isqrt(grid), math.isqrt(grid)
+    values = tuple(grid) if isinstance(grid, (list, tuple)) else ()
+    if len(values) != 2 or not all(is_int(v) and v >= 1 for v in values):
+        raise PullbackError(f"cluster_grid must be None, (h, w) ints >= 1, or a square number of clusters; got {grid!r}")
+    return int(values[0]), int(values[1])
+
+
+@dataclass(frozen=True)
+class ExpediteOptions:
+    """``cluster_grid``: the ``(h, w)`` grid of cluster tokens, or their count (a square number;
+    required); ``cluster_layer``: α, the block whose input is clustered (0-based; None: layer 10 of
+    24, scaled); ``cluster_iters``: κ (>= 0); ``cluster_window``: λ, odd, the λ×λ centres a token
+    considers; ``cluster_tau``: τ (> 0) of the assignment and the reconstruction;
+    ``reconstruct_k``: centres each token is rebuilt from."""
+
+    cluster_grid: Optional[int | tuple[int, int]] = None
+    cluster_layer: Optional[int] = None
+    cluster_iters: int = 5
+    cluster_window: int = 5
+    cluster_tau: float = 10.0
+    reconstruct_k: int = 20
+
+    def __post_init__(self):
+        window, tau = self.cluster_window, self.cluster_tau
+        if not is_int(window) or window < 1 or window % 2 == 0:
+            raise PullbackError(f"cluster_window must be an odd int >= 1 (the λ×λ centres a token considers); got {window!r}")
+        if not is_real(tau) or not 0.0 < float(tau) < float("inf"):
+            raise PullbackError(f"cluster_tau must be a finite float > 0; got {tau!r}")
+        for name, value in dict(cluster_grid=checked_grid(self.cluster_grid),
+                                cluster_layer=count("cluster_layer", self.cluster_layer, 0, True),
+                                cluster_iters=count("cluster_iters", self.cluster_iters, 0), cluster_window=int(window),
+                                cluster_tau=float(tau), reconstruct_k=count("reconstruct_k", self.reconstruct_k, 1)).items():
+            object.__setattr__(self, name, value)
+
+
+class Expedite(BlockLoopMethod):
+    name, short, title = "expedite", "Expedite", "Expedite (tokens clustered after layer alpha, reconstructed for the dense head)"
+    options_type = ExpediteOptions
+    needs = Needs(no_rotary="clusters the tokens into cluster tokens, which have no rotary position")
+    required = ("cluster_grid", "the (h, w) grid of cluster tokens, or their count")
+    rules = ("Expedite: local soft k-means into a grid of clusters at one block (authors' rule)",
+             "cluster means; full-resolution tokens rebuilt from the k nearest clusters")
+    sweep = {"cluster_grid": (144, 121, 100, 81, 64, 49, 36, 25)}
+
+    def resolve(self, options, backbone: BackboneShape) -> dict:
+        layer = default_layer(backbone.depth) if options.cluster_layer is None else options.cluster_layer
+        check_layer_range((layer,), backbone.depth, False, "cluster_layer")
+        return dict(super().resolve(options, backbone), cluster_layer=layer)
+
+    def run(self, reduction, x: torch.Tensor, loop: BlockLoop, take=()):
+        return run(reduction, x, loop.blocks, loop.call_block, loop.split, take)
+
+    def patch_tokens_per_block(self, reduction, num_patch: int) -> list:
+        return patch_tokens_per_block(reduction.options, num_patch, reduction.backbone.depth)
+
+
+ORDER = 5
+METHODS = (Expedite(),)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pullback_ext.comparison.evaluation import METRICS
 from pullback_ext.fileio import atomic_write_json, atomic_write_text
 from pullback_ext.plots import decade_limits, log_floor, log_series, note_floor, outside_legend, pyplot, save_figure
-from pullback_ext.prune.evaluation import METRICS
 
 
 def write_json(obj: dict, path: str | os.PathLike) -> Path:
@@ -59,7 +59,7 @@ def _quality_panel(ax, result: dict, metric: str, colours: dict) -> None:
 
 
 def quality_figure(result: dict):
-    """One panel per metric of ``result`` (:func:`pullback_ext.prune.evaluation.run_quality`): mean
+    """One panel per metric of ``result`` (:func:`pullback_ext.comparison.evaluation.run_quality`): mean
     error (band: ± std across seeds) against ratio for each strategy, log y; prune mode without LLF
     dashed with triangles, full LLF dotted with squares. The legend sits right of the panels."""
     plt = pyplot()

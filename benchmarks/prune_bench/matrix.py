@@ -1,8 +1,8 @@
 """The end-to-end pruning benchmark: whole patched models against the unpruned one and ToMe.
 
 A *cell* is one model at one image size, batch, dtype and compile mode; in each cell every method
-of :func:`~pullback_ext.bench.prune_models.method_grid` runs on the same random images, timed by
-the one harness of ``pullback evaluate`` (:func:`~pullback_ext.prune.cost.interleaved_wall_clock`:
+of :func:`~prune_bench.models.method_grid` runs on the same random images, timed by
+the one harness of ``pullback evaluate`` (:func:`~pullback_ext.comparison.cost.interleaved_wall_clock`:
 medians of interleaved rounds, CUDA events on a GPU, wall clock on the CPU). Each row reports
 images/s, the speed-up over the unpruned model of the same cell, the FLOP ratio (torch's flop
 counter at batch 1, the reduced forward's scoring and matching included), speed-up ÷ FLOP ratio,
@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from pullback_ext.bench.prune_models import MODELS, Method, ModelCase, find_method, matched_merge, method_grid
+from prune_bench.models import MODELS, Method, ModelCase, find_method, matched_merge, method_grid
+from pullback_ext.comparison.cost import count_flops, interleaved_wall_clock
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.cost import count_flops, interleaved_wall_clock
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -1,13 +1,13 @@
 """Training TAP: TAP-F (register and read-out, backbone frozen) and TAP-J (the same, with LoRA
 adapters on every block's attention and MLP), on the demo model, a timm VisionTransformer or a
 Hugging Face model of the families of :mod:`pullback_ext.families` (through the
-evaluation's :class:`~pullback_ext.prune.backbones.Backbone`: its ``reduced`` forward with the
+evaluation's :class:`~pullback_ext.comparison.backbones.Backbone`: its ``reduced`` forward with the
 training loop in place of the deployed one).
 
 Objective: the pruned model's distortion against the unpruned (original, frozen) model's outputs
 at a keep rate ρ drawn per step (uniform in ``rho_range``, a function of (seed, step), so resume
 and DDP see the same ρ): CLS ``1 − cos(e_pruned, e_full)`` of the embedding (the backbone's
-``embedding`` output), depth the SILog of ``log d_pruned − log d_full``. The forward is :func:`pullback_ext.tap.relaxed.run_relaxed`; the
+``embedding`` output), depth the SILog of ``log d_pruned − log d_full``. The forward is :func:`pullback_ext.tap_training.relaxed.run_relaxed`; the
 loop, checkpoints (kind ``tap``), resume, DDP and progress bar are
 :func:`pullback_ext.metric.training.fit`'s. The targets are computed once, before training.
 """
@@ -22,16 +22,16 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from pullback_ext.comparison.backbones import Backbone
 from pullback_ext.errors import PullbackError
 from pullback_ext.families import TimmFamily, detect
 from pullback_ext.metric.targets import image_generator
 from pullback_ext.metric.training import TrainConfig
 from pullback_ext.prune import timm_vit
-from pullback_ext.prune.backbones import Backbone
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
-from pullback_ext.prune.strategies import TapMethod
 from pullback_ext.tap.register import TASKS, TaskRegister, lora_shapes
-from pullback_ext.tap.relaxed import run_relaxed
+from pullback_ext.prune.methods.tap import TAP
+from pullback_ext.tap_training.relaxed import run_relaxed
 from pullback_ext.tap.tokens import batch_shares
 
 
@@ -72,17 +72,30 @@ class DemoRunner:
 
 class BackboneRunner:
     """Another backbone's pruned forward for training: its ``reduced`` forward on a TAP reduction
-    whose strategy runs the training loop (:class:`~pullback_ext.prune.strategies.TapMethod` with a
-    ``share_mean``); the output of ``task`` (``embedding`` or ``depth``)."""
+    whose method runs the training loop (:class:`RelaxedTAP`); the output of ``task`` (``embedding``
+    or ``depth``)."""
 
     def __init__(self, backbone: Backbone, task: str):
         self.backbone, self.key = backbone, "embedding" if task == "cls" else "depth"
         self.shape = BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls)
 
     def __call__(self, register: TaskRegister, images: torch.Tensor, rho: float) -> torch.Tensor:
-        reduction = ReductionOptions(strategy="tap", head=register, ratio=1.0 - rho).resolve(self.shape)
-        reduction = dataclasses.replace(reduction, strategy=TapMethod(register, share_mean=_share_mean))
+        reduction = ReductionOptions(strategy=TAP.name, head=register, ratio=1.0 - rho).resolve(self.shape)
+        reduction = dataclasses.replace(reduction, method=RELAXED_TAP)
         return self.backbone.reduced(reduction, images)[self.key]
+
+
+class RelaxedTAP(TAP):
+    """TAP's training forward (:func:`~pullback_ext.tap_training.relaxed.run_relaxed`, the shares of
+    a batch averaged over DDP ranks) in place of the deployed loop."""
+
+    def run(self, reduction, x: torch.Tensor, loop, take=()):
+        rho = 1.0 - reduction.options.ratio
+        return run_relaxed(reduction.strategy, x, loop.blocks, loop.call_block, reduction.backbone.num_prefix, rho, take,
+                           _share_mean)
+
+
+RELAXED_TAP = RelaxedTAP()
 
 
 def decode(model, task: str, final: torch.Tensor, hooked: dict) -> torch.Tensor:
@@ -150,7 +163,7 @@ def layer_layout(model, backbone: Backbone) -> tuple:
         return model.backbone.blocks, "timm_vit"
     family = detect(model)
     if isinstance(family, TimmFamily):
-        timm_vit.check_strategy(model, "tap")  # an Eva (RoPE) is refused
+        timm_vit.check_strategy(model, TAP.name)  # an Eva (RoPE) is refused
     return family.layers(model), family.name
 
 
@@ -177,8 +190,9 @@ def train(model, images: torch.Tensor, config: TapConfig, out: Path, resume: boo
     (``on_step(step)``: as in :func:`~pullback_ext.metric.training.fit`). ``backbone``: the
     model's view, which must serve ``config.task`` (None: ``model`` is the demo model). The demo
     model runs :class:`DemoRunner`, any other :class:`BackboneRunner`."""
+    from pullback_ext.comparison.backbones import demo_backbone
     from pullback_ext.metric.training import fit
-    from pullback_ext.prune.backbones import demo_backbone
+    from pullback_ext.tap.checkpoint import model_classes
 
     backbone = demo_backbone(model) if backbone is None else backbone
     if config.task not in backbone.tasks:
@@ -189,5 +203,6 @@ def train(model, images: torch.Tensor, config: TapConfig, out: Path, resume: boo
     runner = DemoRunner(model, config.task) if backbone.name == "demo" else BackboneRunner(backbone, config.task)
     task = TapTask(runner, config.task, config.train.seed, tuple(config.rho_range))
     extra = {"tap": {"variant": "TAP-J" if config.adapt else "TAP-F", **{k: v for k, v in asdict(config).items() if k != "train"}}}
-    fit(task, register, data, config.train, out, extra_config=extra, resume=resume, progress=progress, on_step=on_step)
+    fit(task, register, data, config.train, out, extra_config=extra, resume=resume, progress=progress, on_step=on_step,
+        classes=model_classes())
     return register

@@ -112,7 +112,7 @@ def subspace_analysis(model, layer: int, train_n: int, test: dict, quick: bool, 
     """Fit a linear per-token depth probe on block ``layer`` outputs of ``train_n`` rendered
     scenes of the embedded model ``model``, then intervene on the held-out ``test`` scenes
     (``images``, ``depth``)."""
-    from pullback_ext.prune.backbones import block_output_tokens, demo_backbone
+    from pullback_ext.comparison.backbones import block_output_tokens, demo_backbone
 
     weight, bias = fit_depth_probe(model, layer, train_n)
     depth = test.get("depth")
@@ -132,8 +132,8 @@ def fit_depth_probe(model, layer: int, train_n: int, train: Optional[dict] = Non
     """``(W [4, D], b [4])``: the per-token log-depth probe of :func:`depth_probe_targets`, fitted
     on block ``layer`` outputs of ``train_n`` rendered training scenes of the embedded ``model``
     (``train``: those scenes, ``render(train_n, seed=12345)``, when already rendered)."""
+    from pullback_ext.comparison.backbones import block_output_tokens, demo_backbone
     from pullback_ext.embedded.scenes import render
-    from pullback_ext.prune.backbones import block_output_tokens, demo_backbone
 
     train = render(train_n, seed=12345) if train is None else train
     tokens = block_output_tokens(demo_backbone(model), train["images"], layer)

@@ -26,12 +26,18 @@ average-pooling head weights a merged token by its size.
 
 from __future__ import annotations
 
+import numbers
+from dataclasses import dataclass
+from typing import Literal, Optional
+
 import torch
 
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import working_precision
 from pullback_ext.prune.merged_tokens import MergedTokens, run_tracked
+from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, BlockLoopMethod, Needs
+from pullback_ext.prune.option_checks import one_of
 
 SCHEDULES = ("constant", "decreasing")
 
@@ -61,7 +67,7 @@ def block_merges(options, depth: int) -> list[int]:
     return [inside[i - start] if start <= i < stop else 0 for i in range(depth)]
 
 
-def _set_positions(num_prefix: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def set_positions(num_prefix: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of the A tokens (even) and B tokens (odd) among ``num_prefix .. k-1``."""
     first_even = num_prefix + num_prefix % 2
     first_odd = num_prefix + 1 - num_prefix % 2
@@ -75,7 +81,7 @@ def merge_count(r: int, num_prefix: int, num_patch: int) -> int:
     return min(r, size_a) if num_patch - size_a > 0 else 0
 
 
-def _positions_after_merge(order: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+def positions_after_merge(order: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """``[B, K]``: where each current token is after the merge. ``order [B, K]``: the current index
     at each position of the reordered sequence; ``src``, ``dst [B, R]``: positions in it."""
     kept = torch.ones_like(order).scatter(1, src, 0)
@@ -84,7 +90,7 @@ def _positions_after_merge(order: torch.Tensor, src: torch.Tensor, dst: torch.Te
     return torch.empty_like(rank).scatter(1, order, rank)
 
 
-def _places_after_merge(order: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def places_after_merge(order: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``[B, K - R]``: the current index at each position of the merged sequence (the reordered
     ``order [B, K]`` without its merged-away positions ``src [B, R]``; a destination keeps its place)."""
     merged_away = torch.zeros_like(order, dtype=torch.int8).scatter(1, src, 1)
@@ -115,7 +121,7 @@ def merge_matched(state: MergedTokens, metric: torch.Tensor, order: torch.Tensor
     # index sets built from arange/argsort: valid by construction
     grouped = ops.gather_tokens(state.x, order, check_values=False)
     x, merged_sizes = ops.merge_tokens(grouped, torch.gather(sizes, 1, order), src, dst, check_values=False)
-    return state.regroup(x, _positions_after_merge(order, src, dst), _places_after_merge(order, src),
+    return state.regroup(x, positions_after_merge(order, src, dst), places_after_merge(order, src),
                          sizes=merged_sizes)
 
 
@@ -126,7 +132,7 @@ def bipartite_merge(state: MergedTokens, keys: torch.Tensor, r: int) -> MergedTo
     count = merge_count(r, p, k - p)
     if count == 0:
         return state
-    a_pos, b_pos = _set_positions(p, k, state.x.device)
+    a_pos, b_pos = set_positions(p, k, state.x.device)
     order = torch.cat([torch.arange(p, device=state.x.device), a_pos, b_pos]).expand(b, k)
     return merge_matched(state, key_metric(keys), order, p, a_pos.numel(), count)
 
@@ -173,3 +179,73 @@ def tokens_left(merges: list[int], num_patch: int, count) -> list[int]:
 def patch_tokens_per_block(options, num_prefix: int, num_patch: int, depth: int) -> list[int]:
     """Patch tokens after each block when ToMe runs with ``options`` on ``num_patch`` patch tokens."""
     return tokens_left(block_merges(options, depth), num_patch, lambda r, n: merge_count(r, num_prefix, n))
+
+
+def checked_r(r) -> Optional[int]:
+    if r is not None and (not isinstance(r, numbers.Integral) or isinstance(r, bool) or r < 0):
+        raise PullbackError(f"r must be None or an int >= 0 (tokens ToMe merges per block); got {r!r}")
+    return None if r is None else int(r)
+
+
+def checked_block_range(block_range) -> Optional[tuple[int, int]]:
+    if block_range is None:
+        return None
+    values = tuple(block_range) if isinstance(block_range, (list, tuple)) else ()
+    if (len(values) != 2 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values)
+            or not 0 <= values[0] < values[1]):
+        raise PullbackError(f"block_range must be None or (start, stop) block indices with 0 <= start < stop; got {block_range!r}")
+    return int(values[0]), int(values[1])
+
+
+@dataclass(frozen=True)
+class ToMeOptions:
+    """``r``: tokens merged per block (required); ``schedule``: ``constant`` or ``decreasing`` (from
+    2r to 0, :func:`merges_per_block`); ``block_range``: ``(start, stop)``, the blocks that merge
+    (0-based, ``stop`` excluded; None: all)."""
+
+    r: Optional[int] = None
+    schedule: Literal["constant", "decreasing"] = "constant"
+    block_range: Optional[tuple[int, int]] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "r", checked_r(self.r))
+        object.__setattr__(self, "schedule", one_of("schedule", self.schedule, SCHEDULES, auto=False))
+        object.__setattr__(self, "block_range", checked_block_range(self.block_range))
+
+
+def resolved_block_range(options, depth: int) -> tuple[int, int]:
+    """``block_range`` (None: every block) checked against a ``depth``-block model."""
+    start, stop = options.block_range if options.block_range is not None else (0, depth)
+    if stop > depth:
+        raise PullbackError(f"block_range must end at or before block {depth} of this {depth}-block model; got {options.block_range}")
+    return start, stop
+
+
+class MergingMethod(BlockLoopMethod):
+    """A method that merges ``r`` tokens in every block of ``block_range``, between attention and
+    MLP, with proportional attention (ToMe and the methods built on its loop)."""
+
+    takes = ("prop_attn",)
+    prop_attn_applies = True
+    required = ("r", "tokens merged per block")
+    sweep = {"r": (1, 2, 4, 6, 8, 12, 16, 20, 24), "schedule": ("constant", "decreasing")}
+
+    def resolve(self, options, backbone: BackboneShape) -> dict:
+        return dict(super().resolve(options, backbone), block_range=resolved_block_range(options, backbone.depth))
+
+
+class ToMe(MergingMethod):
+    name, short, title = "tome", "ToMe", "ToMe (r tokens merged in every block)"
+    options_type = ToMeOptions
+    needs = Needs(split_blocks="ToMe merges between attention and MLP")
+    rules = ("ToMe bipartite matching on head-mean keys, r per block (authors' rule)", "size-weighted, proportional attention")
+
+    def run(self, reduction, x: torch.Tensor, loop: BlockLoop, take=()):
+        return run(reduction, x, loop.blocks, loop.call_block, loop.split, take)
+
+    def patch_tokens_per_block(self, reduction, num_patch: int) -> list:
+        return patch_tokens_per_block(reduction.options, reduction.backbone.num_prefix, num_patch, reduction.backbone.depth)
+
+
+ORDER = 1
+METHODS = (ToMe(),)

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 import pullback_ext.patch as patch
+from pullback_ext.comparison.cost import count_flops
 from pullback_ext.metric.head import ImportanceHead
-from pullback_ext.prune.cost import count_flops
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,15 @@ rotary position, a pooled token at its ring's first member's).
 
 from __future__ import annotations
 
-from dataclasses import replace
+import numbers
+from dataclasses import dataclass, replace
 
 import torch
 
+from pullback_ext.errors import PullbackError
 from pullback_ext.prune.merged_tokens import run_tracked
+from pullback_ext.prune.methods.base import PRUNED, BackboneShape, BlockLoop, Method
+from pullback_ext.prune.option_checks import check_layer_range
 from pullback_ext.prune.tokens import TokenState
 
 ALPHA = 0.5  # laziness of the walk (the reconstruction's α = ½)
@@ -148,3 +152,75 @@ def run(reduction, x: torch.Tensor, blocks, call_block, attention_probs, take, c
         return replace(state, x=call_block(block, state, bias))
 
     return run_tracked(TokenState.start(x, reduction.backbone.num_prefix), blocks, step, take)
+
+
+@dataclass(frozen=True)
+class ASAPOptions:
+    """``rings``: how many rings of background tokens merge mode pools into one token each (an
+    int >= 1; no effect in prune mode)."""
+
+    rings: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.rings, numbers.Integral) or isinstance(self.rings, bool) or self.rings < 1:
+            raise PullbackError(f"rings must be an int >= 1 (rings of background tokens ASAP pools); got {self.rings!r}")
+        object.__setattr__(self, "rings", int(self.rings))
+
+
+class ASAP(Method):
+    """ASAP reconstructed: one stage at ``layers`` (one block, 1 or later) of ``ratio``."""
+
+    name, short = "asap", "ASAP"
+    title = "ASAP (the sink-anchored method of its abstract, reconstructed: background pooled per ring or pruned in one shot)"
+    options_type = ASAPOptions
+    takes = ("ratio", "layers", "mode", "llf", "prop_attn")
+    attention = "all"
+    staged = True
+    own_loop = True
+    sweep = {}
+
+    def sweep_base(self, base: dict) -> dict:
+        return {"layers": base["layers"][:1], "mode": base["mode"]}
+
+    def check(self, fields: dict, changed: set) -> None:
+        super().check(fields, changed)
+        layers = fields["layers"]
+        if len(layers) != 1:
+            raise PullbackError(f"strategy 'asap' reduces in a single shot: layers must name one block; got {layers}")
+        if layers[0] == 0:
+            raise PullbackError("strategy 'asap' walks the attention of the blocks before its stage, so layers must be 1 or later; got 0")
+
+    def resolve(self, options, backbone: BackboneShape) -> dict:
+        """``mode`` (``auto``: prune for a dense neck) and ``prop_attn`` (``auto``: in merge mode)."""
+        mode = options.mode if options.mode != "auto" else ("prune" if backbone.dense_neck else "merge")
+        check_layer_range(options.layers, backbone.depth, mode == "prune" and bool(options.llf))
+        return {"mode": mode, "prop_attn": options.prop_attn if isinstance(options.prop_attn, bool) else mode == "merge",
+                "llf": "masked" if options.llf == "auto" else options.llf}
+
+    def run(self, reduction, x: torch.Tensor, loop: BlockLoop, take=()):
+        from pullback_ext.prune.methods.single_stage import stage_budgets
+
+        budgets = stage_budgets(reduction, x.shape[1] - reduction.backbone.num_prefix, keep_one=True)
+        return run(reduction, x, loop.blocks, loop.call_block, loop.attention_probs, take,
+                   budgets.get(reduction.options.layers[0], 0))
+
+    def patch_tokens_per_block(self, reduction, num_patch: int) -> list:
+        """The single-stage count (pooled ring tokens count as kept)."""
+        from pullback_ext.prune.methods.single_stage import stage_budgets, tokens_after_stages
+
+        return tokens_after_stages(reduction, stage_budgets(reduction, num_patch, keep_one=True), num_patch)
+
+    def eta(self, reduction, num_patch: int) -> float:
+        from pullback_ext.prune.methods.single_stage import stage_budgets
+
+        return sum(stage_budgets(reduction, num_patch, keep_one=True).values()) / num_patch
+
+    def describe(self, reduction) -> dict:
+        o = reduction.options
+        averaging = PRUNED[o.llf] if o.mode == "prune" else "pooled per ring ∝ T_is"
+        return {"method": "asap", "selection": "ASAP (reconstruction): tokens nearest the attention sink in diffusion distance",
+                "averaging": averaging}
+
+
+ORDER = 3
+METHODS = (ASAP(),)

@@ -6,7 +6,7 @@ every row is labelled by those rules (:func:`~pullback_ext.prune.row_rules.descr
 the unpruned model and a cost: FLOPs per image (one accounting for every method: torch's flop
 counter over the whole reduced forward, scoring, matching and the importance head included) and
 wall-clock at several batch sizes from one interleaved timing run
-(:func:`~pullback_ext.prune.cost.interleaved_wall_clock`), as speed-ups over the unpruned model.
+(:func:`~pullback_ext.comparison.cost.interleaved_wall_clock`), as speed-ups over the unpruned model.
 
 A row's *frontier* on one cost axis and one error statistic is its set of points that no other
 point of the row beats on both (at least as fast and at most as wrong, one of them strictly).
@@ -24,9 +24,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from pullback_ext.comparison.cost import count_flops, interleaved_wall_clock
+from pullback_ext.comparison.evaluation import batched_outputs, output_errors
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.cost import count_flops, interleaved_wall_clock
-from pullback_ext.prune.evaluation import batched_outputs, output_errors
 from pullback_ext.prune.reduction_options import BackboneShape, Reduction, ReductionOptions
 
 MATCHED_SPEEDUPS = (1.1, 1.25, 1.5, 2.0)
@@ -42,7 +42,7 @@ class Point:
 
 
 def resolve(options: ReductionOptions, backbone) -> Reduction:
-    """``options`` resolved for a :class:`~pullback_ext.prune.backbones.Backbone`."""
+    """``options`` resolved for a :class:`~pullback_ext.comparison.backbones.Backbone`."""
     return options.resolve(BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls,
                                          dense_neck="depth" in backbone.tasks))
 

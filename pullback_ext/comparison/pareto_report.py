@@ -1,12 +1,12 @@
 """Pareto results as people read them: the matched-speed-up tables, every point, and the
-quality-against-speed-up plot (from :func:`pullback_ext.prune.pareto.summarise`)."""
+quality-against-speed-up plot (from :func:`pullback_ext.comparison.pareto.summarise`)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from pullback_ext.prune.pareto import STATISTICS, cost_axes, frontier
+from pullback_ext.comparison.pareto import STATISTICS, cost_axes, frontier
 
 AXIS_TITLES = {"flop_ratio": "FLOP ratio (unpruned / reduced FLOPs)"}
 METRIC_TITLES = {"cosine_x100": "100·(1 − cos) of the CLS embedding", "silog_x100": "added SILog ×100 of the depth map"}

@@ -3,7 +3,7 @@ Token Merging", NeurIPS 2024): ToMe's bipartite soft matching restricted to the 
 score* marks as redundant, so that isolated, informative tokens are protected from merging.
 
 In every block of ``block_range`` (default: all blocks), between attention and MLP, ``k`` tokens
-merge (``k``: ``r`` of the schedule, see :func:`~pullback_ext.prune.tome.block_merges`, clipped to
+merge (``k``: ``r`` of the schedule, see :func:`~pullback_ext.prune.methods.tome.block_merges`, clipped to
 half the current patch tokens):
 
 1. the metric is ToMe's: the cosine of the keys the block's attention used (after any ``k_norm``),
@@ -37,10 +37,16 @@ module does not follow: it uses ``ELU(x − m)`` (``x − m`` above the margin) 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal, Optional
+
 import torch
 
-from pullback_ext.prune import tome
+from pullback_ext.errors import PullbackError
 from pullback_ext.prune.merged_tokens import MergedTokens
+from pullback_ext.prune.methods import tome
+from pullback_ext.prune.methods.base import BlockLoop, Needs
+from pullback_ext.prune.option_checks import is_real
 
 
 def merge_count(r: int, num_patch: int) -> int:
@@ -102,3 +108,44 @@ def run(reduction, x: torch.Tensor, blocks, call_block, split, take=()):
 def patch_tokens_per_block(options, num_patch: int, depth: int) -> list[int]:
     """Patch tokens after each block when PiToMe runs with ``options`` on ``num_patch`` patch tokens."""
     return tome.tokens_left(tome.block_merges(options, depth), num_patch, merge_count)
+
+
+@dataclass(frozen=True)
+class PiToMeOptions:
+    """ToMe's ``r`` (required), ``schedule`` and ``block_range``, and ``margin``: the energy margin
+    of the first block, in [0, 1] (block ``i`` of ``L`` uses ``margin · (1 − i/L)``);
+    ``energy_alpha``: ``α >= 0`` of the energy below the margin."""
+
+    r: Optional[int] = None
+    schedule: Literal["constant", "decreasing"] = "constant"
+    block_range: Optional[tuple[int, int]] = None
+    margin: float = 0.9
+    energy_alpha: float = 1.0
+
+    def __post_init__(self):
+        tome.ToMeOptions.__post_init__(self)
+        if not is_real(self.margin) or not 0.0 <= float(self.margin) <= 1.0:
+            raise PullbackError(f"margin must be a float in [0, 1] (PiToMe's energy margin of the first block); got {self.margin!r}")
+        if not is_real(self.energy_alpha) or not 0.0 <= float(self.energy_alpha) < float("inf"):
+            raise PullbackError(f"energy_alpha must be a finite float >= 0 (PiToMe's α below the margin); got {self.energy_alpha!r}")
+        object.__setattr__(self, "margin", float(self.margin))
+        object.__setattr__(self, "energy_alpha", float(self.energy_alpha))
+
+
+class PiToMe(tome.MergingMethod):
+    name, short, title = "pitome", "PiToMe", "PiToMe (r high-energy tokens merged in every block)"
+    options_type = PiToMeOptions
+    needs = Needs(split_blocks="PiToMe merges between attention and MLP")
+    rules = ("PiToMe: the 2r highest-energy tokens matched bipartitely on head-mean keys, per block (authors' rule)",
+             "size-weighted, proportional attention")
+    sweep = {"r": (1, 2, 4, 6, 8, 12, 16, 20, 24)}
+
+    def run(self, reduction, x: torch.Tensor, loop: BlockLoop, take=()):
+        return run(reduction, x, loop.blocks, loop.call_block, loop.split, take)
+
+    def patch_tokens_per_block(self, reduction, num_patch: int) -> list:
+        return patch_tokens_per_block(reduction.options, num_patch, reduction.backbone.depth)
+
+
+ORDER = 4
+METHODS = (PiToMe(),)

@@ -26,11 +26,16 @@ token's features.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from pullback_ext import ops
+from pullback_ext.errors import PullbackError
 from pullback_ext.prune.merged_tokens import MergedTokens, run_tracked
+from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, BlockLoopMethod, Needs
+from pullback_ext.prune.option_checks import check_layer_range, is_real, layer_list
 from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.split_block import Attended
 
@@ -104,3 +109,51 @@ def patch_tokens_per_block(options, num_patch: int, depth: int) -> list[int]:
             num_patch = min(num_patch, kept_count(options.keep_rate, num_patch))
         counts.append(num_patch)
     return counts
+
+
+@dataclass(frozen=True)
+class EViTOptions:
+    """``keep_rate``: fraction of patch tokens each stage keeps, in (0, 1] (required);
+    ``evit_layers``: the blocks that reorganise (0-based; None: EViT's 4th/7th/10th of 12, scaled)."""
+
+    keep_rate: Optional[float] = None
+    evit_layers: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if self.keep_rate is not None and (not is_real(self.keep_rate) or not 0.0 < float(self.keep_rate) <= 1.0):
+            raise PullbackError(f"keep_rate must be None or a float in (0, 1]; got {self.keep_rate!r}")
+        object.__setattr__(self, "keep_rate", None if self.keep_rate is None else float(self.keep_rate))
+        if self.evit_layers is not None:
+            object.__setattr__(self, "evit_layers", layer_list(self.evit_layers, "evit_layers"))
+
+
+class EViT(BlockLoopMethod):
+    name, short, title = "evit", "EViT", "EViT (inattentive tokens fused at 3 blocks)"
+    options_type = EViTOptions
+    needs = Needs(class_token="EViT ranks the tokens by the class token's attention",
+                  split_blocks="EViT reorganises the tokens between attention and MLP")
+    required = ("keep_rate", "fraction of patch tokens kept")
+    rules = ("top CLS attention at three blocks (authors' rule, without the fine-tuning its authors do)",
+             "inattentive tokens fused into one, attention-weighted")
+    sweep = {"keep_rate": (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)}
+
+    def resolve(self, options, backbone: BackboneShape) -> dict:
+        layers = options.evit_layers
+        if layers is None:
+            try:
+                layers = default_layers(backbone.depth)
+            except PullbackError as exc:
+                raise PullbackError(f"evit_layers: EViT's blocks 3, 6, 9 of 12 do not scale to this {backbone.depth}-block model "
+                                    f"({exc}); give evit_layers=") from None
+        check_layer_range(layers, backbone.depth, False, "evit_layers")
+        return dict(super().resolve(options, backbone), evit_layers=layers)
+
+    def run(self, reduction, x: torch.Tensor, loop: BlockLoop, take=()):
+        return run(reduction, x, loop.blocks, loop.call_block, loop.split, take)
+
+    def patch_tokens_per_block(self, reduction, num_patch: int) -> list:
+        return patch_tokens_per_block(reduction.options, num_patch, reduction.backbone.depth)
+
+
+ORDER = 2
+METHODS = (EViT(),)
