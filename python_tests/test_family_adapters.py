@@ -19,7 +19,7 @@ from pullback_ext.errors import PullbackError
 from pullback_ext.families import HFFamily, TimmFamily, detect, table
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN = ("prune", "probes", "tap", "sources", "metric", "commands", "demo", "bench", "cli")
+FORBIDDEN = ("prune", "probes", "tap", "tap_training", "comparison", "sources", "metric", "commands", "demo", "bench", "cli")
 
 
 def test_every_family_has_one_module_and_one_adapter():
