@@ -154,7 +154,7 @@ def hf_dpt(model, options: Optional[ReductionOptions] = None, /, **overrides):
     Same options as :func:`timm`; ``mode="auto"`` prunes. The encoder's hidden states (what the
     neck reads) are full-length. Returns the model.
     """
-    return _patch_hf(model, _find_encoder(model, "dpt", "dinov2"), options, overrides, dense_neck=True)
+    return _patch_hf(model, ("dpt", "depth_anything", "dinov2"), options, overrides, dense_neck=True)
 
 
 @_option_keywords
@@ -168,7 +168,7 @@ def hf_dinov2(model, options: Optional[ReductionOptions] = None, /, **overrides)
     attention and masked LLF pass their bias as the layers' additive attention mask, which needs
     ``attn_implementation`` "sdpa" (transformers' default) or "eager". Returns the model.
     """
-    return _patch_hf(model, _find_encoder(model, "dinov2"), options, overrides)
+    return _patch_hf(model, ("depth_anything", "dinov2"), options, overrides)
 
 
 @_option_keywords
@@ -181,7 +181,7 @@ def hf_vit(model, options: Optional[ReductionOptions] = None, /, **overrides):
     full-length; the bias of proportional attention and masked LLF is the layers' additive attention
     mask ("sdpa" or "eager" attention). Returns the model.
     """
-    return _patch_hf(model, _find_encoder(model, "vit"), options, overrides)
+    return _patch_hf(model, ("vit",), options, overrides)
 
 
 @_option_keywords
@@ -193,7 +193,7 @@ def hf_clip(model, options: Optional[ReductionOptions] = None, /, **overrides):
     is never merged or pruned) are unchanged. Same options and attention bias as :func:`hf_vit`;
     ``mode="auto"`` merges. Returns the model.
     """
-    return _patch_hf(model, _find_encoder(model, "clip"), options, overrides)
+    return _patch_hf(model, ("clip",), options, overrides)
 
 
 @_option_keywords
@@ -206,7 +206,7 @@ def hf_siglip(model, options: Optional[ReductionOptions] = None, /, **overrides)
     refused when patching ("needs a class token"). Same options and attention bias as
     :func:`hf_vit`; ``mode="auto"`` merges. Returns the model.
     """
-    return _patch_hf(model, _find_encoder(model, "siglip"), options, overrides)
+    return _patch_hf(model, ("siglip",), options, overrides)
 
 
 @_option_keywords
@@ -219,61 +219,44 @@ def hf_dinov3(model, options: Optional[ReductionOptions] = None, /, **overrides)
     bias as :func:`hf_vit`; ``mode="auto"`` prunes for ``DINOv3ViTBackbone`` and merges otherwise.
     Returns the model.
     """
-    return _patch_hf(model, _find_encoder(model, "dinov3"), options, overrides)
-
-
-_HF_PATCHES = {"dpt": hf_dpt, "dinov2": hf_dinov2, "vit": hf_vit, "clip": hf_clip, "siglip": hf_siglip, "dinov3": hf_dinov3}
+    return _patch_hf(model, ("dinov3",), options, overrides)
 
 
 @_option_keywords
 def auto(model, options: Optional[ReductionOptions] = None, /, **overrides):
     """Patch ``model`` in place with the patch of its family: :func:`timm` for a timm
-    ``VisionTransformer`` or ``Eva``, else the Hugging Face family found in it (:func:`hf_dpt`,
+    ``VisionTransformer`` or ``Eva``, else the Hugging Face family found in it (as :func:`hf_dpt`,
     :func:`hf_dinov2`, :func:`hf_vit`, :func:`hf_clip`, :func:`hf_siglip`, :func:`hf_dinov3`; a
-    Depth Anything model goes to :func:`hf_dinov2`). Same options as :func:`timm`. Returns the model.
+    Depth Anything model as :func:`hf_dinov2`): the family of :func:`pullback_ext.families.detect`.
+    Same options as :func:`timm`. Returns the model.
     """
-    from pullback_ext.prune.hf_encoders import find_encoder
-    from pullback_ext.prune.timm_vit import is_timm_vit
+    from pullback_ext.families import TimmFamily, detect
 
-    if is_timm_vit(model):
+    family = detect(model, who="patch.auto")
+    if isinstance(family, TimmFamily):
         return timm(model, options, **overrides)
-    try:
-        encoder = find_encoder(model, tuple(_HF_PATCHES))
-    except PullbackError:
-        raise PullbackError(f"patch.auto: {type(model).__name__} is none of the supported families: {_supported_families()}") from None
-    return _HF_PATCHES[encoder.family](model, options, **overrides)
+    return _patch_hf(model, (family.name,), options, overrides)
 
 
-def _supported_families() -> str:
-    """The model families :func:`auto` recognises, in words."""
-    from pullback_ext.prune.hf_families import FAMILIES
-
-    return "; ".join(["a timm VisionTransformer or Eva"] + [family.title for family in FAMILIES.values()])
-
-
-def _find_encoder(model, *families: str):
-    """The layer loop of ``model`` in one of ``families``; a transformers version the families' code
-    was not checked against is refused first (its models may be laid out otherwise)."""
-    from pullback_ext.prune.hf_encoders import find_encoder
-    from pullback_ext.prune.hf_families import FAMILIES, check_transformers
+def _patch_hf(model, families: tuple, options: Optional[ReductionOptions], overrides: dict, dense_neck: Optional[bool] = None):
+    """The one path of the ``hf_*`` patches: patch the layer loop of ``model`` in the first of the
+    Hugging Face ``families`` (names of :func:`pullback_ext.families.table`) it belongs to; a
+    transformers version the families' code was not checked against is refused first (its models
+    may be laid out otherwise). ``dense_neck``: whether the hidden states feed a dense neck (None:
+    as the family finds). Returns the model."""
+    from pullback_ext.families import check_transformers, family
+    from pullback_ext.prune import hf_split
+    from pullback_ext.prune.hf_encoders import find_encoder, install
 
     for name in families:
-        check_transformers(FAMILIES[name])
-    return find_encoder(model, families)
-
-
-def _patch_hf(model, encoder, options: Optional[ReductionOptions], overrides: dict, dense_neck: Optional[bool] = None):
-    from pullback_ext.prune import hf_split
-    from pullback_ext.prune.hf_encoders import install
-    from pullback_ext.prune.hf_families import FAMILIES
-
+        check_transformers(family(name))
+    encoder = find_encoder(model, families)
     if _is_patched(encoder.module):
         unpatch(model)
     dense = encoder.feeds_dense_neck if dense_neck is None else dense_neck
     shape = BackboneShape(depth=len(encoder.layers), num_prefix=encoder.num_prefix, has_cls=encoder.has_cls, dense_neck=dense)
     options = with_overrides(options, **overrides)
-    family = FAMILIES[encoder.family]
-    check_supported(options.strategy, hf_split.traits(family), family.title)  # before resolve: the family's own reason
+    check_supported(options.strategy, hf_split.traits(encoder.family), encoder.family.title)  # before resolve: the family's own reason
     reduction = options.resolve(shape)
     if reduction.options.prop_attn == "folded":
         raise PullbackError("prop_attn='folded' needs timm's standard Block and Attention (patch.timm); "

@@ -10,8 +10,7 @@ import torch
 import pullback_ext.patch as patch
 from helpers.prune import images, tiny_dinov2, tiny_hf
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.hf_encoders import find_encoder
-from pullback_ext.prune.hf_families import FAMILIES
+from pullback_ext.families import detect
 from pullback_ext.tap.budget import keep_count, largest_remainder
 from pullback_ext.tap.register import TaskRegister, lora_shapes
 
@@ -37,8 +36,8 @@ def register_for(task: str, layers: tuple, lora=None, seed: int = 1) -> TaskRegi
 def entering_lengths(model, x) -> tuple[list[int], object]:
     """Sequence length each layer computes on (what its pre-attention norm is given), and the model
     output with hidden states."""
-    encoder = find_encoder(model, tuple(FAMILIES))
-    norms = [getattr(layer, FAMILIES[encoder.family].attention.norm) for layer in encoder.layers]
+    family = detect(model)
+    norms = [getattr(layer, family.attention.norm) for layer in family.layers(model)]
     lengths: list[int] = []
     hooks = [norm.register_forward_pre_hook(lambda m, a: lengths.append(a[0].shape[1])) for norm in norms]
     try:

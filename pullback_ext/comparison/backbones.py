@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.families import TimmFamily, detect
 from pullback_ext.prune import timm_vit
 from pullback_ext.prune.eta import eta
 from pullback_ext.prune.pipeline import run_blocks
@@ -84,15 +85,14 @@ def timm_backbone(model) -> Backbone:
 
 
 def hf_backbone(model, folder: str | None = None) -> Backbone:
-    """A Hugging Face model: a model of one of the ViT families of :mod:`pullback_ext.probes.hf_vision`
+    """A Hugging Face model: a model of one of the ViT families of :mod:`pullback_ext.families`
     (CLS task: the family's image embedding, the probes' ``cls`` output) or a DPT / Depth Anything depth
     model (depth task: the predicted depth, and as the embedding the CLS token after the last encoder
     layer). ``folder`` holds its image processor config (mean and std)."""
     from pullback_ext.probes.hf_vision import embedding
     from pullback_ext.prune.hf_encoders import find_encoder, install, restore
-    from pullback_ext.prune.hf_families import FAMILIES
 
-    encoder = find_encoder(model, tuple(FAMILIES))
+    encoder = find_encoder(model)
     dense = hasattr(model, "head") and type(model).__name__.endswith("ForDepthEstimation")
 
     def full(images: torch.Tensor) -> dict:
@@ -128,9 +128,9 @@ def load_backbone(spec: ModelSpec, weights: Optional[str] = None) -> tuple[Backb
     model, _ = load_model(spec, weights, headless=True)
     if spec.kind == "demo":
         return demo_backbone(model), model
-    if spec.kind == "hf":
-        return hf_backbone(model, spec.name), model
-    return timm_backbone(model), model
+    if isinstance(detect(model, who="--model"), TimmFamily):
+        return timm_backbone(model), model
+    return hf_backbone(model, spec.name), model
 
 
 def block_output_tokens(backbone: Backbone, images: torch.Tensor, layer: int) -> torch.Tensor:
