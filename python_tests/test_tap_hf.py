@@ -210,8 +210,8 @@ def test_train_tap_on_a_hugging_face_folder_then_deploy_with_patch_auto(tmp_path
 
     from helpers.images import random_image_folder
     from pullback_ext.cli import main
-    from pullback_ext.metric import checkpoint
     from pullback_ext.sources.models import ModelSpec, load_model
+    from pullback_ext.tap.checkpoint import load_register
 
     folder = tmp_path / "vit"
     tiny_hf("vit", "sdpa").save_pretrained(folder)
@@ -222,7 +222,7 @@ def test_train_tap_on_a_hugging_face_folder_then_deploy_with_patch_auto(tmp_path
                  "--warmup", "1", "--threads", "1", "--quiet", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert [row["rho"] for row in results["heldout"]] == [0.3, 0.5, 0.7, 1.0]
-    trained, _ = checkpoint.load_model(out, kind="tap")
+    trained = load_register(out)
     assert trained.layers == (1, 4) and trained.adapted == (adapt == "lora")
     assert all(k.split(".", 1)[1].startswith(("attention.", "mlp.")) for k in trained.lora_shapes)  # the HF ViT's own linears
     assert trained.shares.weight.abs().sum() > 0  # trained: it starts at zero

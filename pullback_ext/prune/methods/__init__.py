@@ -67,7 +67,7 @@ def check_supported(name: str, traits: Traits, model: str) -> None:
     if reason is not None:
         runs = [get(m) for m in supported(traits)]
         originals = ", ".join(m.name for m in runs if m.kind == "original")
-        others = "".join(f", {m.name}" for m in runs if m.kind == "ours")
+        others = "".join(f", and {m.name}" for m in runs if m.kind == "ours")
         hint = f" (e.g. '{name}_score')" if f"{name}_score" in names() else ""
-        raise PullbackError(f"strategy {name!r} on {model}: it {reason}; this model runs the originals {originals}{others} "
-                            f"and the single-stage strategies{hint}")
+        raise PullbackError(f"strategy {name!r} on {model}: it {reason}; this model runs the originals {originals} "
+                            f"and the single-stage strategies{hint}{others}")
