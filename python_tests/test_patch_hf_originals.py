@@ -18,7 +18,7 @@ from helpers.prune import images, tiny_dinov2, tiny_dpt, tiny_hf
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import hf_split
 from pullback_ext.prune import methods
-from pullback_ext.prune.methods.base import refusal
+from pullback_ext.prune.methods.base import Traits, refusal
 from pullback_ext.prune.hf_encoders import biased_layer_forward, masked_layer_forward
 from pullback_ext.families import family as family_named
 from pullback_ext.prune.merged_tokens import MergedTokens
@@ -132,7 +132,7 @@ def _reference(model, family, strategy, h):
 
 OPTIONS = {"tome": dict(r=3), "pitome": dict(r=3), "evit": dict(keep_rate=0.5, evit_layers=(1, 2)),
            "expedite": dict(cluster_grid=(2, 3), cluster_layer=1), "asap": dict(layers=2, ratio=0.4)}
-CASES = [(f, s) for f in SPLIT_FAMILIES for s in OPTIONS if refusal(methods.get(s), hf_split.traits(family_named(f))) is None]
+CASES = [(f, s) for f in SPLIT_FAMILIES for s in OPTIONS if refusal(methods.get(s), Traits.of(family_named(f))) is None]
 
 
 @pytest.mark.parametrize("family,strategy", CASES)
@@ -175,7 +175,7 @@ def test_nothing_reduced_is_the_unpatched_model_and_unpatch_restores_it(family):
     x = images(2).double()
     plain = hidden_states(model, x)
     for strategy in ZERO:
-        if refusal(methods.get(strategy), hf_split.traits(family_named(family))) is None:
+        if refusal(methods.get(strategy), Traits.of(family_named(family))) is None:
             PATCHES[family](model, strategy=strategy, **ZERO[strategy])
             assert all(torch.equal(a, b) for a, b in zip(hidden_states(model, x), plain)), strategy
     PATCHES[family](model, strategy="tome", **OPTIONS["tome"])

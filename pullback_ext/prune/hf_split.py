@@ -39,12 +39,6 @@ from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.split_block import Attended, SplitBlock
 
 
-def traits(family: HFFamily) -> Traits:
-    """What ``family`` offers the methods (:func:`pullback_ext.prune.methods.supported`): its adapter's traits."""
-    return Traits(has_cls=family.has_cls(), rotary=family.rotary, splittable=family.splittable,
-                  takes_extra_token=family.takes_extra_token)
-
-
 def _apply(layer, paths: tuple, h: torch.Tensor) -> torch.Tensor:
     for path in paths:
         h = operator.attrgetter(path)(layer)(h)
@@ -86,7 +80,7 @@ def run(family: HFFamily, reduction, x: torch.Tensor, layers, call_layer, attent
     (``call_layer(layer, state, bias)``, ``attention_probs(layer, x, bias)``: see
     :func:`~pullback_ext.prune.pipeline.run_blocks`; ``rows``: see :func:`split`). Returns
     ``(final [B, N, D], [output of layer i, full-length [B, N, D], for every layer])``."""
-    check_supported(reduction.method.name, traits(family), family.title)
+    check_supported(reduction.method.name, Traits.of(family), family.title)
     final, taken = run_blocks(reduction, x, layers, call_layer, attention_probs, take=range(len(layers)),
                               split=split(family, rows))
     return final, [taken[i] for i in range(len(layers))]

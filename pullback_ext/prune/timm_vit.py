@@ -47,9 +47,7 @@ def check_model(model) -> None:
 def traits(model) -> Traits:
     """What a timm ``VisionTransformer`` or ``Eva`` offers the methods: its family adapter's traits
     (an ``Eva`` has rotary positions and no room for an extra prefix token in its rotary rows)."""
-    family = EVA if EVA.matches(model) else VIT
-    return Traits(has_cls=family.has_cls(model), rotary=family.rotary, splittable=family.splittable,
-                  takes_extra_token=family.takes_extra_token)
+    return Traits.of(EVA if EVA.matches(model) else VIT, model)
 
 
 def check_strategy(model, strategy: str) -> None:
