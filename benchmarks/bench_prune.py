@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", choices=("off", "on", "both"), default=None, help="eager, torch.compile or both (overrides the preset)")
     p.add_argument("--etas", default="0.25,0.5", help="η of our merge and prune rows")
     p.add_argument("--tome-r", default="8,16", help="r of the ToMe rows")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds per cell")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved timed rounds per cell (the speed-ups' medians and intervals)")
     p.add_argument("--no-overhead", action="store_true", help="skip the per-step overhead measurement")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
