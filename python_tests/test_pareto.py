@@ -262,3 +262,7 @@ def test_within_noise_is_an_overlap_of_the_rows_error_bands():
     assert matched["mean"]["a"]["1.45"]["band"] == [pytest.approx(0.01 * 10 ** 0.7), math.inf]
     assert matched["mean"]["b"]["1.45"]["within_noise"] and matched["mean"]["b"]["1.45"]["band"] == [
         pytest.approx(10 ** 0.8), pytest.approx(10.0)]
+    from pullback_ext.comparison.pareto_report import _cell, speedup_text
+
+    assert _cell(at["a"]) == "≈ 0.032" and _cell(at["b"]) == "3.162" and _cell({"value": 5.0, "bound": True}) == "≤ 5.000"
+    assert speedup_text(points[0]["cost"], "speedup_batch4") == "1.00× [0.90, 1.10]"
