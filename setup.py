@@ -14,6 +14,10 @@ Build into an environment that already has the torch you will run with::
 ``0.1.0+pt2.14cu130`` (CUDA 13.0 build of torch 2.14) or ``0.1.0+pt2.13cpu`` (CPU build), in
 pytorch_scatter's ``+ptXYcuZZ`` convention; any other value is used as given (``0.1.0+VALUE``);
 unset or empty, the version has no local part.
+
+The package requires the torch release it is built against (``torch==2.13.*`` when built with torch
+2.13.x): the compiled extension loads with that torch only, so a wheel installed on its own must
+not pull in another one.
 """
 
 import glob
@@ -32,6 +36,8 @@ except ImportError:  # pragma: no cover - exercised only on a machine without to
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCHS = "8.0;9.0+PTX"
+# Everything but torch, whose requirement is the building torch's release (torch_requirement).
+DEPENDENCIES = ["numpy>=1.24", "scipy>=1.11", "safetensors>=0.4", "tqdm>=4.66", "matplotlib>=3.8", "pillow>=10"]
 
 
 def _want_cuda() -> bool:
@@ -62,6 +68,15 @@ def local_version(setting: str, torch_version: str, cuda_version, hip_version=No
     else:
         flavour = "cpu"
     return f"pt{major_minor}{flavour}"
+
+
+def torch_requirement(torch_version: str) -> str:
+    """The requirement on torch of a package built with torch ``torch_version`` (``torch.__version__``):
+    its release, any patch level and build (``"2.13.0+cpu"`` -> ``"torch==2.13.*"``)."""
+    release = torch_version.split("+")[0].split(".")
+    if len(release) < 2 or not all(part.isdigit() for part in release[:2]):
+        sys.exit(f"torch.__version__: expected MAJOR.MINOR[.PATCH][+LOCAL], got {torch_version!r}")
+    return f"torch=={release[0]}.{release[1]}.*"
 
 
 def _egg_info_options() -> dict:
@@ -134,9 +149,10 @@ if __name__ == "__main__":  # (pip runs this file as __main__ too; tests import 
     if os.environ.get("PULLBACK_SKIP_EXTENSION") == "1":
         # The bootstrap builds the extension in place first (only when its inputs changed) and then
         # installs the package in editable mode without compiling it a second time.
-        setup(options=_egg_info_options())
+        setup(install_requires=[torch_requirement(torch.__version__), *DEPENDENCIES], options=_egg_info_options())
     else:
         setup(
+            install_requires=[torch_requirement(torch.__version__), *DEPENDENCIES],
             ext_modules=[_extension()],
             cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
             options=_egg_info_options(),

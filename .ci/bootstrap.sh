@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Sets up everything the quick start and the tests need, on a fresh machine or incrementally:
 # a virtual environment in .venv (override with PULLBACK_VENV), the pinned packages, and the
-# compiled extension (CPU kernels always; CUDA kernels too when nvcc is found, as a compile
-# check on machines without a GPU). Each step runs only when its inputs changed: the packages
+# compiled extension (CPU kernels always; CUDA kernels too where a GPU is visible and nvcc is
+# found, or with PULLBACK_CUDA_COMPILE_CHECK=1, CI's compile check on machines without a GPU:
+# FORCE_CUDA=1 when nvcc is found and torch has CUDA). Each step runs only when its inputs changed: the packages
 # when .ci/requirements.txt did, the extension when its sources, setup.py, torch or the build
 # flags did. Quiet: one line per step it runs, the compiler's output in build/bootstrap.log
 # (shown on failure, or live with PULLBACK_VERBOSE=1).
 #   bash .ci/bootstrap.sh           set up what is out of date
 #   bash .ci/bootstrap.sh --check   exit 0 when everything is up to date, 1 otherwise; changes nothing
+#   bash .ci/bootstrap.sh --flags   print the extension's build flags (FORCE_CUDA, TORCH_CUDA_ARCH_LIST); changes nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,7 +19,9 @@ REQ=.ci/requirements.txt
 LOG=build/bootstrap.log
 EXT_STAMP=build/extension.stamp
 check_only=0
+flags_only=0
 [ "${1:-}" = "--check" ] && check_only=1
+[ "${1:-}" = "--flags" ] && check_only=1 && flags_only=1
 stale=()
 
 say() { echo "[bootstrap] $*"; }
@@ -50,15 +54,20 @@ fi
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda
 fi
+gpu_visible() { "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; }
+# The CUDA kernels take minutes to compile: built where a GPU can run them, or where a compile check
+# is asked for (PULLBACK_CUDA_COMPILE_CHECK=1, .ci/run); never by default on a machine without a GPU.
 if [ -z "${FORCE_CUDA:-}" ] && [ -n "${CUDA_HOME:-}" ] && [ -x "$CUDA_HOME/bin/nvcc" ] \
    && "$PY" -c "import sys, torch; sys.exit(torch.version.cuda is None)" 2>/dev/null; then
-  export FORCE_CUDA=1
-  # Without a GPU the CUDA build is a compile check: one architecture is enough.
-  if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-    export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+  if gpu_visible; then
+    export FORCE_CUDA=1
+  elif [ "${PULLBACK_CUDA_COMPILE_CHECK:-0}" = 1 ]; then
+    export FORCE_CUDA=1
+    export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # a compile check: one architecture is enough
   fi
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+if [ $flags_only = 1 ]; then echo "FORCE_CUDA=${FORCE_CUDA:-0} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-}"; exit 0; fi
 
 # Everything the compiled extension depends on, as one hash.
 ext_inputs() {

@@ -4,8 +4,8 @@ Each subcommand lives in ``pullback_ext/commands/<name>.py`` and exposes
 ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only when their
 subcommand runs, so ``pullback --help`` stays fast. Every subcommand also gets ``--threads`` and
 ``--quiet`` (``commands.arguments.add_run_arguments``), applied around its ``run``. User errors (``PullbackError`` and its
-subclasses, and files that cannot be opened) become a one-line message on stderr and exit code 2;
-anything else is a bug and keeps its traceback.
+subclasses, and files that cannot be opened) and argument errors (:class:`OneLineParser`) become a
+one-line message on stderr and exit code 2; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 COMMANDS = {
     "demo": ("pullback_ext.commands.demo", "run everything the library does on the embedded demo model"),
     "diagnose": ("pullback_ext.commands.diagnose", "matrix-free tractability diagnostic of a backbone-decoder pair"),
-    "train": ("pullback_ext.commands.train", "train an SPN, an importance head or a feature VAE"),
+    "train": ("pullback_ext.commands.train", "train an SPN, an importance head, a feature VAE or a TAP task register"),
     "eval-head": ("pullback_ext.commands.eval_head", "Spearman rho of an importance head against imp*"),
     "evaluate": ("pullback_ext.commands.evaluate", "token pruning / merging quality and cost against baselines"),
     "subprobe": ("pullback_ext.commands.subprobe", "interventions on a linear token probe's geometric subspace (Geosubprobe)"),
@@ -31,8 +31,18 @@ COMMANDS = {
 USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose argument errors are one line on stderr (``pullback CMD: error:
+    MESSAGE; see pullback CMD --help``) and exit code 2, instead of the usage text; its subparsers
+    are of the same class."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} --help", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pullback", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="pullback", description=__doc__.splitlines()[0])
     from pullback_ext import __version__
     from pullback_ext.commands.arguments import add_run_arguments
 
@@ -52,7 +62,10 @@ def main(argv=None) -> int:
     from pullback_ext.errors import PullbackError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or an argument error already reported in one line
+        return int(exc.code or 0)
     args.command_line = "pullback " + shlex.join(sys.argv[1:] if argv is None else argv)  # as the user typed it
     try:
         with run_options(args):
@@ -61,7 +74,8 @@ def main(argv=None) -> int:
         print(f"pullback {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"pullback {args.command}: interrupted", file=sys.stderr)
+        resumable = " (the same command with --resume continues from what it saved in --out)" if hasattr(args, "resume") else ""
+        print(f"pullback {args.command}: interrupted{resumable}", file=sys.stderr)
         return 130
 
 

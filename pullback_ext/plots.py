@@ -160,8 +160,9 @@ def colour_range(values: Tensor) -> tuple[float, float]:
 def token_energy_figure(energies: Sequence[Tensor], num_prefix_tokens: int, grid_size: Optional[Sequence[int]] = None,
                         titles: Optional[Sequence[str]] = None, max_images: int = 8):
     """Heatmaps of the per-token energy e_t over the patch grid, one panel per image (first
-    ``max_images``), each with its colorbar; the prefix tokens' share of the energy is given in
-    each title.
+    ``max_images``), each with its colorbar below it (beside it, it ran into the next panel); each
+    title gives the share of Σ_t e_t held by the prefix tokens (CLS, registers), which the grid
+    does not show, and the figure says so.
 
     energies: per image e[N] with the ``num_prefix_tokens`` CLS/register tokens first.
     """
@@ -171,7 +172,7 @@ def token_energy_figure(energies: Sequence[Tensor], num_prefix_tokens: int, grid
     h, w = grid_shape(shown[0].numel() - num_prefix_tokens, grid_size)
     cols = min(4, len(shown))
     rows = math.ceil(len(shown) / cols)
-    fig, axes = pyplot().subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
+    fig, axes = pyplot().subplots(rows, cols, figsize=(3 * cols, 3.4 * rows + 0.5), squeeze=False, layout="constrained")
     for i, ax in enumerate(axes.flat):
         ax.axis("off")
         if i >= len(shown):
@@ -182,10 +183,11 @@ def token_energy_figure(energies: Sequence[Tensor], num_prefix_tokens: int, grid
         patch = e[num_prefix_tokens:]
         low, high = colour_range(patch)
         im = ax.imshow(patch.reshape(h, w).numpy(), cmap="magma", vmin=low, vmax=high)
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="e_t")
+        fig.colorbar(im, ax=ax, location="bottom", shrink=0.8, label="e_t", format="%.2g")
         name = titles[i] if titles is not None else f"image {i}"
         ax.set_title(f"{name}\nprefix share {prefix_share:.2f}", fontsize=8)
-    fig.suptitle("per-token sensitivity energy e_t over the patch grid")
+    fig.suptitle("per-token sensitivity energy e_t over the patch grid\n"
+                 "prefix share: the part of Σ_t e_t on the prefix tokens (CLS, registers), not drawn", fontsize=9)
     return fig
 
 

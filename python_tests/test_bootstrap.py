@@ -34,3 +34,34 @@ def test_bootstrap_sees_changed_build_flags():
     result = _run_check(env)
     assert result.returncode == 1
     assert "extension" in result.stdout
+
+
+def _flags(**env) -> str:
+    """The build flags the bootstrap chooses in this environment (``--flags``), for this interpreter's venv."""
+    base = {k: v for k, v in os.environ.items() if k not in ("FORCE_CUDA", "TORCH_CUDA_ARCH_LIST", "PULLBACK_CUDA_COMPILE_CHECK")}
+    result = subprocess.run(["bash", str(SCRIPT), "--flags"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**base, "PULLBACK_VENV": sys.prefix, **env})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip()
+
+
+def _nvcc() -> bool:
+    home = os.environ.get("CUDA_HOME") or ("/usr/local/cuda" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    return home is not None and os.access(Path(home) / "bin" / "nvcc", os.X_OK)
+
+
+def test_the_cuda_kernels_are_built_where_a_gpu_can_run_them_or_a_compile_check_asks():
+    """`make demo` / `make test` compile the CUDA kernels only where a GPU is visible (minutes of
+    nvcc for nothing elsewhere); CI's compile check (PULLBACK_CUDA_COMPILE_CHECK=1, .ci/run) builds
+    them wherever nvcc and a CUDA torch are found; FORCE_CUDA given by hand is kept."""
+    import torch
+
+    can_compile = _nvcc() and torch.version.cuda is not None
+    default = _flags()
+    assert default.startswith(f"FORCE_CUDA={int(can_compile and torch.cuda.is_available())} ")
+    checked = _flags(PULLBACK_CUDA_COMPILE_CHECK="1")
+    assert checked.startswith(f"FORCE_CUDA={int(can_compile)} ")
+    if can_compile and not torch.cuda.is_available():
+        assert checked == "FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0"  # one architecture for a compile check
+    assert _flags(FORCE_CUDA="0", PULLBACK_CUDA_COMPILE_CHECK="1").startswith("FORCE_CUDA=0 ")
+    assert "PULLBACK_CUDA_COMPILE_CHECK=1" in (ROOT / ".ci" / "run").read_text()

@@ -150,3 +150,88 @@ def test_a_tiny_image_is_upscaled_with_a_warning(timm_args, tmp_path, out_dir):
     Image.fromarray(np.full((7, 7, 3), 128, np.uint8)).save(folder / "dot.png")
     with pytest.warns(UserWarning, match=r"dot\.png.*7.7"):
         assert main(["diagnose", *map(str, timm_args), "--images", str(folder), "--num-images", "1", "--out", str(out_dir)]) == 0
+
+
+def test_diagnose_refuses_to_replace_an_earlier_diagnosis_unless_overwrite(timm_args, image_folder, out_dir, capsys):
+    argv = ["diagnose", *map(str, timm_args), "--images", str(image_folder(2)), "--num-images", "1", "--out", str(out_dir)]
+    assert main(argv) == 0
+    first = (out_dir / "diagnosis.json").read_text()
+    (out_dir / "diagnosis.json").write_text(first.replace('"rank"', '"rank_marker"', 1))  # tell the two runs apart
+    capsys.readouterr()
+    err = _fail(argv, capsys, "--out", out_dir, "already holds a diagnosis", "--overwrite")
+    assert "--out" in err and '"rank_marker"' in (out_dir / "diagnosis.json").read_text()
+    assert main([*argv, "--overwrite"]) == 0
+    assert (out_dir / "diagnosis.json").read_text() == first
+
+
+def test_hf_folder_without_weights_is_refused_unless_random_weights(hf_dir, tmp_path, image_folder, capsys):
+    """A config.json without weights (an unfinished download): one line; --random-weights opts in,
+    is recorded in the JSON and printed in the summary."""
+    def drop_weights(f):
+        for weights in (f / "model.safetensors", f / "pytorch_model.bin"):
+            weights.unlink(missing_ok=True)
+
+    folder = _copy_hf(hf_dir, tmp_path, drop_weights)
+    out = tmp_path / "out"
+    _fail(_diagnose_hf(folder, image_folder(), out), capsys, f"hf:{folder}", "no weights", "--weights", "--random-weights")
+    assert not out.exists()
+    assert main([*map(str, _diagnose_hf(folder, image_folder(), out)), "--random-weights"]) == 0
+    printed = capsys.readouterr().out
+    assert "RANDOM WEIGHTS" in printed
+    settings = json.loads((out / "diagnosis.json").read_text())["settings"]
+    assert settings["random_weights"] is True and settings["weights"] is None
+
+
+def test_the_summary_names_the_task_and_explains_r90(out_dir, capsys):
+    """--task cls on the demo model is printed as cls (not the probe's decoder name), and an r90 of
+    n/a says that κ_cap did not reach 0.9 within r."""
+    argv = ["diagnose", "--model", "demo", "--layer", "2", "--task", "cls", "--num-images", "1", "--rank", "1", "--power", "1", "--probes", "4", "--slq-steps", "0", "--out", str(out_dir)]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, row = lines[0].split(), lines[1].split()
+    assert header[2] == "task" and row[2] == "cls", lines[:2]
+    data = json.loads((out_dir / "diagnosis.json").read_text())
+    kappa_at_1 = data["images"][0]["kappa_cap"]
+    assert kappa_at_1 < 0.9, "the check needs an image whose one direction captures less than 0.9"
+    assert "r90" not in data["aggregate"]
+    assert any(line.startswith("r90 n/a: κ_cap stays below 0.9 within the r = 1 directions") for line in lines), lines
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["evaluate", "--task", "segmentation"], ["--task", "segmentation", "cls"]),
+    (["evaluate", "--model", "demo", "--threads", "0"], ["--threads", "positive"]),
+    (["diagnose", "--rank", "many"], ["--rank", "many"]),
+    (["train", "tap", "--steps"], ["--steps"]),
+    (["evaluate", "--out", "out", "--no-such-option"], ["--no-such-option"]),
+    (["no-such-command"], ["no-such-command"]),
+])
+def test_an_argument_error_is_one_line_and_exit_2(argv, names, capsys):
+    err = _fail(argv, capsys, *names)
+    assert "usage:" not in err and err.endswith("--help"), err
+
+
+def test_a_timed_run_on_a_busy_machine_warns_in_one_line(monkeypatch, tmp_path, capsys):
+    import os
+
+    from pullback_ext.machine import busy_note, usable_cores
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (usable_cores() + 1.5, 0.0, 0.0))
+    note = busy_note("wall-clock times")
+    assert note is not None and f"{usable_cores() + 1.5:.1f} on {usable_cores()} cores" in note
+    assert busy_note("wall-clock times", cores=usable_cores() + 2) is None
+    # an argument error stays one line: the warning comes once the options are checked
+    _fail(["evaluate", "--model", "demo", "--seeds", "0", "--out", str(tmp_path / "out")], capsys, "--seeds")
+    # evaluate --pareto warns when its run starts (interrupted here as it starts measuring)
+    from pullback_ext.comparison import pareto
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pareto, "image_errors", interrupted)
+    argv = ["evaluate", "--model", "demo", "--pareto", "--methods", "random", "--num-images", "2", "--seeds", "1",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 130
+    warning, stopped = capsys.readouterr().err.strip().splitlines()
+    assert warning == f"pullback evaluate: warning: {note}" and "interrupted" in stopped
+    assert main([*argv, "--no-timing"]) == 130
+    assert "warning" not in capsys.readouterr().err  # untimed: no warning

@@ -133,3 +133,49 @@ def test_task_means_the_cls_embedding_for_every_model_and_the_old_decoder_keeps_
         assert probe_decoder(parse(["--decoder", "embedding"]), "demo") == "embedding"
     with pytest.raises(PullbackError, match="conflicts with --task"):
         probe_decoder(parse(["--decoder", "cls", "--task", "cls"]), "demo")
+
+
+def _help(*argv: str) -> str:
+    import contextlib
+    import io
+
+    from pullback_ext.cli import main
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert main([*argv, "--help"]) == 0
+    return text.getvalue()
+
+
+def test_the_top_level_help_names_every_train_target_tap_included():
+    line = next(line for line in _help().splitlines() if line.strip().startswith("train "))
+    train = next(a for a in SUBPARSERS["train"]._actions if a.dest == "kind")
+    assert set(train.choices) == {"spn", "head", "vae", "tap"}
+    for words in ("SPN", "importance head", "VAE", "TAP"):
+        assert words in line, line
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_no_help_has_two_sections_of_one_name(command):
+    sections = [line[:-1] for line in _help(command).splitlines() if re.fullmatch(r"[a-z][^:]*:", line)]
+    assert len(sections) == len(set(sections)), sections
+
+
+@pytest.mark.parametrize("command,argv,resumable", [
+    ("study", ["study", "diagnose", "--model", "demo", "--out", "x"], True),
+    ("train", ["train", "head", "--model", "demo", "--out", "x"], True),
+    ("diagnose", ["diagnose", "--model", "demo", "--out", "x"], False),
+])
+def test_the_interrupt_message_says_how_to_resume_where_a_command_can(monkeypatch, capsys, command, argv, resumable):
+    import importlib
+
+    from pullback_ext.cli import main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(COMMANDS[command][0]), "run", interrupted)
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"pullback {command}: interrupted") and len(err.splitlines()) == 1
+    assert ("--resume" in err) == resumable, err

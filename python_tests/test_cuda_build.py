@@ -1,7 +1,8 @@
 """The CUDA kernels build, and where a GPU is present they agree with the pure-torch reference.
 
 Without a GPU the CUDA sources must still compile: when the installed extension was built with
-its CUDA kernels (CI sets FORCE_CUDA=1 whenever nvcc is found), that build is the proof; when it
+its CUDA kernels (CI's bootstrap sets FORCE_CUDA=1 whenever nvcc is found: PULLBACK_CUDA_COMPILE_CHECK=1
+in .ci/run), that build is the proof; when it
 was not, every ``csrc/cuda/*.cu`` is compiled here with ``nvcc -c``, so a CUDA compile error fails
 the suite either way. Everything skips cleanly on a machine without nvcc.
 

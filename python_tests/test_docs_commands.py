@@ -35,3 +35,21 @@ def test_documented_command_parses(page, line):
         build_parser().parse_args(shlex.split(line)[1:])
     except SystemExit as exc:
         pytest.fail(f"{page}: `{line}` does not parse (exit {exc.code})")
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation but - and _ dropped, spaces -> -."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in text.splitlines() if line.startswith("#")}
+
+
+def test_each_command_of_the_readme_table_points_to_a_page_that_documents_it():
+    rows = re.findall(r"^\| `pullback ([a-z-]+)[^`]*` \|[^|]*\| (.+) \|$", (ROOT / "README.md").read_text(), re.M)
+    assert {command for command, _ in rows} >= {"demo", "diagnose", "train", "eval-head", "evaluate", "subprobe", "study", "bench"}
+    for command, cell in rows:
+        links = re.findall(r"\]\(([^)#]+)(?:#([^)]+))?\)", cell)
+        assert links, f"README: no link for pullback {command}"
+        pages = [(ROOT / path).read_text() for path, _ in links]
+        assert any(f"pullback {command}" in page for page in pages), f"README: pullback {command} points to {links}, which never name it"
+        for (path, anchor), page in zip(links, pages):
+            assert not anchor or anchor in _anchors(page), f"README: {path}#{anchor} is no heading of {path}"

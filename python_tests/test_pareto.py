@@ -50,12 +50,26 @@ def test_error_summary():
     assert s["p95"] == pytest.approx(float(torch.quantile(torch.tensor([0.0, 1, 2, 3, 10], dtype=torch.float64), 0.95)))
 
 
-def test_interleaved_timing_rotates_the_order_and_times_every_round():
+def test_interleaved_timing_rotates_the_order_and_times_every_round(monkeypatch):
+    """On a scripted clock each call takes a known time: the warm-up round is dropped, every timed
+    call is recorded in order, and the median and minimum are those of the scripted times."""
+    import pullback_ext.comparison.cost as cost
+
+    now = [0.0]
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: now[0])
+    durations = {"a": [9.0, 3.0, 1.0, 2.0], "b": [9.0, 5.0, 4.0, 6.0], "c": [9.0, 0.5, 0.25, 8.0]}  # warm-up first
     calls = []
-    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+
+    def call(name):
+        now[0] += durations[name][sum(c == name for c in calls)]
+        calls.append(name)
+
+    fns = {name: (lambda name=name: call(name)) for name in "abc"}
     out = interleaved_wall_clock(fns, repeats=3, warmup=1)
     assert calls == list("abc" "bca" "cab" "abc")
-    assert all(len(t["times_s"]) == 3 and t["median_s"] >= t["min_s"] >= 0 for t in out.values())
+    assert {name: t["times_s"] for name, t in out.items()} == {"a": [3.0, 1.0, 2.0], "b": [5.0, 4.0, 6.0], "c": [0.5, 0.25, 8.0]}
+    assert {name: (t["median_s"], t["min_s"], t["repeats"]) for name, t in out.items()} == {
+        "a": (2.0, 1.0, 3), "b": (5.0, 4.0, 3), "c": (0.5, 0.25, 3)}
     with pytest.raises(PullbackError, match="repeats must be an int >= 1"):
         interleaved_wall_clock(fns, repeats=0)
 

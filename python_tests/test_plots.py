@@ -306,3 +306,34 @@ def test_a_broken_figure_fails_the_checks(name):
         break_it(fig)
         problems = figure_problems(fig) + (decade_gap_problems(fig) if name == "symlog_quality" else [])
         assert problems, f"{name}: the checks did not notice"
+
+
+@pytest.mark.parametrize("name", ["token_energy", "importance"])
+def test_no_panel_or_colorbar_runs_into_another(name):
+    """Rendered, the boxes of the panels and colorbars (their labels and ticks included) are
+    disjoint: a colorbar's label does not overlap the next panel."""
+    fig = FIGURES[name]()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes if ax.get_visible() and (ax.images or _is_colorbar(ax))]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            overlap_w = min(a.x1, b.x1) - max(a.x0, b.x0)
+            overlap_h = min(a.y1, b.y1) - max(a.y0, b.y0)
+            assert overlap_w <= 1 or overlap_h <= 1, f"{name}: boxes {a} and {b} overlap"
+    pyplot().close(fig)
+
+
+def test_the_figures_name_what_the_tables_name():
+    """importance.png heads its columns as the demo's table names the decoders; token_energy.png
+    explains its 'prefix share'."""
+    from pullback_ext.demo.diagnostic_stage import DECODER_LABELS
+
+    fig = _importance()
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert any(title.startswith(DECODER_LABELS["embedding"]) for title in titles), titles
+    assert not any(title.startswith("embedding") for title in titles), titles
+    pyplot().close(fig)
+    fig = _token_energy()
+    assert "prefix share: the part of Σ_t e_t on the prefix tokens" in fig.get_suptitle()
+    pyplot().close(fig)

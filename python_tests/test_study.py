@@ -277,3 +277,26 @@ def test_study_criteria_recovery_endpoints_on_a_hugging_face_depth_folder_equal_
     single = json.loads((tmp_path / "e" / "results.json").read_text())["tables"]["llf"]["norm"]["0.3"]["silog_x100"]["mean"]
     swept = unit["recovery"]["norm"]["0"]["silog_x100"]["mean"]
     assert f"{swept:.4f}" == f"{single:.4f}" and swept != pytest.approx(unit["tasks"]["depth"]["norm"]["silog_x100"]["mean"])
+
+
+def test_study_diagnose_off_a_terminal_writes_plain_progress_lines_and_no_internal_warning(tmp_path):
+    """Into a pipe (as into a log file): one plain line per tenth, no tqdm redraws; no warning the
+    user did not cause (r above M on one of several decoders is a note under the table, torch's own
+    FutureWarning about scripting its forward-AD decompositions stays inside the library)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), PYTHONWARNINGS="default")
+    argv = [sys.executable, "-m", "pullback_ext", "study", "diagnose", "--model", "demo", "--layers", "2", "--decoders", "cls",
+            "--num-images", "1", "--probes", "4", "--slq-steps", "0", "--out", str(tmp_path / "study")]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr and "Warning" not in done.stderr, done.stderr
+    for line in done.stderr.splitlines():
+        assert re.fullmatch(r"study diagnose: \d+/1 layer \(\d+%\) [\d.]+ s", line), line
+    assert len(done.stderr.splitlines()) == 2  # the start and the end of a one-layer sweep
+    assert "- cls: r = 20 exceeds M = 9, so r = 9 (every direction) is used" in done.stdout

@@ -1,16 +1,20 @@
-"""Wheels named for their torch: the local version setup.py derives (PULLBACK_LOCAL_VERSION), and the
-import-time error when the running torch is not the one the extension was built for."""
+"""Wheels named for their torch: the local version setup.py derives (PULLBACK_LOCAL_VERSION), the
+requirement on the building torch's release in the package metadata, and the import-time error when the
+running torch is not the one the extension was built for."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import runpy
+import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,3 +86,32 @@ def test_a_torch_mismatch_names_both_versions(monkeypatch, built, cuda, with_cud
     if import_error:
         assert "undefined symbol" in message
     assert importlib.import_module("pullback_ext._loader").load_compiled() is not None  # restored
+
+
+@pytest.mark.parametrize("torch_version,expected", [
+    ("2.13.0+cpu", "torch==2.13.*"),
+    ("2.14.1+cu130", "torch==2.14.*"),
+    ("2.14.1", "torch==2.14.*"),
+    ("2.15.0.dev20260101+cu130", "torch==2.15.*"),
+])
+def test_the_torch_requirement_is_the_building_release(torch_version, expected):
+    requirement = runpy.run_path(str(ROOT / "setup.py"), run_name="setup_under_test")["torch_requirement"](torch_version)
+    assert requirement == expected
+    release = torch_version.split("+")[0]
+    major, minor = (int(part) for part in release.split(".")[:2])
+    accepts = SpecifierSet(requirement.removeprefix("torch"))
+    assert accepts.contains(torch_version, prereleases=True)
+    assert not accepts.contains(f"{major}.{minor + 1}.0") and not accepts.contains(f"{major}.{minor - 1}.9")
+
+
+def test_the_package_metadata_pins_the_torch_it_is_built_with(tmp_path):
+    """setup.py's metadata (what a wheel's METADATA says): Requires-Dist names this torch's release,
+    so installing a wheel alone never pulls in a torch the extension cannot load with."""
+    env = dict(os.environ, PULLBACK_SKIP_EXTENSION="1", PULLBACK_LOCAL_VERSION="auto")
+    subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)], cwd=ROOT, env=env,
+                   check=True, capture_output=True)
+    (info,) = tmp_path.glob("*.egg-info")
+    requires = [line for line in (info / "PKG-INFO").read_text().splitlines() if line.startswith("Requires-Dist: torch")]
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    assert requires == [f"Requires-Dist: torch=={major}.{minor}.*"]
+    assert SpecifierSet(requires[0].split("torch", 1)[1]).contains(torch.__version__, prereleases=True)

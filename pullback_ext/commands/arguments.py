@@ -49,8 +49,9 @@ def add_source_arguments(parser: argparse.ArgumentParser, num_images: int, num_i
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """``--threads N`` and ``--quiet``. ``pullback_ext.cli`` adds them to every subcommand after its
     own ``add_arguments`` and runs the command inside :func:`run_options`, so a subcommand gets
-    them without defining them (one that still defines either keeps its own)."""
-    group = parser.add_argument_group("run")
+    them without defining them (one that still defines either keeps its own). They join the
+    subcommand's own "run" section when it has one, so that ``--help`` shows one such section."""
+    group = next((g for g in parser._action_groups if g.title == "run"), None) or parser.add_argument_group("run")
     for flag, kwargs in (("--threads", dict(type=positive_int, default=None, metavar="N", help="torch CPU threads (default torch's)")),
                          ("--quiet", dict(action="store_true", help="no progress output and no info lines (which file was written, which "
                                                                    "stage runs); results, warnings and errors still show"))):
@@ -73,6 +74,19 @@ def run_options(args: argparse.Namespace) -> Iterator[None]:
         torch.set_num_threads(args.threads)
     with silenced() if getattr(args, "quiet", False) else contextlib.nullcontext():
         yield
+
+
+def warn_if_busy(args: argparse.Namespace, what: str = "wall-clock times") -> None:
+    """At the start of a timed run, once its options are checked (an argument error stays one
+    line): one warning line on stderr when the machine's load average exceeds its cores
+    (:func:`pullback_ext.machine.busy_note`)."""
+    import sys
+
+    from pullback_ext.machine import busy_note
+
+    note = busy_note(what)
+    if note is not None:
+        print(f"pullback {getattr(args, 'command', None) or 'bench'}: warning: {note}", file=sys.stderr, flush=True)
 
 
 def model_spec(args: argparse.Namespace, required: bool = True):
@@ -154,8 +168,7 @@ def probe_decoder(args: argparse.Namespace, model: Optional[str], default: Optio
     if old is not None:
         if args.task is not None:
             raise PullbackError(f"--decoder: conflicts with --task {args.task!r}; write --task only")
-        new = {v: k for k, v in _DEMO_DECODERS.items()}.get(old, old) if demo else old
-        warnings.warn(f"--decoder is deprecated and will be removed in the next release; write --task {new}",
+        warnings.warn(f"--decoder is deprecated and will be removed in the next release; write --task {task_name(old, model)}",
                       FutureWarning, stacklevel=2)
         return old
     task = args.task if args.task is not None else default
@@ -165,6 +178,12 @@ def probe_decoder(args: argparse.Namespace, model: Optional[str], default: Optio
         raise PullbackError(f"--task logits: the classifier output is probed on the demo model only; "
                             f"for {model or 'this model'} write --task cls (the CLS embedding)")
     return _DEMO_DECODERS.get(task, task) if demo else task
+
+
+def task_name(decoder: str, model: Optional[str]) -> str:
+    """The ``--task`` spelling of the probe decoder ``decoder`` on ``model`` (the inverse of
+    :func:`probe_decoder`): on the demo model ``embedding`` is ``cls`` and ``cls`` is ``logits``."""
+    return {v: k for k, v in _DEMO_DECODERS.items()}.get(decoder, decoder) if model == "demo" else decoder
 
 
 def add_renamed(parser, old: str, new: str, **kwargs) -> None:

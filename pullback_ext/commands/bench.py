@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pullback_ext.bench import ops, report
+    from pullback_ext.commands.arguments import warn_if_busy
     from pullback_ext.errors import PullbackError
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         from pullback_ext.results_pages import refuse_dirty
 
         refuse_dirty(args.allow_dirty)
+    if args.device == "cpu":
+        warn_if_busy(args)
     result = ops.run(args.device, args.quick, args.repeats, not args.no_compile, kernel_breakdown=args.kernels)
     print(report.format_table(result))
     if args.out:

@@ -20,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from pullback_ext.commands.arguments import warn_if_busy
     from pullback_ext.demo.pipeline import run_demo
     from pullback_ext.errors import PullbackError
 
@@ -27,4 +28,5 @@ def run(args: argparse.Namespace) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         raise PullbackError(f"--out: expected a folder, got the existing file {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
+    warn_if_busy(args, "its stage times and measured speed-ups")
     return run_demo(out_dir, bool(args.quick), args.weights)

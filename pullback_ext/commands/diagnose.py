@@ -43,12 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cv-threshold", type=float, default=1.0, help="regimes: CV at or above is localised")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--save-vectors", action="store_true", help="include V[r,N,D] in the JSON")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="hf:DIR without weights: measure its random initialisation (recorded in the JSON, printed in the summary)")
     parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace the diagnosis an earlier run wrote in --out")
 
 
 def summary_table(result, description: dict) -> str:
     """Table-1-style rows: one line per setting with mean ± std over images."""
-    from pullback_ext.diagnostics import REGIMES
+    from pullback_ext.commands.arguments import task_name
+    from pullback_ext.diagnostics import REGIMES, r90_note
 
     agg = result.aggregate
     first = result.images[0]
@@ -58,13 +62,16 @@ def summary_table(result, description: dict) -> str:
             return "n/a"
         return f"{agg[name]['mean']:{fmt}} ± {agg[name]['std']:{fmt}}"
 
-    header = f"{'model':<28} {'layer':>5} {'decoder':<12} {'M':>7} {'P':>8} {'r':>3} {'κ_cap(r)':>17} {'CV':>17} {'r_eff^trunc':>17} {'r_eff^SLQ':>19} {'r90':>13}  regime"
+    header = f"{'model':<28} {'layer':>5} {'task':<12} {'M':>7} {'P':>8} {'r':>3} {'κ_cap(r)':>17} {'CV':>17} {'r_eff^trunc':>17} {'r_eff^SLQ':>19} {'r90':>13}  regime"
     row = (
-        f"{description['model'][:28]:<28} {description['layer']:>5} {description['decoder'][:12]:<12} {first.M:>7} {first.P:>8} {first.rank:>3} "
+        f"{description['model'][:28]:<28} {description['layer']:>5} {task_name(description['decoder'], description['model'])[:12]:<12} {first.M:>7} {first.P:>8} {first.rank:>3} "
         f"{cell('kappa_cap'):>17} {cell('cv'):>17} {cell('r_eff_trunc', '.2f'):>17} {cell('r_eff_slq', '.2f'):>19} {cell('r90', '.1f'):>13}  "
         f"({result.regime}) {REGIMES[result.regime][0]}"
     )
-    return "\n".join([header, row, f"recommended: {result.method}  [{len(result)} images, trace: {first.trace_method}]"])
+    weights = ", RANDOM WEIGHTS (no trained weights loaded)" if description.get("random_weights") else ""
+    lines = [header, row, f"recommended: {result.method}  [{len(result)} images, trace: {first.trace_method}{weights}]"]
+    note = r90_note(agg, len(result), first.rank)
+    return "\n".join(lines if note is None else [*lines, note])
 
 
 def diagnose_config(args: argparse.Namespace):
@@ -88,7 +95,8 @@ def probe_and_images(args: argparse.Namespace, dtype):
     source = image_source(args, model)
     layer = args.layer if args.layer is not None else 0
     decoder = probe_decoder(args, str(model), default="cls")
-    setup = build_probe_setup(model, args.weights, layer, decoder, args.output_size, args.img_size, dtype)
+    setup = build_probe_setup(model, args.weights, layer, decoder, args.output_size, args.img_size, dtype,
+                              random_weights=args.random_weights)
     return setup, source, source.heldout(setup.preprocess, args.num_images, partial=True)
 
 
@@ -110,11 +118,13 @@ def run(args: argparse.Namespace) -> int:
         raise PullbackError("--layer: required (the probe layer ℓ) unless --task depth-multi")
     config = diagnose_config(args)
     out = output_folder(args.out)
+    if (out / "diagnosis.json").exists() and not args.overwrite:
+        raise PullbackError(f"--out: {str(out)!r} already holds a diagnosis; pass --overwrite to replace it or choose another folder")
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     setup, source, image_set = probe_and_images(args, dtype)
     names = image_set.names()
     probe = setup.probe
-    if setup.description["weights"] is None and setup.description["model"] != "demo":
+    if setup.description["random_weights"] and not args.random_weights:
         print("pullback diagnose: note: no --weights given, the model keeps its random initialisation", file=sys.stderr)
     config.check_rank(probe.ambient_dim)
 

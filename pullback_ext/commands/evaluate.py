@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pullback_ext.commands import evaluate_plan
-    from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec, output_folder
+    from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec, output_folder, warn_if_busy
     from pullback_ext.comparison.backbones import load_backbone
     from pullback_ext.comparison.evaluation import Plan, check_plan, flop_table, markdown_table, run_cost, run_quality
     from pullback_ext.comparison.report import plot_quality, write_json, write_text
@@ -114,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
                 prop_attn={"auto": "auto", "on": True, "off": False}[args.prop_attn], selection=args.selection,
                 batch_size=args.batch_size, preset=args.preset, recovery=args.recovery)
     check_plan(plan, backbone)
+    if not args.no_timing:
+        warn_if_busy(args)  # every option checked: the run starts
     image_sets = [s.load() for s in images.seed_sets(backbone.preprocess, args.num_images, args.seeds)]
 
     out = Path(args.out)

@@ -127,13 +127,13 @@ def tap_points(taps, ratios: tuple = tuple(round(1.0 - rho, 10) for rho in TAP_R
     """Per ``(name, register)`` of ``taps``: its row at every η of ``ratios`` (``knob`` ρ = 1 − η), then
     its one-point row at ρ = 1 (nothing removed: the register alone, or TAP-J's adapted backbone)."""
     from pullback_ext.comparison.pareto import Point
+    from pullback_ext.prune.methods.tap import TAP, tap_row
     from pullback_ext.prune.reduction_options import ReductionOptions
-    from pullback_ext.prune.row_rules import tap_row
 
     points = []
     for name, register in taps:
         for ratio in (*ratios, 0.0):
-            options = ReductionOptions(strategy="tap", head=register, ratio=float(ratio))
+            options = ReductionOptions(strategy=TAP.name, head=register, ratio=float(ratio))
             points.append(Point(options=options, knob={"rho": round(1.0 - ratio, 10)}, row=tap_row(register, name, ratio == 0.0)))
     return points
 
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     """Quality and cost of every point on ``images [n, 3, H, W]`` (``names``: one per image) for
     ``backbone`` (``model``: the module it wraps, which the scorer checkpoints are checked against)."""
     from pullback_ext.commands import evaluate_plan
-    from pullback_ext.commands.arguments import comma_floats, comma_ints
+    from pullback_ext.commands.arguments import comma_floats, comma_ints, warn_if_busy
     from pullback_ext.prune import row_rules
     from pullback_ext.comparison import pareto
     from pullback_ext.comparison.evaluation import PRIMARY
@@ -176,8 +176,10 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     reductions = [pareto.resolve(p.options, backbone) for p in points]  # every point checked before any forward pass
     labels = [p.row or row_rules.row_label(r) for p, r in zip(points, reductions)]
     metric = PRIMARY[args.task]
-    errors = [e[metric] for e in pareto.image_errors(backbone, images, points, args.task, args.batch_size, not args.quiet)]
     batches = () if args.no_timing else comma_ints(args.time_batches, "--time-batches")
+    if batches:
+        warn_if_busy(args)  # every option checked: the run starts
+    errors = [e[metric] for e in pareto.image_errors(backbone, images, points, args.task, args.batch_size, not args.quiet)]
     cost = pareto.measure_cost(backbone, images, points, args.task, batches, args.time_repeats, not args.quiet)
     etas = [None if backbone.eta is None else backbone.eta(p.options) for p in points]
     result = pareto.summarise(points, labels, errors, cost, etas)

@@ -111,7 +111,7 @@ def importance_figure(images: torch.Tensor, maps: dict):
         norm = Normalize(*colour_range(imp))
         for i in range(n):
             im = axes[i, j].imshow(imp[i].numpy(), cmap="magma", norm=norm)
-        axes[0, j].set_title(f"{decoder} L{layer}", fontsize=8)
+        axes[0, j].set_title(f"{DECODER_LABELS.get(decoder, decoder)}\nblock {layer}", fontsize=8)
         fig.colorbar(im, ax=axes[:, j].tolist(), location="bottom", shrink=0.9, label="imp*(t)", ticks=MaxNLocator(3), format="%.2g")
     axes[0, 0].set_title("image", fontsize=8)
     for ax in axes.flat:

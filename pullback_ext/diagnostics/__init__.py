@@ -10,11 +10,11 @@ feature map and an aggregate (mean ± std over images) with the regime of the me
 - ``batch``: ``diagnose`` over a batch; ``results``: the result types and ``aggregate``.
 """
 
-from pullback_ext.diagnostics.batch import diagnose
+from pullback_ext.diagnostics.batch import RankCappedWarning, diagnose
 from pullback_ext.diagnostics.config import DiagnoseConfig, Thresholds
 from pullback_ext.diagnostics.image import diagnose_one
 from pullback_ext.diagnostics.regimes import REGIMES, classify
-from pullback_ext.diagnostics.results import AGGREGATED, Diagnosis, ImageDiagnosis, aggregate, recorded_settings
+from pullback_ext.diagnostics.results import AGGREGATED, Diagnosis, ImageDiagnosis, aggregate, r90_note, recorded_settings
 
 __all__ = [
     "AGGREGATED",
@@ -22,10 +22,12 @@ __all__ = [
     "Diagnosis",
     "ImageDiagnosis",
     "REGIMES",
+    "RankCappedWarning",
     "Thresholds",
     "aggregate",
     "classify",
     "diagnose",
     "diagnose_one",
+    "r90_note",
     "recorded_settings",
 ]

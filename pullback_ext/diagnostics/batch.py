@@ -41,14 +41,17 @@ def _features(probe: Callable[[Tensor], Tensor], F: Union[Tensor, Features]) -> 
     return features
 
 
+class RankCappedWarning(UserWarning):
+    """The requested rank r exceeds the output dimension M and the diagnosis uses r = M (its
+    settings record ``rank`` and ``rank_requested``)."""
+
+
 def _warn_if_capped(config: DiagnoseConfig, images: Sequence[ImageDiagnosis]) -> None:
     M = images[0].M
     if config.rank > M:
-        warnings.warn(
-            f"rank: r = {config.rank} exceeds the output dimension M = {M}; the diagnosis uses r = {M} "
-            "(its settings record rank and rank_requested)",
-            stacklevel=3,
-        )
+        message = (f"rank: r = {config.rank} exceeds the output dimension M = {M}; the diagnosis uses r = {M} "
+                   "(its settings record rank and rank_requested)")
+        warnings.warn(message, RankCappedWarning, stacklevel=3)
 
 
 def diagnose(

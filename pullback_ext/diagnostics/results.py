@@ -137,3 +137,15 @@ def recorded_settings(config: DiagnoseConfig, images: Sequence[ImageDiagnosis]) 
     if not images:
         raise PullbackError("images: expected at least one image diagnosis, got none")
     return {**asdict(config), "rank": images[0].rank, "rank_requested": config.rank}
+
+
+def r90_note(aggregate_: dict[str, dict[str, float]], num_images: int, rank: int) -> Optional[str]:
+    """What a printed r90 cell leaves out, or None: r90 (the fewest directions with κ_cap >= 0.9) is
+    ``n/a`` when no image reached 0.9 within the ``rank`` computed directions, and a mean over fewer
+    than ``num_images`` images when some did not. ``aggregate_`` as :func:`aggregate` returns it."""
+    reached = int(aggregate_["r90"]["n"]) if "r90" in aggregate_ else 0
+    if reached == num_images:
+        return None
+    if reached == 0:
+        return f"r90 n/a: κ_cap stays below 0.9 within the r = {rank} directions computed (a larger --rank may reach it)"
+    return f"r90: the mean over the {reached} of {num_images} images whose κ_cap reaches 0.9 within r = {rank}"

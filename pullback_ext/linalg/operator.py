@@ -8,11 +8,27 @@ memory stays bounded by the chunk, not by k.
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
 from pullback_ext.errors import PullbackError
+
+
+@functools.cache
+def load_forward_ad() -> None:
+    """Load torch's forward-mode AD decompositions ahead of the first JVP.
+
+    torch imports them lazily at the first ``make_dual`` and scripts them with ``torch.jit.script``,
+    which recent torch releases flag with a FutureWarning the caller can do nothing about. Importing
+    the module here with that one warning ignored (inside ``catch_warnings``, so no filter outlives
+    the import) keeps it from reaching the user; any other warning still shows.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
+        from torch._decomp import decompositions_for_jvp  # noqa: F401
 
 
 @contextlib.contextmanager
@@ -169,6 +185,7 @@ class JacobianOperator(LinearOperatorBase):
         return torch.func.jvp(self._single, (self.F,), (t,))[1]
 
     def _jvp(self, V: Tensor) -> Tensor:
+        load_forward_ad()
         T = V.T.reshape(V.shape[1], *self.token_shape)
         with torch.no_grad(), math_attention():
             out = torch.func.vmap(self._tangent_jvp, chunk_size=self.chunk_size)(T)

@@ -12,7 +12,8 @@ from pullback_ext.errors import PullbackError
 class ImportanceHead(nn.Module):
     """``head(F[B,N,D]) -> scores[B,N]``, the predicted log imp(t).
 
-    Token encoder + per-token scalar; ≈0.33M parameters at D = 768 with the defaults.
+    Token encoder + per-token scalar; 331,521 parameters at D = 768 with the defaults (docs/metric.md
+    compares them with the paper's ≈ 0.31 M).
     ``mlp_hidden > 0`` adds a per-token MLP of that width to each encoder block (≈ +2·2·H·mlp_hidden
     parameters). ``importance(F)`` returns exp(scores), comparable to imp* itself.
     """

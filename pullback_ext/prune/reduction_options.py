@@ -72,7 +72,7 @@ class ReductionOptions:
       Values given explicitly always win over the preset.
 
     Every other field belongs to one method (:mod:`pullback_ext.prune.methods`): it is given as a
-    keyword like the fields above (``ReductionOptions(strategy="tome", r=8)``), held in
+    keyword like the fields above (ToMe's ``r=8``), held in
     ``method_options`` (the method's own frozen options dataclass, None when it has none) and read
     as an attribute (``options.r``); a field of another method is refused with the names of the
     methods that take it. The methods and their fields: ToMe ``r``, ``schedule``,

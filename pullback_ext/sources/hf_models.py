@@ -32,12 +32,13 @@ def model_class_name(config) -> str:
     return listed[0] if listed else offered[0]
 
 
-def load_hf_model(folder: str, weights: Optional[str]) -> tuple[torch.nn.Module, Optional[str]]:
+def load_hf_model(folder: str, weights: Optional[str], random_weights: bool = False) -> tuple[torch.nn.Module, Optional[str]]:
     """``(model, weights path)``: the model of a local transformers folder (its ``config.json``,
     of a model type in :data:`HF_MODELS`) in float32, eval mode, without gradients.
 
-    Weights: ``weights``, else the folder's ``model.safetensors`` / ``pytorch_model.bin``, else
-    random. They go through transformers' own loading, which renames the keys of checkpoints
+    Weights: ``weights``, else the folder's ``model.safetensors`` / ``pytorch_model.bin``; a folder
+    without weights (an unfinished download) is refused unless ``random_weights``, which keeps the
+    random initialisation (weights path None). They go through transformers' own loading, which renames the keys of checkpoints
     saved in an older layout (DINOv2's ``attention.attention.query`` is ``attention.q_proj`` in
     current transformers), and must then fit exactly: a missing, unexpected or mis-shaped tensor
     is a CheckpointError.
@@ -56,6 +57,10 @@ def load_hf_model(folder: str, weights: Optional[str]) -> tuple[torch.nn.Module,
         found = [p for p in (path / "model.safetensors", path / "pytorch_model.bin") if p.is_file()]
         weights = str(found[0]) if found else None
     if weights is None:
+        if not random_weights:
+            raise PullbackError(f"--model: hf:{folder} has a config.json but no weights (model.safetensors or pytorch_model.bin; "
+                                "an unfinished download?); pass --weights FILE, or --random-weights where a command offers it "
+                                "to measure the random initialisation")
         model = cls(config)
     else:
         with _quiet_loading():

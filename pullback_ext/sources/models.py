@@ -69,12 +69,13 @@ def create_timm(name: str, weights: Optional[str], img_size: Optional[int] = Non
 
 
 def load_model(spec: ModelSpec, weights: Optional[str] = None, img_size: Optional[int] = None,
-               headless: bool = False) -> tuple[torch.nn.Module, Optional[str]]:
+               headless: bool = False, random_weights: bool = False) -> tuple[torch.nn.Module, Optional[str]]:
     """``(model, weights file used)`` for ``spec`` in float32 and eval mode, without gradients.
 
     ``weights``: a local file (hf:DIR: default the folder's own weights; demo: default the
     shipped ones; timm: default random). ``img_size`` builds a timm model for that input size;
-    ``headless`` drops a timm model's classifier.
+    ``headless`` drops a timm model's classifier. An hf:DIR folder without weights is refused
+    unless ``random_weights`` (see :func:`~pullback_ext.sources.hf_models.load_hf_model`).
     """
     if img_size is not None and spec.kind != "timm":
         raise PullbackError(f"--img-size: only applies to timm models, got --model {spec}")
@@ -85,5 +86,5 @@ def load_model(spec: ModelSpec, weights: Optional[str] = None, img_size: Optiona
     if spec.kind == "hf":
         from pullback_ext.sources.hf_models import load_hf_model
 
-        return load_hf_model(spec.name, weights)
+        return load_hf_model(spec.name, weights, random_weights)
     return create_timm(spec.name, weights, img_size, headless), weights

@@ -124,11 +124,15 @@ def build_probe_setup(
     output_size: Optional[int],
     img_size: Optional[int] = None,
     dtype: torch.dtype = torch.float32,
+    random_weights: bool = False,
 ) -> ProbeSetup:
     """The probe of ``spec`` at block ``layer`` with ``decoder`` (``img_size`` builds a timm model
-    for that input size; ``output_size`` resizes dense outputs); the model is converted to ``dtype``."""
+    for that input size; ``output_size`` resizes dense outputs); the model is converted to ``dtype``.
+    ``random_weights`` lets an hf:DIR folder without weights keep its random initialisation. The
+    description records ``random_weights``: whether the model runs at a random initialisation
+    (timm or hf without weights)."""
     _check_decoder(decoder, None if spec.kind == "hf" else spec.kind)  # hf: once the model type is known
-    model, weights = load_model(spec, weights, img_size)
+    model, weights = load_model(spec, weights, img_size, random_weights=random_weights)
     model.to(dtype)
     if spec.kind == "timm":
         probe, preprocess = _timm_probe(model, layer, decoder, dtype)
@@ -137,4 +141,5 @@ def build_probe_setup(
         layer = probe.layer  # depth-multi reads several layers; the probe names its own
     else:
         probe, preprocess = _demo_probe(model, layer, decoder, output_size, dtype)
-    return ProbeSetup(probe, preprocess, {"model": str(spec), "weights": weights, "layer": layer, "decoder": decoder})
+    return ProbeSetup(probe, preprocess, {"model": str(spec), "weights": weights, "layer": layer, "decoder": decoder,
+                                          "random_weights": weights is None and spec.kind != "demo"})

@@ -8,13 +8,14 @@ random streams (seed, global image index), the same aggregate.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
-from pullback_ext.diagnostics import REGIMES, DiagnoseConfig, Diagnosis, diagnose
+from pullback_ext.diagnostics import REGIMES, DiagnoseConfig, Diagnosis, RankCappedWarning, diagnose, r90_note
 from pullback_ext.sources.image_sets import ImageSet
 
 KAPPA_RANKS = (1, 2, 5, 10, 20)
@@ -62,7 +63,9 @@ class DiagnoseStudy:
             for start in range(0, len(indices), self.batch_size):
                 chunk = indices[start:start + self.batch_size]
                 F = probe.features(self.image_set.images(chunk).to(self.dtype))
-                result = diagnose(probe, F, self.config, indices=chunk, keep_vectors=False)
+                with warnings.catch_warnings():  # one rank for every decoder: the table notes where it is capped at M
+                    warnings.simplefilter("ignore", RankCappedWarning)
+                    result = diagnose(probe, F, self.config, indices=chunk, keep_vectors=False)
                 for offset, image in enumerate(result.images):
                     records[start + offset][decoder] = image
         return records
@@ -100,13 +103,21 @@ def summary(units: dict, decoders: Sequence[str]) -> dict:
 
 def table(result: dict) -> str:
     """One row per layer and decoder: M, κ_cap(r), CV, r_eff^trunc, r_eff^SLQ, r90, regime
-    (the digits ``pullback diagnose`` prints)."""
+    (the digits ``pullback diagnose`` prints), then a list of notes: where r was capped at M, and
+    what an r90 cell leaves out (:func:`~pullback_ext.diagnostics.r90_note`)."""
     from pullback_ext.results_pages import markdown_table
 
-    rows = []
+    rows, notes = [], {}
     for layer in result["layers"]:
         for decoder, d in result["units"][str(layer)].items():
             agg = d["aggregate"]
+            settings = d["settings"]
+            if settings["rank"] < settings["rank_requested"]:
+                notes.setdefault(f"{decoder} r", f"{decoder}: r = {settings['rank_requested']} exceeds M = "
+                                 f"{d['images'][0]['M']}, so r = {settings['rank']} (every direction) is used")
+            note = r90_note(agg, len(d["images"]), settings["rank"])
+            if note is not None:
+                notes[f"layer {layer}, {decoder}"] = f"layer {layer}, {decoder}: {note}"
 
             def cell(name, fmt=".3f"):
                 return f"{agg[name]['mean']:{fmt}} ± {agg[name]['std']:{fmt}}" if name in agg else "n/a"
@@ -114,4 +125,5 @@ def table(result: dict) -> str:
             rows.append((layer, decoder, d["images"][0]["M"], d["settings"]["rank"], cell("kappa_cap"), cell("cv"),
                          cell("r_eff_trunc", ".2f"), cell("r_eff_slq", ".2f"), cell("r90", ".1f"),
                          f"({d['regime']}) {REGIMES[d['regime']][0]}"))
-    return markdown_table(["layer", "decoder", "M", "r", "κ_cap(r)", "CV", "r_eff^trunc", "r_eff^SLQ", "r90", "regime"], rows)
+    text = markdown_table(["layer", "decoder", "M", "r", "κ_cap(r)", "CV", "r_eff^trunc", "r_eff^SLQ", "r90", "regime"], rows)
+    return text + "".join(f"\n\n- {line}" if i == 0 else f"\n- {line}" for i, line in enumerate(notes.values()))

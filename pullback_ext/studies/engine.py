@@ -14,7 +14,6 @@ same ones.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -84,7 +83,7 @@ def run_sweep(store: UnitStore, layers: Sequence[int], work: Sequence, measure: 
     records)`` (rank 0) turns all records, in ``work`` order, into the layer's unit (JSON-able).
     Returns ``{layer: unit}`` for every layer on rank 0, None on the other ranks.
     """
-    from tqdm.auto import tqdm
+    from pullback_ext.progress import progress_bar
 
     info = distributed.init_from_env()
     try:
@@ -93,8 +92,8 @@ def run_sweep(store: UnitStore, layers: Sequence[int], work: Sequence, measure: 
         todo = [layer for layer in layers if layer not in skip]
         mine = distributed.shard(list(work), info.rank, info.world_size)
         label = f"{desc}[rank {info.rank}/{info.world_size}]" if info.world_size > 1 else desc
-        with tqdm(total=len(layers), initial=len(layers) - len(todo), desc=label, unit="layer",
-                  disable=not (progress and info.is_main), file=sys.stderr) as bar:
+        with progress_bar(total=len(layers), initial=len(layers) - len(todo), desc=label, unit="layer",
+                          enabled=progress and info.is_main) as bar:
             for layer in todo:
                 records = measure(layer, mine)
                 if len(records) != len(mine):

@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from pullback_ext.comparison.backbones import Backbone
+from pullback_ext.prune.methods.tap import TAP
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 from pullback_ext.tap.register import TaskRegister
 from pullback_ext.tap_training.training import distortion, targets
@@ -17,7 +18,7 @@ from pullback_ext.tap_training.training import distortion, targets
 def pruned_outputs(backbone: Backbone, register: TaskRegister, images: torch.Tensor, rho: float) -> torch.Tensor:
     """The backbone's embedding (cls register) or depth (depth register) with TAP deployed at keep rate ``rho``."""
     shape = BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls)
-    reduction = ReductionOptions(strategy="tap", head=register, ratio=1.0 - rho).resolve(shape)
+    reduction = ReductionOptions(strategy=TAP.name, head=register, ratio=1.0 - rho).resolve(shape)
     return backbone.reduced(reduction, images)["embedding" if register.task == "cls" else "depth"]
 
 

@@ -79,7 +79,7 @@ class BackboneRunner:
         self.shape = BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls)
 
     def __call__(self, register: TaskRegister, images: torch.Tensor, rho: float) -> torch.Tensor:
-        reduction = ReductionOptions(strategy="tap", head=register, ratio=1.0 - rho).resolve(self.shape)
+        reduction = ReductionOptions(strategy=TAP.name, head=register, ratio=1.0 - rho).resolve(self.shape)
         reduction = dataclasses.replace(reduction, method=RELAXED_TAP)
         return self.backbone.reduced(reduction, images)[self.key]
 
@@ -161,7 +161,7 @@ def layer_layout(model, backbone: Backbone) -> tuple:
     if backbone.name == "demo":
         return model.backbone.blocks, "timm"
     if timm_vit.is_timm_vit(model):
-        timm_vit.check_strategy(model, "tap")  # an Eva (RoPE) is refused
+        timm_vit.check_strategy(model, TAP.name)  # an Eva (RoPE) is refused
         return model.blocks, "timm"
     from pullback_ext.prune.hf_encoders import find_encoder
     from pullback_ext.prune.hf_families import FAMILIES

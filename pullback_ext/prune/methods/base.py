@@ -200,10 +200,10 @@ class BlockLoopMethod(Method):
         from pullback_ext.prune.option_checks import SINGLE_STAGE_FIELDS
 
         for name in SINGLE_STAGE_FIELDS:
-            if name in changed:
+            if name in changed and name not in self.takes:
                 extra = " and prop_attn" if self.prop_attn_applies else ""
                 raise PullbackError(f"strategy {self.name!r} does not take {name} (an option of the single-stage strategies); "
-                                    f"it takes {', '.join(self.option_names())}{extra}")
+                                    f"it takes {', '.join(self.option_names() + tuple(t for t in self.takes if t != 'prop_attn'))}{extra}")
         if fields["mode"] == "prune":
             raise PullbackError(f"strategy {self.name!r} has no prune mode (full-length features always give reduced tokens "
                                 f"back at their source positions); leave mode at 'auto'")

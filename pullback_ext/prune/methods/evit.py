@@ -133,7 +133,7 @@ class EViT(BlockLoopMethod):
     needs = Needs(class_token="EViT ranks the tokens by the class token's attention",
                   split_blocks="EViT reorganises the tokens between attention and MLP")
     required = ("keep_rate", "fraction of patch tokens kept")
-    rules = ("top CLS attention at three blocks (authors' rule, without the fine-tuning its authors do)",
+    rules = ("top CLS attention at three blocks (authors' selection rule; run frozen here, its authors fine-tune with it)",
              "inattentive tokens fused into one, attention-weighted")
     sweep = {"keep_rate": (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)}
 

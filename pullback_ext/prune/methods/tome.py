@@ -67,7 +67,7 @@ def block_merges(options, depth: int) -> list[int]:
     return [inside[i - start] if start <= i < stop else 0 for i in range(depth)]
 
 
-def _set_positions(num_prefix: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def set_positions(num_prefix: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of the A tokens (even) and B tokens (odd) among ``num_prefix .. k-1``."""
     first_even = num_prefix + num_prefix % 2
     first_odd = num_prefix + 1 - num_prefix % 2
@@ -81,7 +81,7 @@ def merge_count(r: int, num_prefix: int, num_patch: int) -> int:
     return min(r, size_a) if num_patch - size_a > 0 else 0
 
 
-def _positions_after_merge(order: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+def positions_after_merge(order: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """``[B, K]``: where each current token is after the merge. ``order [B, K]``: the current index
     at each position of the reordered sequence; ``src``, ``dst [B, R]``: positions in it."""
     kept = torch.ones_like(order).scatter(1, src, 0)
@@ -90,7 +90,7 @@ def _positions_after_merge(order: torch.Tensor, src: torch.Tensor, dst: torch.Te
     return torch.empty_like(rank).scatter(1, order, rank)
 
 
-def _places_after_merge(order: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def places_after_merge(order: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``[B, K - R]``: the current index at each position of the merged sequence (the reordered
     ``order [B, K]`` without its merged-away positions ``src [B, R]``; a destination keeps its place)."""
     merged_away = torch.zeros_like(order, dtype=torch.int8).scatter(1, src, 1)
@@ -121,7 +121,7 @@ def merge_matched(state: MergedTokens, metric: torch.Tensor, order: torch.Tensor
     # index sets built from arange/argsort: valid by construction
     grouped = ops.gather_tokens(state.x, order, check_values=False)
     x, merged_sizes = ops.merge_tokens(grouped, torch.gather(sizes, 1, order), src, dst, check_values=False)
-    return state.regroup(x, _positions_after_merge(order, src, dst), _places_after_merge(order, src),
+    return state.regroup(x, positions_after_merge(order, src, dst), places_after_merge(order, src),
                          sizes=merged_sizes)
 
 
@@ -132,7 +132,7 @@ def bipartite_merge(state: MergedTokens, keys: torch.Tensor, r: int) -> MergedTo
     count = merge_count(r, p, k - p)
     if count == 0:
         return state
-    a_pos, b_pos = _set_positions(p, k, state.x.device)
+    a_pos, b_pos = set_positions(p, k, state.x.device)
     order = torch.cat([torch.arange(p, device=state.x.device), a_pos, b_pos]).expand(b, k)
     return merge_matched(state, key_metric(keys), order, p, a_pos.numel(), count)
 
