@@ -30,8 +30,7 @@ results: setup
 # Regenerate the matched-cost photo pages docs/results/pareto-{cls,depth}-photos with the current
 # defaults of `pullback evaluate --pareto` (7 interleaved timing rounds, FLOPs of the task's own
 # forward) and every method, importance_tome included; a page needs a clean checkout. The importance
-# heads they use are trained first, each
-# step skipped when its output exists. Hours on a 2-core machine.
+# heads they use are trained first, each step skipped when its output exists. Hours on a 2-core machine.
 PARETO_PHOTOS = $(VENV)/bin/pullback evaluate --model demo --images builtin:photos --pareto --layers 2 --num-images 63 --seeds 1 --threads 1
 PARETO_CLS_METHODS ?= importance,importance_tome,tome,pitome,evit,asap,random
 PARETO_DEPTH_METHODS ?= importance,importance_tome,tome,pitome,evit,expedite,asap,random
