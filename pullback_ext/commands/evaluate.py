@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.commands import evaluate_plan
     from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec, output_folder, warn_if_busy
     from pullback_ext.comparison.backbones import load_backbone
-    from pullback_ext.comparison.evaluation import Plan, check_plan, flop_table, markdown_table, run_cost, run_quality
+    from pullback_ext.comparison.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
     from pullback_ext.comparison.report import plot_quality, write_json, write_text
     from pullback_ext.errors import PullbackError
 
@@ -135,10 +135,19 @@ def run(args: argparse.Namespace) -> int:
     if args.results_page:
         from pullback_ext.results_pages import publish_command_results
 
-        render = lambda r: "\n".join([markdown_table(r, key) for key in r["tables"]] + [flop_table(c) for c in (r.get("cost"),) if c])  # noqa: E731
-        info_line("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", render,
+        info_line("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", _page_body,
                                                   args.command_line, args.allow_dirty))
     return 0
+
+
+def _page_body(result: dict) -> str:
+    """The plain evaluation's results page: every quality table, then the FLOP table when costs were measured."""
+    from pullback_ext.comparison.evaluation import flop_table, markdown_table
+
+    parts = [markdown_table(result, key) for key in result["tables"]]
+    if "cost" in result:
+        parts.append(flop_table(result["cost"]))
+    return "\n".join(parts)
 
 
 def _check_timing(args: argparse.Namespace) -> None:

@@ -83,7 +83,7 @@ def image_errors(backbone, images: torch.Tensor, points: Sequence[Point], task: 
 
 def measure_cost(backbone, images: torch.Tensor, points: Sequence[Point], task: str, batches: Sequence[int] = (1, 64),
                  repeats: int = TIME_REPEATS, progress: bool = True) -> dict:
-    """``{"unpruned": entry, "points": [entry per point]}`` of ``task``'s forward
+    """``{"unpruned": entry, "points": [entry per point]}`` of ``task``'s forward on ``images [n, 3, H, W]``
     (:meth:`~pullback_ext.comparison.backbones.Backbone.forwards`), each entry with ``gflops_per_image``
     (batch 1) and ``batch{b}`` timings; the point entries add ``flop_ratio`` and, per batch,
     ``speedup_batch{b}`` (the median over ``repeats`` interleaved rounds, every point and the unpruned
