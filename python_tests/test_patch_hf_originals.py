@@ -14,6 +14,7 @@ import torch
 import pullback_ext.patch as patch
 from helpers.originals_reference import (asap_reference, background_reference, evit_reference, expedite_reference,
                                          pitome_reference, tome_reference, walk_reference)
+from helpers.importance_tome_reference import reference as importance_tome_reference
 from helpers.prune import images, tiny_dinov2, tiny_dpt, tiny_hf
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import hf_split
@@ -149,6 +150,24 @@ def test_each_original_matches_its_reference_on_timm_blocks_with_the_same_weight
     for got, want in zip(hidden[1:], per_layer):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(hidden[-1], final, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(hidden[-1], plain[-1], atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["vit", "siglip"])
+def test_importance_tome_matches_its_reference_on_timm_blocks_with_the_same_weights(family):
+    """The library's every-block merge through a Hugging Face family's split halves: every layer
+    output is the float64 loop reference's on timm blocks with the same weights."""
+    model, x = tiny(family), images(1).double()
+    plain = hidden_states(model, x)
+    head = lambda F: F.norm(dim=-1)  # noqa: E731  (positive, deterministic)
+    PATCHES[family](model, strategy="importance_tome", head=head, r=2, schedule="decreasing")
+    o = patch.config(model)
+    final, taken, _ = importance_tome_reference(timm_stand_in(model, family), head, plain[0][0], o.r, o.schedule, o.score_layer,
+                                                o.guard, o.partner, o.block_range, take=range(4))
+    hidden = hidden_states(model, x)
+    for i in range(4):
+        torch.testing.assert_close(hidden[i + 1][0], taken[i], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(hidden[-1][0], final, rtol=1e-9, atol=1e-9)
     assert not torch.allclose(hidden[-1], plain[-1], atol=1e-4)
 
 

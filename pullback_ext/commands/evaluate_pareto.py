@@ -75,11 +75,11 @@ def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ra
         raise PullbackError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(registry.names())}")
     for method in methods:
         m = registry.get(method)
-        if m.head_from is not None and m.head_from not in scorers:
+        if m.head_from is not None and m.head_from not in scorers and not m.head_optional:
             raise PullbackError(f"--methods: {method!r} needs {'--oracle' if m.head_from == 'oracle' else '--head CKPT'}")
         grid = method_grid(method, base["mode"], ratios, given)
         fixed = m.sweep_base(base)
-        if m.head_from is not None:
+        if m.head_from in scorers:
             fixed["head"] = scorers[m.head_from]
             if spn is not None and base["mode"] == "merge" and "spn" in m.takes:
                 fixed["spn"] = spn

@@ -124,6 +124,7 @@ class Method:
     staged: bool = False  # reduces at the single-stage ``layers`` by ``ratio`` (swept like them)
     sweep: dict = {}  # default --pareto sweep: {field: values}
     head_from: Optional[str] = None  # the scorer its head= is ("importance": a trained head, "oracle": imp*)
+    head_optional: bool = False  # runs without a head too
 
     def sweep_grid(self, mode: str, ratios: tuple) -> dict:
         """``{field: values}`` swept by default in a matched-cost comparison (``mode``: the task's,

@@ -1,35 +1,38 @@
 """Importance-guarded ToMe (``importance_tome``): ToMe's per-block bipartite merging in which a
-learned per-token importance decides which tokens may be merged away.
-
-In every block of ``block_range`` (default: all blocks), between attention and MLP, ``r`` tokens
-merge (ToMe's ``r`` and ``schedule``, see :func:`~pullback_ext.prune.methods.tome.block_merges`; the same
-count per block as ToMe, :func:`patch_tokens_per_block`), size-weighted, with proportional
-attention from the first merge on (``prop_attn``):
+learned per-token importance decides which tokens may be merged away, in every block that merges.
 
 1. the importance head scores the tokens once, on the output of block ``score_layer`` (the layer
-   it was trained on): ``imp = head.importance(F)`` (or ``head(F)``) ``[B, K]``; a token that
-   already stands for ``s`` original tokens gets the energy ``e = s · imp²``, so that every
-   original token counts ``imp²``. Merged energies add: the energy of a merged token is the sum of
-   its sources' energies. Blocks up to ``score_layer`` merge by ToMe's own rule (no score yet);
-2. in the later blocks the current patch tokens alternate between sets A (even positions) and B
-   (odd positions) as in ToMe; prefix tokens (CLS, registers) are never merged away nor into;
-3. ``partner="cosine"``: each A token finds the B token with the largest cosine of the head-mean
-   keys (ToMe's match) and costs ``e_a^(guard/2) · (1 − cos)``. ``partner="bound"``: each A token
-   finds the B token of the smallest first-order error of merging the pair,
-   ``((e_a s_b² + e_b s_a²) / (s_a + s_b)²)^(guard/2) · ‖k̂_a − k̂_b‖`` (``k̂``: the unit head-mean
-   keys, ``s``: sizes; the size-weighted average moves A by ``s_b/(s_a+s_b)`` and B by
-   ``s_a/(s_a+s_b)`` of their difference, each weighted by its energy; ``guard = 1``: the bound);
-4. the ``r`` A tokens of the lowest cost merge into their partner (several may share one); the
+   it was trained on): ``imp = head.importance(F)`` (or ``head(F)``) ``[B, K]``, and each token
+   gets the energy ``e = imp²``. Merged energies add: the energy of a merged token is the sum of
+   its sources' energies (carried through every later merge; the head runs once);
+2. the blocks of ``block_range`` merge, by default every block after ``score_layer``, so that no
+   merge goes unguarded (a range that starts earlier merges there by ToMe's own rule, before the
+   score: it reaches further, at a cost, see the findings; a token that then already stands for
+   ``s`` originals is scored ``e = s · imp²``); in each, between attention and MLP, ``r``
+   tokens merge (ToMe's ``r`` and ``schedule`` over the range, see
+   :func:`~pullback_ext.prune.methods.tome.block_merges`, clipped as ToMe clips them), size-weighted, with
+   proportional attention from the first merge on (``prop_attn``);
+3. the current patch tokens alternate between sets A (even positions) and B (odd positions) as in
+   ToMe; prefix tokens (CLS, registers) are never merged away nor into;
+4. ``partner="bound"`` (default): each A token finds the B token of the smallest first-order error
+   of merging the pair, ``((e_a s_b² + e_b s_a²) / (s_a + s_b)²)^(guard/2) · ‖k̂_a − k̂_b‖``
+   (``k̂``: the block's keys averaged over heads, unit length, ToMe's metric; ``s``: sizes; the
+   size-weighted average moves A by ``s_b/(s_a+s_b)`` and B by ``s_a/(s_a+s_b)`` of their
+   difference, each weighted by its energy; ``guard = 1``: the bound itself).
+   ``partner="cosine"``: each A token finds ToMe's match (the largest cosine of ``k̂``) and costs
+   ``e_a^(guard/2) · (1 − cos)``;
+5. the ``r`` A tokens of the lowest cost merge into their partner (several may share one); the
    tokens continue as ``[prefix, unmerged A (in order), B]`` as in ToMe.
 
-``guard = 0`` is ToMe itself (the ranking by ``1 − cos``; ties aside).
-Every shape follows from ``r`` and the schedule, never from values: the whole forward compiles
-(``fullgraph=True``). Full-length features (the final output and every ``take``) give every
-original token the features of the token that holds it (merge-and-restore,
+``guard = 0`` merges as ToMe does (the ranking by ``1 − cos``; ties aside). Every shape follows
+from ``r`` and the schedule, never from values: the whole forward compiles (``fullgraph=True``).
+Full-length features (the final output and every ``take``) give every original token the features
+of the token that holds it (merge-and-restore,
 :meth:`~pullback_ext.prune.merged_tokens.MergedTokens.full`), which is what a dense decoder reads.
 
-Options: ``head`` and ``prop_attn``, and its own (:class:`ImportanceToMeOptions`; defaults chosen
-on held-out images, docs/importance_tome_findings.md).
+Options: ``head`` (None: every original token counts 1, and the cost is the size-weighted merge
+cost alone, no head run), ``prop_attn``, and its own (:class:`ImportanceToMeOptions`; defaults
+chosen on held-out photo crops, docs/importance_tome_findings.md).
 """
 
 from __future__ import annotations
@@ -52,30 +55,36 @@ PARTNERS = ("cosine", "bound")
 
 @dataclass(frozen=True)
 class ImportanceToMeOptions:
-    """ToMe's ``r`` (required), ``schedule`` and ``block_range``; ``score_layer``: the block whose
-    output the head scores (the layer it was trained on); ``guard``: the exponent of the energy in
-    the merge cost, in [0, 8] (0: ToMe's own ranking); ``partner``: ``cosine`` (ToMe's match) or
-    ``bound`` (the smallest first-order error of the pair)."""
+    """ToMe's ``r`` (required) and ``schedule``; ``block_range``: the blocks that merge (None: every
+    block after ``score_layer``, or every block with ``early_merges``); ``score_layer``: the block
+    whose output the head scores (the layer it was trained on); ``guard``: the exponent of the
+    energies in the merge cost, in [0, 8] (0: ToMe's own ranking); ``partner``: ``bound`` (the
+    smallest first-order error of the pair) or ``cosine`` (ToMe's match); ``early_merges``: with
+    ``block_range=None``, the blocks up to ``score_layer`` merge too, by ToMe's rule (further
+    reach, at a cost)."""
 
     r: Optional[int] = None
     schedule: Literal["constant", "decreasing"] = "constant"
     block_range: Optional[tuple[int, int]] = None
     score_layer: int = 1
     guard: float = 1.0
-    partner: Literal["cosine", "bound"] = "cosine"
+    partner: Literal["bound", "cosine"] = "bound"
+    early_merges: bool = False
 
     def __post_init__(self):
         tome.ToMeOptions.__post_init__(self)
         if not is_real(self.guard) or not 0.0 <= float(self.guard) <= 8.0:
-            raise PullbackError(f"guard must be a number in [0, 8] (the energy's exponent in the merge cost); got {self.guard!r}")
+            raise PullbackError(f"guard must be a number in [0, 8] (the energies' exponent in the merge cost); got {self.guard!r}")
         if self.partner not in PARTNERS:
             raise PullbackError(f"partner must be one of {', '.join(PARTNERS)}; got {self.partner!r}")
+        if not isinstance(self.early_merges, bool):
+            raise PullbackError(f"early_merges must be True or False; got {self.early_merges!r}")
         object.__setattr__(self, "score_layer", count("score_layer", self.score_layer, 0))
         object.__setattr__(self, "guard", float(self.guard))
 
 
 class Guard(NamedTuple):
-    """The guard of a run: ``head``, ``score_layer``, ``guard`` (exponent), ``partner``."""
+    """The guard of a run: ``head`` (None: constant importance), ``score_layer``, ``guard`` (exponent), ``partner``."""
 
     head: object
     score_layer: int
@@ -85,8 +94,11 @@ class Guard(NamedTuple):
 
 def token_energy(head, x: torch.Tensor, sizes: Optional[torch.Tensor]) -> torch.Tensor:
     """Energy ``[B, K]`` of the tokens ``x [B, K, D]``: ``size · imp²`` with ``imp`` the head's
-    importance (``head.importance(x)`` if it has that method, else ``head(x)``) and ``sizes [B, K]``
-    (None: every token is one original token)."""
+    importance (``head.importance(x)`` if it has that method, else ``head(x)``; 1 without a head) and ``sizes
+    [B, K]`` (None: nothing merged yet), so that each original token of a merged one counts ``imp²``."""
+    if head is None:
+        energy = torch.ones(x.shape[:2], dtype=working_precision(x).dtype, device=x.device)
+        return energy if sizes is None else energy * sizes.to(energy.dtype)
     method = getattr(head, "importance", None)
     imp = method(x) if callable(method) else head(x)
     if not isinstance(imp, torch.Tensor) or tuple(imp.shape) != tuple(x.shape[:2]):
@@ -145,28 +157,27 @@ def guarded_merge(state: MergedTokens, energy: torch.Tensor, keys: torch.Tensor,
 
 def run(reduction, x: torch.Tensor, blocks, call_block, split, take=()):
     """Run ``blocks`` on ``x [B, N, D]`` merging tokens under the importance guard (``reduction``:
-    resolved options with ``strategy="importance_tome"``; ``split``: a
+    resolved options with ``strategy="importance_tome"``, ``block_range`` chosen; ``split``: a
     :class:`~pullback_ext.prune.split_block.SplitBlock`). Returns ``(final [B, N, D], {i: features
     after block i [B, N, D] for i in take})``, every original token restored from the token that
     holds it."""
     o = reduction.options
-    depth = reduction.backbone.depth
-    merges = tome.block_merges(o, depth)
     guard = Guard(o.head, o.score_layer, o.guard, o.partner)
-    scored = any(merges[guard.score_layer + 1:])  # without later merges the head is not run
+    merges = tome.block_merges(o, reduction.backbone.depth)
+    scored = any(merges)  # without merges the head is not run
     state, energy, taken = MergedTokens(x=x, num_prefix=reduction.backbone.num_prefix), None, {}
     for i, block in enumerate(blocks):
         bias = state.size_bias() if o.prop_attn else None
-        if not merges[i]:
-            state = state.with_x(call_block(block, state, bias))
-        else:
+        if merges[i]:
             attended = split.attend(block, state, bias)
             state = state.with_x(attended.x)
-            if energy is None:
+            if energy is None:  # a block_range that starts at or before score_layer: ToMe's own rule there
                 state = tome.bipartite_merge(state, attended.k, merges[i])
             else:
                 state, energy = guarded_merge(state, energy, attended.k, merges[i], guard)
             state = state.with_x(split.feed_forward(block, state.x))
+        else:
+            state = state.with_x(call_block(block, state, bias))
         if scored and i == guard.score_layer:
             energy = token_energy(guard.head, state.x, state.sizes)
         if i in take:
@@ -174,44 +185,44 @@ def run(reduction, x: torch.Tensor, blocks, call_block, split, take=()):
     return state.full(), taken
 
 
-def patch_tokens_per_block(options, num_prefix: int, num_patch: int, depth: int) -> list[int]:
-    """Patch tokens after each block when ``importance_tome`` runs with ``options`` on ``num_patch``
-    patch tokens (ToMe's counts: the guard changes which tokens merge, not how many)."""
-    return tome.patch_tokens_per_block(options, num_prefix, num_patch, depth)
-
-
 class ImportanceToMe(tome.MergingMethod):
     """The library's merge for every speed-up: ToMe's loop, the learned importance guarding the tokens."""
 
     name, short = "importance_tome", "importance-guarded ToMe"
     title = "importance-guarded ToMe (r tokens merged in every block; the learned importance decides which may go)"
-    kind, ours, head_from = "ours", True, "importance"
+    kind, ours, head_from, head_optional = "ours", True, "importance", True
     options_type = ImportanceToMeOptions
     takes = ("prop_attn", "head")
     needs = Needs(split_blocks="it merges between attention and MLP")
+    sweep = {"r": (2, 4, 8, 12, 16, 20, 24, 32), "schedule": ("constant", "decreasing"), "early_merges": (False, True)}
 
     def checked_head(self, head, layers: tuple):
-        if head is None or isinstance(head, (list, tuple)) or not callable(head):
-            raise PullbackError(f"strategy 'importance_tome' needs head= (an importance head, F [B, K, D] -> [B, K]); got {head!r}")
+        if head is not None and (isinstance(head, (list, tuple)) or not callable(head)):
+            raise PullbackError(f"strategy 'importance_tome' takes head= an importance head (F [B, K, D] -> [B, K]) or None; got {head!r}")
         return head
 
     def resolve(self, options, backbone: BackboneShape) -> dict:
-        if options.score_layer >= backbone.depth:
-            raise PullbackError(f"score_layer must be a block index in [0, {backbone.depth - 1}]; got {options.score_layer}")
-        return super().resolve(options, backbone)
+        if options.score_layer >= backbone.depth - 1:
+            raise PullbackError(f"score_layer must be a block index in [0, {backbone.depth - 2}] (a later block must merge); "
+                                f"got {options.score_layer}")
+        choices = super().resolve(options, backbone)
+        if options.block_range is None:
+            choices["block_range"] = (0 if options.early_merges else options.score_layer + 1, backbone.depth)
+        return choices
 
     def describe(self, reduction) -> dict:
         o = reduction.options
-        rule = "imp^g·(1 − cos) to the ToMe match" if o.partner == "cosine" else "imp-weighted first-order error of the pair"
-        return {"method": self.name,
-                "selection": f"lowest {rule} (g = {o.guard:g}, head on block {o.score_layer}'s output), r per block",
+        cost = "imp^g·(1 − cos) to ToMe's match" if o.partner == "cosine" else "the imp-weighted first-order error of the pair"
+        scored = f"head on block {o.score_layer}'s output" if o.head is not None else "no head: every token counts 1"
+        return {"method": self.name, "selection": f"lowest {cost} (g = {o.guard:g}, {scored}), r per block {o.block_range}",
                 "averaging": "size-weighted, proportional attention; merged tokens restored to their sources"}
 
     def run(self, reduction, x: torch.Tensor, loop: BlockLoop, take=()):
         return run(reduction, x, loop.blocks, loop.call_block, loop.split, take)
 
     def patch_tokens_per_block(self, reduction, num_patch: int) -> list:
-        return patch_tokens_per_block(reduction.options, reduction.backbone.num_prefix, num_patch, reduction.backbone.depth)
+        o, shape = reduction.options, reduction.backbone
+        return tome.patch_tokens_per_block(o, shape.num_prefix, num_patch, shape.depth)
 
 
 ORDER = 7

@@ -1,0 +1,205 @@
+"""``importance_tome`` (:mod:`pullback_ext.prune.methods.importance_tome`): against a hand-written
+float64 loop reference, bit-identical at ``r = 0``, merge-and-restore, whole-graph compilation,
+through the patch API on timm and Hugging Face models.
+
+:func:`run_guarded` runs the resolved reduction on a timm ViT's blocks as the patched
+``forward_features`` does (without the final norm), so that intermediates can be compared.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from helpers.importance_tome_reference import reference
+from helpers.prune import images, tiny_vit
+from pullback_ext.errors import PullbackError
+import pullback_ext.patch as patch
+from pullback_ext.prune import timm_vit
+from pullback_ext.prune.methods import importance_tome, tome
+from pullback_ext.prune.reduction_options import ReductionOptions
+
+
+class Head(torch.nn.Module):
+    """A stand-in importance head: ``softplus(F w) [B, K]`` for ``F [B, K, D]``."""
+
+    def __init__(self, dim: int, dtype: torch.dtype):
+        super().__init__()
+        torch.manual_seed(5)
+        self.w = torch.nn.Parameter(torch.randn(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, F: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.softplus(F @ self.w)
+
+
+def reduction(model, head, r: int, schedule: str = "constant", **extra):
+    """The reduction ``patch.timm(model, strategy="importance_tome", ...)`` runs."""
+    options = ReductionOptions(strategy="importance_tome", head=head, r=r, schedule=schedule, **extra)
+    return options.resolve(timm_vit.backbone_shape(model))
+
+
+def embed(model, x: torch.Tensor) -> torch.Tensor:
+    return model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+
+
+def run_guarded(model, x: torch.Tensor, red, take=()):
+    """``(final [B, N, D], {i: [B, N, D]})`` of ``importance_tome.run`` on a timm ViT's blocks."""
+    return importance_tome.run(red, embed(model, x), model.blocks, timm_vit.call_block, timm_vit.SPLIT, take)
+
+
+CASES = {
+    "cosine": dict(r=3, schedule="constant", score_layer=1, guard=1.0, partner="cosine"),
+    "cosine_guard2_decreasing": dict(r=2, schedule="decreasing", score_layer=0, guard=2.0, partner="cosine"),
+    "bound": dict(r=3, schedule="constant", score_layer=0, guard=1.0, partner="bound"),
+    "bound_decreasing": dict(r=4, schedule="decreasing", score_layer=1, guard=1.0, partner="bound"),
+    "bound_block_range": dict(r=3, schedule="decreasing", score_layer=0, guard=1.0, partner="bound", block_range=(2, 4)),
+    "tome_before_the_score": dict(r=2, schedule="constant", score_layer=1, guard=1.0, partner="bound", block_range=(0, 4)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_the_float64_loop_reference(case):
+    model, kw = tiny_vit(depth=4, dim=32).double(), CASES[case]
+    head, x = Head(32, torch.float64), images(2).double()
+    take = {1, 3}
+    with torch.no_grad():
+        final, taken = run_guarded(model, x, reduction(model, head, **kw), take)
+        tokens = embed(model, x)
+        for b in range(x.shape[0]):
+            ref_final, ref_taken, groups = reference(model, head, tokens[b], take=take, **kw)
+            torch.testing.assert_close(final[b], ref_final, rtol=0, atol=1e-9)
+            for i in take:
+                torch.testing.assert_close(taken[i][b], ref_taken[i], rtol=0, atol=1e-9)
+            red = reduction(model, head, **kw)
+            counts = red.method.patch_tokens_per_block(red, 16)
+            assert len(groups) == 1 + counts[-1] < 17
+
+
+def test_the_reference_sees_the_guard():
+    """The guarded merges differ from ToMe's own on this model (else the reference proves nothing)."""
+    model, head, x = tiny_vit(depth=4, dim=32).double(), Head(32, torch.float64), images(2).double()
+    with torch.no_grad():
+        tokens = embed(model, x)[0]
+        guarded = reference(model, head, tokens, 3, "constant", 0, 1.0, "bound")[2]
+        plain = reference(model, head, tokens, 3, "constant", 0, 0.0, "bound")[2]
+    assert sorted(map(sorted, guarded)) != sorted(map(sorted, plain))
+
+
+def test_r_zero_is_bit_identical_to_the_unpatched_blocks():
+    model, x = tiny_vit(depth=4), images(2)
+    with torch.no_grad():
+        h = embed(model, x)
+        expected = model.blocks(h)
+        final, taken = run_guarded(model, x, reduction(model, Head(32, torch.float32), 0), take={2})
+        assert torch.equal(final, expected)
+        assert torch.equal(taken[2], model.blocks[:3](h))
+
+
+@pytest.mark.parametrize("partner", importance_tome.PARTNERS)
+def test_guard_zero_is_tome(partner):
+    model, x = tiny_vit(depth=4), images(2)
+    red = reduction(model, Head(32, torch.float32), 3, "decreasing", guard=0.0, partner=partner, score_layer=0, block_range=(1, 4))
+    with torch.no_grad():
+        ours = run_guarded(model, x, red)[0]
+        plain = tome.run(red, embed(model, x), model.blocks, timm_vit.call_block, timm_vit.SPLIT)[0]
+    torch.testing.assert_close(ours, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_merge_and_restore_gives_every_position_its_merged_token():
+    model, head, x = tiny_vit(depth=4, dim=32).double(), Head(32, torch.float64), images(2).double()
+    red = reduction(model, head, 3, partner="cosine")
+    with torch.no_grad():
+        final, taken = run_guarded(model, x, red, take={0, 3})
+        tokens = embed(model, x)
+        for b in range(2):
+            groups = reference(model, head, tokens[b], 3, "constant", 1, 1.0, "cosine")[2]
+            assert final.shape == tokens.shape
+            for members in groups:
+                first = min(members)
+                for t in members:
+                    assert torch.equal(final[b, t], final[b, first])
+            distinct = torch.unique(final[b], dim=0).shape[0]
+            assert distinct == len(groups) == 1 + red.method.patch_tokens_per_block(red, 16)[-1]
+
+
+def test_merged_energies_add():
+    """Energy ``[B, K]`` of a merged token = the sum of its sources' (total energy kept)."""
+    head = Head(32, torch.float32)
+    state = tome.MergedTokens(x=torch.randn(2, 17, 32, dtype=torch.float64), num_prefix=1)
+    energy = torch.rand(2, 17, dtype=torch.float64)
+    keys = torch.randn(2, 2, 17, 16, dtype=torch.float64)
+    guard = importance_tome.Guard(head, 1, 1.0, "bound")
+    merged, merged_energy = importance_tome.guarded_merge(state, energy, keys, 4, guard)
+    assert merged.x.shape == (2, 13, 32) and merged_energy.shape == (2, 13)
+    torch.testing.assert_close(merged_energy.sum(1), energy.sum(1), rtol=0, atol=1e-12)
+    torch.testing.assert_close(merged.sizes.sum(1), torch.full((2,), 17.0, dtype=torch.float64), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block_range", [None, (0, 3)])
+def test_fullgraph_compile_equals_eager(block_range):
+    model, head, x = tiny_vit(depth=3), Head(32, torch.float32), images(2)
+    red = reduction(model, head, 3, "decreasing", partner="bound", block_range=block_range)
+
+    def forward(images):
+        return run_guarded(model, images, red, take=(1,))
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = forward(x)
+        with torch._dynamo.config.patch(capture_scalar_outputs=False, capture_dynamic_output_shape_ops=False):
+            compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(compiled[0], expected[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(compiled[1][1], expected[1][1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (dict(head=[None]), "head"),
+    (dict(guard=-1.0), "guard"),
+    (dict(partner="pullback"), "partner"),
+    (dict(score_layer=3), "score_layer"),
+    (dict(early_merges=1), "early_merges"),
+    (dict(block_range=(3, 2)), "block_range"),
+    (dict(block_range=(0, 5)), "block_range"),
+    (dict(r=-1), "r must"),
+    (dict(schedule="linear"), "schedule"),
+])
+def test_invalid_options_name_the_argument(extra, match):
+    model = tiny_vit(depth=4)
+    kw = dict(head=Head(32, torch.float32), r=2, schedule="constant") | extra
+    head, r, schedule = kw.pop("head"), kw.pop("r"), kw.pop("schedule")
+    with pytest.raises(PullbackError, match=match):
+        run_guarded(model, images(1), reduction(model, head, r, schedule, **kw))
+
+
+@pytest.mark.parametrize("partner", importance_tome.PARTNERS)
+def test_eager_forward_reads_no_tensor_value_on_the_host(partner):
+    from helpers.host_sync import NoHostSync
+
+    model, head, x = tiny_vit(depth=3), Head(32, torch.float32), images(2)
+    with torch.no_grad(), NoHostSync():
+        run_guarded(model, x, reduction(model, head, 3, "decreasing", partner=partner), take=(1,))
+
+
+def test_patch_timm_runs_the_method_and_r_zero_is_the_unpatched_model():
+    model, head, x = tiny_vit(depth=4), Head(32, torch.float32), images(2)
+    with torch.no_grad():
+        expected = model.forward_features(x)
+        patch.timm(model, strategy="importance_tome", head=head, r=0)
+        assert torch.equal(model.forward_features(x), expected)
+        patch.timm(model, strategy="importance_tome", head=head, r=3)
+        final = model.forward_features(x)
+        ours = model.norm(run_guarded(model, x, reduction(model, head, 3))[0])
+    assert torch.equal(final, ours) and not torch.equal(final, expected)
+    assert patch.config(model).block_range == (2, 4)  # every merge after the scored block: guarded
+    assert patch.config(patch.timm(model, strategy="importance_tome", head=head, r=3, early_merges=True)).block_range == (0, 4)
+
+
+def test_without_a_head_every_token_counts_one():
+    """``head=None``: the energies are the sizes, as a head that rates every token 1."""
+    model, x = tiny_vit(depth=4).double(), images(2).double()
+    ones = lambda F: torch.ones(F.shape[:2], dtype=F.dtype)  # noqa: E731
+    with torch.no_grad():
+        torch.testing.assert_close(run_guarded(model, x, reduction(model, None, 3))[0],
+                                   run_guarded(model, x, reduction(model, ones, 3))[0], rtol=0, atol=0)
