@@ -149,6 +149,7 @@ def test_the_summary_says_what_was_found_the_gain_and_where_the_files_are(tmp_pa
 
 
 def test_the_demo_ends_with_the_summary(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("pullback_ext.machine.busy_note", lambda *args, **kwargs: None)  # whatever the machine's load
     monkeypatch.setattr(pipeline, "STAGES", (_stage("diagnostic", lambda inputs: StageResult({"table": [
         _row("embedding", 1, 0.9, "v", "low rank, localised", "either")]})),))
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
