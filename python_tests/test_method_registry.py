@@ -112,3 +112,15 @@ def test_the_support_table_names_a_new_method(scratch_method):
     from pullback_ext.prune.methods import support_table
 
     assert "| scratch_tail |" in support_table().splitlines()[0] + "|"
+
+
+def test_each_regime_recommends_a_registered_method_that_takes_what_it_is_given():
+    import re
+
+    from pullback_ext.diagnostics import REDUCTION, REGIMES
+
+    assert set(REDUCTION) == set(REGIMES)
+    for regime, text in REDUCTION.items():
+        method = methods.get(re.search(r"strategy='(\w+)'", text).group(1))
+        if "head=None" in text:
+            assert method.head_optional, regime

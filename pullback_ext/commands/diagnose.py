@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def summary_table(result, description: dict) -> str:
     """Table-1-style rows: one line per setting with mean ± std over images."""
     from pullback_ext.commands.arguments import task_name
-    from pullback_ext.diagnostics import REGIMES, r90_note
+    from pullback_ext.diagnostics import REDUCTION, REGIMES, r90_note
 
     agg = result.aggregate
     first = result.images[0]
@@ -69,7 +69,8 @@ def summary_table(result, description: dict) -> str:
         f"({result.regime}) {REGIMES[result.regime][0]}"
     )
     weights = ", RANDOM WEIGHTS (no trained weights loaded)" if description.get("random_weights") else ""
-    lines = [header, row, f"recommended: {result.method}  [{len(result)} images, trace: {first.trace_method}{weights}]"]
+    lines = [header, row, f"recommended: {result.method}  [{len(result)} images, trace: {first.trace_method}{weights}]",
+             f"token reduction: {REDUCTION[result.regime]}"]
     note = r90_note(agg, len(result), first.rank)
     return "\n".join(lines if note is None else [*lines, note])
 

@@ -13,7 +13,7 @@ feature map and an aggregate (mean ± std over images) with the regime of the me
 from pullback_ext.diagnostics.batch import RankCappedWarning, diagnose
 from pullback_ext.diagnostics.config import DiagnoseConfig, Thresholds
 from pullback_ext.diagnostics.image import diagnose_one
-from pullback_ext.diagnostics.regimes import REGIMES, classify
+from pullback_ext.diagnostics.regimes import REDUCTION, REGIMES, classify
 from pullback_ext.diagnostics.results import AGGREGATED, Diagnosis, ImageDiagnosis, aggregate, r90_note, recorded_settings
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "DiagnoseConfig",
     "Diagnosis",
     "ImageDiagnosis",
+    "REDUCTION",
     "REGIMES",
     "RankCappedWarning",
     "Thresholds",

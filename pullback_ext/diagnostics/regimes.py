@@ -16,6 +16,20 @@ REGIMES = {
 }
 
 
+# The token reduction each regime calls for (pullback_ext.prune.methods.importance_tome), from the
+# matched-cost comparisons of docs/prune.md ("Which method, by regime"): a head's ranking guards the
+# merges where importance is localised and a head ranks it; elsewhere the size-weighted merge cost
+# without a head, which no per-token score can improve on there.
+REDUCTION = {
+    "i": "strategy='importance_tome', head=None: per-token importance is delocalised, no head ranks it",
+    "ii": "strategy='importance_tome', head=None: per-token importance is delocalised, no head ranks it",
+    "iii": "strategy='importance_tome' with an importance head trained at the scored layer",
+    "iv": "strategy='importance_tome' with an importance head trained at the scored layer",
+    "v": ("strategy='importance_tome' with an importance head where one ranks imp* well (held-out Spearman ρ ≳ 0.8), "
+          "else head=None"),
+}
+
+
 def classify(M: int, rank: int, kappa_cap: float, cv: float, thresholds: Thresholds = Thresholds()) -> str:
     """Regime label (docs/formulas.md §2): 'iv' if M ≤ r, else by κ_cap(r) and CV."""
     if M <= rank:

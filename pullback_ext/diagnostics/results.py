@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from pullback_ext.diagnostics.config import DiagnoseConfig, Thresholds
-from pullback_ext.diagnostics.regimes import REGIMES, classify
+from pullback_ext.diagnostics.regimes import REDUCTION, REGIMES, classify
 from pullback_ext.errors import PullbackError
 
 
@@ -107,6 +107,7 @@ class Diagnosis:
             "regime": self.regime,
             "regime_name": REGIMES[self.regime][0],
             "method": self.method,
+            "reduction": REDUCTION[self.regime],
             "images": [d.to_dict(include_vectors) for d in self.images],
         }
 
