@@ -6,8 +6,9 @@ model, our importance merge and prune + masked LLF at several η (one stage, and
 the merge with proportional attention folded into the dot product (``prop_attn="folded"``, which
 keeps SDPA's fast kernels) beside the mask form, the prune with masked LLF as two maskless
 attention calls (the same option) beside the mask form, the original ToMe at several ``r`` with its
-constant schedule, and our merge at the FLOPs of ToMe ``r = 16`` (η found by bisection on the
-FLOP count). The importance heads are
+constant schedule, the importance-guarded merge in every block at ToMe's token counts
+(``importance_tome`` with the same ``r`` and ``early_merges=True``: its FLOPs are ToMe's plus the
+head's), and our merge at the FLOPs of ToMe ``r = 16`` (η found by bisection on the FLOP count). The importance heads are
 untrained (``ImportanceHead``'s default size): a trained head costs exactly as much.
 """
 
@@ -126,6 +127,8 @@ def method_grid(case: ModelCase, etas: tuple[float, ...], tome_rs: tuple[int, ..
                           dict(strategy="importance", ratio=top, layers=three, **mode), heads=3))
     if not case.dense:
         methods += [Method(f"ToMe r={r} constant", dict(strategy="tome", r=r, schedule="constant")) for r in tome_rs]
+        methods += [Method(f"importance_tome r={r} (ToMe r={r}'s token counts)",
+                           dict(strategy="importance_tome", r=r, schedule="constant", early_merges=True), heads=1) for r in tome_rs]
     return methods
 
 
