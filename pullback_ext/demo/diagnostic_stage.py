@@ -18,6 +18,9 @@ from pullback_ext.plots import colour_range, decade_limits, log_floor, log_serie
 
 NAME = "diagnostic"
 PROBE_LAYERS = (1, 3, 6)
+PLAN = {True: "κ_cap, CV and regime of the CLS and depth probes at blocks 1, 3, 6 on 1 scene (no SLQ)",
+        False: "κ_cap, CV, r_eff and regime of the CLS and depth probes at blocks 1, 3, 6 on 3 scenes"}
+EXPECTED_S = {True: 20, False: 60}
 
 
 @dataclass(frozen=True)
