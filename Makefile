@@ -4,7 +4,7 @@ VENV ?= .venv
 OUT ?= out/demo
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-quick bench results
+.PHONY: setup demo test test-quick bench results results-pareto
 setup:
 	bash .ci/bootstrap.sh
 
@@ -26,3 +26,24 @@ results: setup
 	$(VENV)/bin/python benchmarks/bench_prune.py --threads 2 --results-page
 	$(VENV)/bin/python benchmarks/bench_metric.py --quick --threads 2 --results-page
 	$(VENV)/bin/python benchmarks/bench_diagnose.py --quick --threads 2 --results-page
+
+# Regenerate the matched-cost photo pages docs/results/pareto-{cls,depth}-photos with the current
+# defaults of `pullback evaluate --pareto` (7 interleaved timing rounds, FLOPs of the task's own
+# forward) and every method, importance_tome included; a page needs a clean checkout. The importance
+# heads they use are trained first, each step skipped when its output exists. Hours on a 2-core machine.
+PARETO_PHOTOS = $(VENV)/bin/pullback evaluate --model demo --images builtin:photos --pareto --layers 2 --num-images 63 --seeds 1 --threads 1
+PARETO_CLS_METHODS ?= importance,importance_tome,tome,pitome,evit,asap,random
+PARETO_DEPTH_METHODS ?= importance,importance_tome,tome,pitome,evit,expedite,asap,random
+TRAIN_HEAD = $(VENV)/bin/pullback train head --model demo --layer 1 --targets randnla --steps 400 --mlp-hidden 64
+
+runs/head_cls/results.json: | setup
+	$(TRAIN_HEAD) --task cls --num-images 96 --out runs/head_cls
+
+runs/head_depth/results.json: | setup
+	$(TRAIN_HEAD) --task depth --num-images 64 --out runs/head_depth
+
+results-pareto: setup runs/head_cls/results.json runs/head_depth/results.json
+	$(PARETO_PHOTOS) --task cls --head runs/head_cls --methods $(PARETO_CLS_METHODS) --ratios 0.1,0.2,0.3,0.4,0.5,0.6,0.7 \
+		--results-page pareto-cls-photos --out out/pareto_cls_photos
+	$(PARETO_PHOTOS) --task depth --head runs/head_depth --methods $(PARETO_DEPTH_METHODS) --ratios 0.1,0.2,0.3,0.5,0.7 \
+		--results-page pareto-depth-photos --out out/pareto_depth_photos

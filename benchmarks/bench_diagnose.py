@@ -36,7 +36,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a source checkout without installing
 
-from pullback_ext.results_pages import current_command, markdown_table, publish, stamp  # noqa: E402
+from pullback_ext.results_pages import ALLOW_DIRTY_HELP, current_command, markdown_table, publish, refuse_dirty, stamp  # noqa: E402
 
 PROBE_NAMES = {"vit_cls": "ViT-S/14 CLS, layer 10", "dpt_depth": "DPT ViT-S depth, layer 2, 16×16"}
 
@@ -216,6 +216,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--results-page", action="store_true", help="also write docs/results/bench-diagnose.json and .md")
+    parser.add_argument("--allow-dirty", action="store_true", help=ALLOW_DIRTY_HELP)
     # worker mode (one measurement per fresh process)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe", default="vit_cls", help=argparse.SUPPRESS)
@@ -231,6 +232,8 @@ def main() -> None:
         worker(opts)
         return
 
+    if opts.results_page:
+        refuse_dirty(opts.allow_dirty)
     chunks = [int(c) for c in opts.chunks.split(",")]
     report = {"stamp": stamp(current_command()), "settings": {k: getattr(opts, k) for k in ("quick", "img", "probes", "rank", "threads", "device")}, "probes": {}}
     for probe in opts.only.split(","):
@@ -259,7 +262,8 @@ def main() -> None:
                 "the full-size run ([cpu-benchmarks.md](cpu-benchmarks.md#diagnostic)).") if opts.quick else ""
         if opts.only != "vit_cls,dpt_depth":
             note += f" Only the probes named by `--only` ran: {', '.join(PROBE_NAMES.get(p, p) for p in opts.only.split(','))}."
-        print("wrote", *publish(report, "bench-diagnose", "Diagnostic cost (`benchmarks/bench_diagnose.py`)", render, note))
+        print("wrote", *publish(report, "bench-diagnose", "Diagnostic cost (`benchmarks/bench_diagnose.py`)", render, note,
+                                      allow_dirty=opts.allow_dirty))
 
 
 if __name__ == "__main__":

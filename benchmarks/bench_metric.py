@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pullback_ext.fileio import atomic_write_json  # noqa: E402
-from pullback_ext.results_pages import current_command, markdown_table, publish, stamp  # noqa: E402
+from pullback_ext.results_pages import ALLOW_DIRTY_HELP, current_command, markdown_table, publish, refuse_dirty, stamp  # noqa: E402
 
 
 def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
@@ -124,7 +124,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--results-page", action="store_true", help="also write docs/results/bench-metric.json and .md")
+    parser.add_argument("--allow-dirty", action="store_true", help=ALLOW_DIRTY_HELP)
     args = parser.parse_args(argv)
+    if args.results_page:
+        refuse_dirty(args.allow_dirty)
     if args.threads:
         torch.set_num_threads(args.threads)
     img_size = 112 if args.quick else 224
@@ -147,7 +150,8 @@ def main(argv=None) -> int:
     if args.results_page:
         note = ("Reduced settings (`--quick`): 112 px (N = 50 tokens), fewer repeats, one image for imp*, on a shared "
                 "2-core machine (busy when its load average is above 2); not comparable with the full-size run ([cpu-benchmarks.md](cpu-benchmarks.md)).") if args.quick else ""
-        print("wrote", *publish(result, "bench-metric", "Learned metric at inference (`benchmarks/bench_metric.py`)", render, note))
+        print("wrote", *publish(result, "bench-metric", "Learned metric at inference (`benchmarks/bench_metric.py`)", render, note,
+                                      allow_dirty=args.allow_dirty))
     return 0
 
 

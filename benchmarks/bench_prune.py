@@ -45,6 +45,8 @@ PRESETS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from pullback_ext.results_pages import ALLOW_DIRTY_HELP
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--preset", choices=tuple(PRESETS), default=None, help="default: cpu on the CPU, headline on CUDA")
@@ -55,12 +57,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", choices=("off", "on", "both"), default=None, help="eager, torch.compile or both (overrides the preset)")
     p.add_argument("--etas", default="0.25,0.5", help="η of our merge and prune rows")
     p.add_argument("--tome-r", default="8,16", help="r of the ToMe rows")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds per cell")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved timed rounds per cell (the speed-ups' medians and intervals)")
     p.add_argument("--no-overhead", action="store_true", help="skip the per-step overhead measurement")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--out", default=None, help="JSON output file")
     p.add_argument("--results-page", action="store_true", help="also write docs/results/bench-prune.json and .md")
+    p.add_argument("--allow-dirty", action="store_true", help=ALLOW_DIRTY_HELP)
     return p.parse_args(argv)
 
 
@@ -96,9 +99,11 @@ def main(argv=None) -> int:
     from prune_bench.overhead import measure_overhead
     from pullback_ext.commands.arguments import comma_floats, comma_ints
     from pullback_ext.fileio import atomic_write_json
-    from pullback_ext.results_pages import current_command, publish, stamp
+    from pullback_ext.results_pages import current_command, publish, refuse_dirty, stamp
 
     args = parse_args(argv)
+    if args.results_page:
+        refuse_dirty(args.allow_dirty)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -121,7 +126,8 @@ def main(argv=None) -> int:
     if args.out:
         atomic_write_json(args.out, result)
     if args.results_page:
-        print("wrote", *publish(result, "bench-prune", "Token reduction, end to end (`benchmarks/bench_prune.py`)", prune_report.render))
+        print("wrote", *publish(result, "bench-prune", "Token reduction, end to end (`benchmarks/bench_prune.py`)", prune_report.render,
+                                      allow_dirty=args.allow_dirty))
     return 0
 
 

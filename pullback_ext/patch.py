@@ -17,33 +17,14 @@
     patch.config(model)             # the options in use, every "auto" chosen
     patch.unpatch(model)            # the original forward again
 
-Families and the strategies each takes. The single-stage strategies are ``importance``, ``oracle``,
-``random``, ``tome_score``, ``norm`` (nothing needed of the model), ``evit_score``, ``cls_sim`` (a CLS
-token), ``asap_score`` (with ``evit_score``: the blocks' attention probabilities, which every family
-below gives); the originals ``tome`` / ``evit`` / ``pitome`` split the blocks between attention and MLP and
-reorder the tokens, ``expedite`` clusters them between two blocks, and ``asap`` runs its own block loop:
+Which family runs which method follows from each method's needs (a class token, blocks split
+between attention and MLP, tokens with a rotary position, an extra prefix token) and each family's
+traits; the table below is generated from the method registry (:mod:`pullback_ext.prune.methods`)
+and the family adapters (:mod:`pullback_ext.families`). A method a model cannot run is refused when
+patching with a :class:`~pullback_ext.errors.PullbackError` that gives the reason and what the
+model runs.
 
-====================================================  =============  ===================================  ==================================
-family                                                prefix tokens  single-stage strategies              originals
-====================================================  =============  ===================================  ==================================
-timm ``VisionTransformer``, also with LayerScale      CLS, regs      all (without CLS: not                all (without CLS: not ``evit``)
-(DINOv2, DeiT-III): ``timm``                                         ``evit_score``, ``cls_sim``)
-timm ``Eva`` (EVA-02, RoPE ViTs, DINOv3): ``timm``    CLS, regs      all (as above)                       tome, evit, pitome, asap
-HF DPT: ``hf_dpt``                                    CLS            all                                  tome, evit, pitome, expedite, asap
-HF DINOv2 (+registers), Depth Anything:               CLS, regs      all                                  tome, evit, pitome, expedite, asap
-``hf_dinov2``
-HF ``ViTModel``, ``ViTForImageClassification``:       CLS            all                                  tome, evit, pitome, expedite, asap
-``hf_vit``
-HF CLIP vision (``CLIPVisionModel``,                  CLS            all                                  tome, evit, pitome, expedite, asap
-``...WithProjection``): ``hf_clip``
-HF ``SiglipVisionModel``: ``hf_siglip``               none           all but ``evit_score``, ``cls_sim``  tome, pitome, expedite, asap
-HF DINOv3 ViT (``DINOv3ViTModel``, ``...Backbone``):  CLS, regs      all                                  tome, evit, pitome, asap
-``hf_dinov3``
-====================================================  =============  ===================================  ==================================
-
-``strategy="tap"`` (a trained task register, ``head=`` its folder) runs in every family above but
-``Eva``: a register fits the model it was trained on (width, depth; TAP-J: the names of its linears).
-
+{support_table}
 Proportional attention and masked LLF reach each family's attention as an additive mask: timm's
 ``attn_mask``; the ``attention_mask`` of the Hugging Face layers (eager or SDPA attention), except
 DPT, whose layer is re-run with the bias added to its logits. RoPE families (Eva, DINOv3) give every
@@ -68,29 +49,17 @@ The gather, merge and re-insert steps run through the ``pullback_ext.ops`` kerne
 forward but ``strategy="random"`` (its generator) compiles whole (``torch.compile(..., fullgraph=True)``)
 and reads no tensor value on the host: every shape follows from the ratio, never from the values.
 
-``strategy="tome"``, ``"evit"`` and ``"pitome"`` are the original methods: they reduce inside
-the blocks, between attention and MLP — ToMe ``r`` tokens in every block of ``block_range``
-(:mod:`pullback_ext.prune.methods.tome`), EViT at three blocks keeping ``keep_rate`` of the patch tokens
-(:mod:`pullback_ext.prune.methods.evit`), PiToMe ``r`` high-energy tokens in every block of ``block_range``
-(:mod:`pullback_ext.prune.methods.pitome`) — and take their own options instead of ``ratio`` / ``layers`` /
-``mode``; the single-stage criteria of the paper's controlled comparison are ``tome_score`` and
-``evit_score``. ``strategy="expedite"`` clusters the patch tokens into a
-``cluster_grid`` before block ``cluster_layer`` and rebuilds full-resolution tokens wherever they
-are read (:mod:`pullback_ext.prune.methods.expedite`). ``strategy="asap"`` is ASAP reconstructed from its abstract
-(:mod:`pullback_ext.prune.methods.asap`): one stage at ``layers`` (one block) that never removes its
-attention sink and pools the background per diffusion ring (merge) or prunes it (prune, with
-``llf``); its single-stage criterion is ``asap_score``. :func:`pullback_ext.prune.eta.eta` gives the
-η a setting produces. The originals run on the timm ``VisionTransformer`` and on the Hugging Face
-families of the ``hf_*`` patches, where a family meets their needs (:mod:`pullback_ext.prune.hf_split`:
-not EViT without a class token, only ASAP with a rotary embedding); a timm ``Eva`` takes the
-single-stage strategies.
+The methods as their authors define them (``tome``, ``pitome``, ``evit``, ``expedite``, ``asap``,
+``tap``; one module each in :mod:`pullback_ext.prune.methods`) and the library's every-block merge
+``importance_tome`` take their own options (ToMe's ``r``, ``schedule``, ``block_range``; EViT's
+``keep_rate``; …) instead of ``ratio`` / ``layers`` / ``mode``; each module documents them, and
+:func:`pullback_ext.prune.eta.eta` gives the η a setting produces.
 
 Every option is a field of :class:`~pullback_ext.prune.reduction_options.ReductionOptions`, which
 documents and validates them once. Each patch function is ``fn(model, options=None, /, **overrides)``
 and builds one ``ReductionOptions`` from both, so the option list is written in one place; the
-functions' ``__signature__`` lists every field as a keyword with its default, which ``help()``,
-IPython and editors that read runtime signatures show (explicit keyword lists would repeat the
-13 options in every function, and let their defaults drift apart).
+functions' ``__signature__`` lists every option (every method's own included) as a keyword with
+its default, which ``help()``, IPython and editors that read runtime signatures show.
 """
 
 from __future__ import annotations
@@ -100,9 +69,10 @@ import types
 from typing import Optional
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.methods import check_supported
+from pullback_ext.prune.methods import check_supported, support_table
 from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions, keyword_parameters, with_overrides
 
+__doc__ = __doc__.replace("{support_table}", support_table())
 _ATTR = "_pullback_reduction"
 
 
@@ -154,7 +124,7 @@ def hf_dpt(model, options: Optional[ReductionOptions] = None, /, **overrides):
     Same options as :func:`timm`; ``mode="auto"`` prunes. The encoder's hidden states (what the
     neck reads) are full-length. Returns the model.
     """
-    return _patch_hf(model, _find_encoder(model, "dpt", "dinov2"), options, overrides, dense_neck=True)
+    return _patch_hf(model, ("dpt", "depth_anything", "dinov2"), options, overrides, dense_neck=True)
 
 
 @_option_keywords
@@ -168,7 +138,7 @@ def hf_dinov2(model, options: Optional[ReductionOptions] = None, /, **overrides)
     attention and masked LLF pass their bias as the layers' additive attention mask, which needs
     ``attn_implementation`` "sdpa" (transformers' default) or "eager". Returns the model.
     """
-    return _patch_hf(model, _find_encoder(model, "dinov2"), options, overrides)
+    return _patch_hf(model, ("depth_anything", "dinov2"), options, overrides)
 
 
 @_option_keywords
@@ -181,7 +151,7 @@ def hf_vit(model, options: Optional[ReductionOptions] = None, /, **overrides):
     full-length; the bias of proportional attention and masked LLF is the layers' additive attention
     mask ("sdpa" or "eager" attention). Returns the model.
     """
-    return _patch_hf(model, _find_encoder(model, "vit"), options, overrides)
+    return _patch_hf(model, ("vit",), options, overrides)
 
 
 @_option_keywords
@@ -193,7 +163,7 @@ def hf_clip(model, options: Optional[ReductionOptions] = None, /, **overrides):
     is never merged or pruned) are unchanged. Same options and attention bias as :func:`hf_vit`;
     ``mode="auto"`` merges. Returns the model.
     """
-    return _patch_hf(model, _find_encoder(model, "clip"), options, overrides)
+    return _patch_hf(model, ("clip",), options, overrides)
 
 
 @_option_keywords
@@ -206,7 +176,7 @@ def hf_siglip(model, options: Optional[ReductionOptions] = None, /, **overrides)
     refused when patching ("needs a class token"). Same options and attention bias as
     :func:`hf_vit`; ``mode="auto"`` merges. Returns the model.
     """
-    return _patch_hf(model, _find_encoder(model, "siglip"), options, overrides)
+    return _patch_hf(model, ("siglip",), options, overrides)
 
 
 @_option_keywords
@@ -219,61 +189,44 @@ def hf_dinov3(model, options: Optional[ReductionOptions] = None, /, **overrides)
     bias as :func:`hf_vit`; ``mode="auto"`` prunes for ``DINOv3ViTBackbone`` and merges otherwise.
     Returns the model.
     """
-    return _patch_hf(model, _find_encoder(model, "dinov3"), options, overrides)
-
-
-_HF_PATCHES = {"dpt": hf_dpt, "dinov2": hf_dinov2, "vit": hf_vit, "clip": hf_clip, "siglip": hf_siglip, "dinov3": hf_dinov3}
+    return _patch_hf(model, ("dinov3",), options, overrides)
 
 
 @_option_keywords
 def auto(model, options: Optional[ReductionOptions] = None, /, **overrides):
     """Patch ``model`` in place with the patch of its family: :func:`timm` for a timm
-    ``VisionTransformer`` or ``Eva``, else the Hugging Face family found in it (:func:`hf_dpt`,
+    ``VisionTransformer`` or ``Eva``, else the Hugging Face family found in it (as :func:`hf_dpt`,
     :func:`hf_dinov2`, :func:`hf_vit`, :func:`hf_clip`, :func:`hf_siglip`, :func:`hf_dinov3`; a
-    Depth Anything model goes to :func:`hf_dinov2`). Same options as :func:`timm`. Returns the model.
+    Depth Anything model as :func:`hf_dinov2`): the family of :func:`pullback_ext.families.detect`.
+    Same options as :func:`timm`. Returns the model.
     """
-    from pullback_ext.prune.hf_encoders import find_encoder
-    from pullback_ext.prune.timm_vit import is_timm_vit
+    from pullback_ext.families import TimmFamily, detect
 
-    if is_timm_vit(model):
+    family = detect(model, who="patch.auto")
+    if isinstance(family, TimmFamily):
         return timm(model, options, **overrides)
-    try:
-        encoder = find_encoder(model, tuple(_HF_PATCHES))
-    except PullbackError:
-        raise PullbackError(f"patch.auto: {type(model).__name__} is none of the supported families: {_supported_families()}") from None
-    return _HF_PATCHES[encoder.family](model, options, **overrides)
+    return _patch_hf(model, (family.name,), options, overrides)
 
 
-def _supported_families() -> str:
-    """The model families :func:`auto` recognises, in words."""
-    from pullback_ext.prune.hf_families import FAMILIES
-
-    return "; ".join(["a timm VisionTransformer or Eva"] + [family.title for family in FAMILIES.values()])
-
-
-def _find_encoder(model, *families: str):
-    """The layer loop of ``model`` in one of ``families``; a transformers version the families' code
-    was not checked against is refused first (its models may be laid out otherwise)."""
-    from pullback_ext.prune.hf_encoders import find_encoder
-    from pullback_ext.prune.hf_families import FAMILIES, check_transformers
+def _patch_hf(model, families: tuple, options: Optional[ReductionOptions], overrides: dict, dense_neck: Optional[bool] = None):
+    """The one path of the ``hf_*`` patches: patch the layer loop of ``model`` in the first of the
+    Hugging Face ``families`` (names of :func:`pullback_ext.families.table`) it belongs to; a
+    transformers version the families' code was not checked against is refused first (its models
+    may be laid out otherwise). ``dense_neck``: whether the hidden states feed a dense neck (None:
+    as the family finds). Returns the model."""
+    from pullback_ext.families import check_transformers, family
+    from pullback_ext.prune.methods.base import Traits
+    from pullback_ext.prune.hf_encoders import find_encoder, install
 
     for name in families:
-        check_transformers(FAMILIES[name])
-    return find_encoder(model, families)
-
-
-def _patch_hf(model, encoder, options: Optional[ReductionOptions], overrides: dict, dense_neck: Optional[bool] = None):
-    from pullback_ext.prune import hf_split
-    from pullback_ext.prune.hf_encoders import install
-    from pullback_ext.prune.hf_families import FAMILIES
-
+        check_transformers(family(name))
+    encoder = find_encoder(model, families)
     if _is_patched(encoder.module):
         unpatch(model)
     dense = encoder.feeds_dense_neck if dense_neck is None else dense_neck
     shape = BackboneShape(depth=len(encoder.layers), num_prefix=encoder.num_prefix, has_cls=encoder.has_cls, dense_neck=dense)
     options = with_overrides(options, **overrides)
-    family = FAMILIES[encoder.family]
-    check_supported(options.strategy, hf_split.traits(family), family.title)  # before resolve: the family's own reason
+    check_supported(options.strategy, Traits.of(encoder.family), encoder.family.title)  # before resolve: the family's own reason
     reduction = options.resolve(shape)
     if reduction.options.prop_attn == "folded":
         raise PullbackError("prop_attn='folded' needs timm's standard Block and Attention (patch.timm); "

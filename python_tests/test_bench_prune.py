@@ -107,5 +107,6 @@ def test_the_page_renders_its_json(tiny, tmp_path):
                                     "checks": prune_report.headline_checks(rows)}))
     page = prune_report.render(result)
     assert "## tiny timm ViT, 64 px, batch 1, float32, eager" in page and "| importance prune+LLF η=0.5 @2 |" in page
+    assert "| unpruned | " in page and " | 1.00× [1.00, 1.00] | " in page  # every speed-up with its interval
     assert "## Headline checks" in page and "≥ 0.9" in page
     assert "importance prune+LLF η=0.5 @2" in prune_report.format_rows(rows)

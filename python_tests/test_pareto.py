@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -99,15 +100,26 @@ def test_grids_give_both_of_our_rules_and_the_authors_knobs():
         build_points(("tome",), {"evit": {"keep_rate": (0.5,)}}, base, {}, None, (0.1,))
 
 
-def test_pareto_command_end_to_end(tmp_path, capsys):
+@pytest.fixture
+def clean_checkout(monkeypatch):
+    """Stamps as from a checkout without local changes (the page refusal is tested on its own)."""
+    import pullback_ext.results_pages as rp
+
+    monkeypatch.setattr(rp, "git_commit", lambda repo=rp.REPO: "0" * 40)
+
+
+def test_pareto_command_end_to_end(tmp_path, capsys, clean_checkout):
     out = tmp_path / "pareto"
     code = main(["evaluate", "--model", "demo", "--pareto", "--methods", "tome,random", "--sweep", "tome:r=2,16",
                  "--sweep", "tome:schedule=constant", "--ratios", "0.1,0.5", "--num-images", "3", "--seeds", "2",
-                 "--time-batches", "1,2", "--time-repeats", "1", "--out", str(out), "--quiet",
+                 "--time-batches", "1,2", "--out", str(out), "--quiet",
                  "--results-page", str(tmp_path / "pages" / "pareto-test")])
     assert code == 0
     page = (tmp_path / "pages" / "pareto-test.md").read_text()
     assert "![error against speed-up](pareto-test.png)" in page and (tmp_path / "pages" / "pareto-test.png").stat().st_size > 0
+    assert "torch's flop counter" in page and "local changes" not in page
+    assert page.index("at matched FLOP ratio") < page.index("at matched measured speed-up at batch 2")
+    assert re.search(r"\| \d+\.\d\d× \[\d+\.\d\d, \d+\.\d\d\] \|", page)  # every measured speed-up with its interval
     assert json.loads((tmp_path / "pages" / "pareto-test.json").read_text())["stamp"]["command"].startswith("pullback evaluate")
     result = json.loads((out / "pareto.json").read_text())
     assert (out / "pareto.md").exists() and (out / "pareto.png").stat().st_size > 0
@@ -120,9 +132,29 @@ def test_pareto_command_end_to_end(tmp_path, capsys):
         assert len(p["per_image"]) == 6 and p["error"]["worst"] == max(p["per_image"])
         assert p["error"]["worst_image_name"]
         assert set(p["cost"]) >= {"gflops_per_image", "batch1", "batch2", "speedup_batch1", "speedup_batch2", "flop_ratio"}
-    assert set(result["matched"]) == {"speedup_batch2", "speedup_batch1", "flop_ratio"}
+        low, high = p["cost"]["speedup_batch2_ci90"]
+        assert low <= p["cost"]["speedup_batch2"] <= high and len(p["cost"]["batch2"]["times_s"]) == 7
+    assert list(result["matched"]) == ["flop_ratio", "speedup_batch2", "speedup_batch1"] and result["repeats"] == 7
+    assert all("within_noise" in cell for cells in result["matched"]["speedup_batch2"]["mean"].values()
+               for cell in cells.values() if cell is not None)
     assert any("ToMe bipartite matching" in row for row in result["rows"])
     assert "| row | 1.1× | 1.25× | 1.5× | 2× | fastest reached |" in capsys.readouterr().out
+
+
+def test_a_page_needs_seven_timing_rounds_and_a_clean_checkout(tmp_path, capsys, monkeypatch):
+    import pullback_ext.results_pages as rp
+
+    base = ["evaluate", "--model", "demo", "--pareto", "--methods", "random", "--ratios", "0.5", "--num-images", "2",
+            "--seeds", "1", "--out", str(tmp_path / "o"), "--quiet", "--results-page", str(tmp_path / "p" / "page")]
+    monkeypatch.setattr(rp, "git_commit", lambda repo=rp.REPO: "0" * 40)
+    assert main(base + ["--time-repeats", "3"]) == 2
+    assert "--time-repeats 3: a --pareto results page gives every speed-up a bootstrap interval" in capsys.readouterr().err
+    monkeypatch.setattr(rp, "git_commit", lambda repo=rp.REPO: "0" * 40 + " +local changes")
+    assert main(base + ["--no-timing"]) == 2
+    assert "the checkout has local changes" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    assert main(base + ["--no-timing", "--allow-dirty"]) == 0
+    page = (tmp_path / "p" / "page.md").read_text()
+    assert rp.DIRTY_NOTE in page and "measured speed-up" not in page
 
 
 def test_sweep_without_pareto_is_refused(tmp_path, capsys):
@@ -156,3 +188,95 @@ def test_paper_preset_in_evaluate_chooses_full_llf(tmp_path):
     assert main(["evaluate", "--model", "demo", "--task", "depth", "--preset", "paper", "--strategies", "random", "--ratios", "0.2",
                  "--num-images", "2", "--seeds", "1", "--no-timing", "--out", str(out), "--quiet"]) == 0
     assert set(json.loads((out / "results.json").read_text())["tables"]) == {"llf_full"}
+
+
+def test_cls_flop_ratio_counts_the_backbone_and_the_cls_head_only():
+    # by hand: timm's own forward of a copy of the demo backbone, patched with the original ToMe, then
+    # the CLS head; the depth decoder is not part of the CLS task's forward
+    import copy
+
+    from pullback_ext import patch
+    from pullback_ext.comparison.backbones import load_backbone
+    from pullback_ext.comparison.cost import count_flops
+    from pullback_ext.comparison.pareto import Point, measure_cost, resolve
+    from pullback_ext.prune.reduction_options import ReductionOptions
+    from pullback_ext.sources.models import ModelSpec
+
+    backbone, model = load_backbone(ModelSpec("demo"))
+    x = torch.rand(2, 3, 112, 112, generator=torch.Generator().manual_seed(0))
+    scaled = (x[:1] - 0.5) / 0.25  # the demo's pixel normalisation (element-wise: no FLOPs)
+
+    def cls_forward(vit):
+        return lambda images: model.cls_head(vit.forward_features(images)[:, 0])
+
+    options = ReductionOptions(strategy="tome", r=24, schedule="decreasing")
+    tome = patch.timm(copy.deepcopy(model.backbone), options)
+    by_hand = count_flops(cls_forward(model.backbone), scaled) / count_flops(cls_forward(tome), scaled)
+    cost = measure_cost(backbone, x, [Point(options=options)], "cls", batches=(), progress=False)
+    assert cost["points"][0]["flop_ratio"] == pytest.approx(by_hand, rel=1e-12)
+    assert by_hand > 3.0  # with the depth decoder counted as well it read 2.07
+    full, reduced = backbone.forwards("cls")
+    r = resolve(options, backbone)
+    assert torch.equal(reduced(r, x)["embedding"], backbone.reduced(r, x)["embedding"])  # the errors do not move
+    assert torch.equal(full(x)["embedding"], backbone.full(x)["embedding"])
+    depth_full, _ = backbone.forwards("depth")
+    assert count_flops(depth_full, x[:1]) > count_flops(full, x[:1])  # the depth task counts its decoder
+    with pytest.raises(PullbackError, match="supports cls, depth"):
+        backbone.forwards("segmentation")
+
+
+def test_speedup_interval_against_a_numpy_bootstrap_and_by_hand():
+    import numpy as np
+
+    from pullback_ext.comparison.cost import speedup_interval
+
+    base, point = [1.0, 1.1, 0.9, 1.3, 1.0, 1.2, 1.05], [0.8, 0.7, 0.75, 0.9, 0.85, 0.8, 0.6]
+    ratios = np.array(base) / np.array(point)
+    draws = np.random.default_rng(3).integers(0, 7, size=(500, 7))
+    low, high = np.percentile(np.median(ratios[draws], axis=1), [5, 95])
+    assert speedup_interval(base, point, resamples=500, seed=3) == {
+        "median": pytest.approx(float(np.median(ratios))), "low": pytest.approx(low), "high": pytest.approx(high), "rounds": 7}
+    # two rounds of ratios 1 and 3: a draw's median is 1, 2 or 3 (odds 1:2:1), so the 5th and 95th percentiles are 1 and 3
+    assert speedup_interval([1.0, 3.0], [1.0, 1.0]) == {"median": 2.0, "low": 1.0, "high": 3.0, "rounds": 2}
+    assert speedup_interval([2.0] * 7, [1.0] * 7) == {"median": 2.0, "low": 2.0, "high": 2.0, "rounds": 7}
+    for bad, match in ((([1.0], [1.0, 2.0]), "equal-length"), (([1.0], [0.0]), "positive"), (([], []), "equal-length")):
+        with pytest.raises(PullbackError, match=match):
+            speedup_interval(*bad)
+
+
+def _timed_point(row, speedup, low, high, error):
+    return {"row": row, "cost": {"speedup_batch4": speedup, "speedup_batch4_ci90": [low, high]},
+            "error": {stat: error for stat in ("mean", "p95", "worst")}}
+
+
+def test_within_noise_is_an_overlap_of_the_rows_error_bands():
+    from pullback_ext.comparison.pareto import error_band, mark_noise
+
+    points = [_timed_point("a", 1.0, 0.9, 1.1, 0.01), _timed_point("a", 1.5, 1.4, 1.6, 0.1),
+              _timed_point("b", 1.0, 0.95, 1.05, 1.0), _timed_point("b", 1.5, 1.45, 1.55, 10.0),
+              _timed_point("c", 1.0, 0.9, 1.1, 0.02), _timed_point("c", 1.5, 1.4, 1.6, 0.2),
+              _timed_point("d", 1.3, 1.1, 1.4, 5.0)]
+    # a at 1.25×: optimistic (points at 1.1 and 1.6) 0.01·10^0.3, pessimistic (0.9 and 1.4) 0.01·10^0.7
+    assert error_band([p for p in points if p["row"] == "a"], "speedup_batch4", "mean", 1.25) == (
+        pytest.approx(0.01 * 10 ** 0.3), pytest.approx(0.01 * 10 ** 0.7))
+    # d: optimistic reading at its slowest point (a bound), pessimistic never that fast
+    assert error_band([p for p in points if p["row"] == "d"], "speedup_batch4", "mean", 1.25) == (5.0, math.inf)
+    assert error_band([p for p in points if p["row"] == "d"], "speedup_batch4", "mean", 1.45) is None
+    rows, targets = ["a", "b", "c", "d"], [1.25, 1.45]
+    matched = {stat: {row: {f"{t:g}": matched_error([p["cost"]["speedup_batch4"] for p in points if p["row"] == row],
+                                                    [p["error"][stat] for p in points if p["row"] == row], t) for t in targets}
+                      for row in rows} for stat in ("mean", "p95", "worst")}
+    mark_noise(matched, points, rows, "speedup_batch4", targets)
+    at = {row: matched["mean"][row]["1.25"] for row in rows}
+    # a [0.020, 0.050] and c [0.040, 0.100] overlap; b [2.5, 4.0] overlaps d [5, ∞) of neither: b is settled
+    assert (at["a"]["within_noise"], at["c"]["within_noise"], at["b"]["within_noise"]) == (True, True, False)
+    assert at["d"]["within_noise"] is False and at["d"]["band"] == [5.0, math.inf]
+    assert matched["mean"]["d"]["1.45"] is None  # not reached: no mark
+    # at 1.45× a's pessimistic reading (fastest point at 1.4) does not get there: its band [0.05, ∞) overlaps b's [6.3, 10]
+    assert matched["mean"]["a"]["1.45"]["band"] == [pytest.approx(0.01 * 10 ** 0.7), math.inf]
+    assert matched["mean"]["b"]["1.45"]["within_noise"] and matched["mean"]["b"]["1.45"]["band"] == [
+        pytest.approx(10 ** 0.8), pytest.approx(10.0)]
+    from pullback_ext.comparison.pareto_report import _cell, speedup_text
+
+    assert _cell(at["a"]) == "≈ 0.032" and _cell(at["b"]) == "3.162" and _cell({"value": 5.0, "bound": True}) == "≤ 5.000"
+    assert speedup_text(points[0]["cost"], "speedup_batch4") == "1.00× [0.90, 1.10]"

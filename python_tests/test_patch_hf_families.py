@@ -17,7 +17,7 @@ from helpers.prune import (attention_prune_reference, images, norm_merge_referen
                            tiny_dinov2, tiny_hf)
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.hf_encoders import attention_probs, masked_layer_forward
-from pullback_ext.prune.hf_families import CHECKED_TRANSFORMERS, MIRRORS
+from pullback_ext.families.versions import CHECKED_TRANSFORMERS, MIRRORS
 from pullback_ext.prune.tokens import TokenState
 
 PATCHES = {"vit": patch.hf_vit, "vit_cls": patch.hf_vit, "clip": patch.hf_clip, "clip_projection": patch.hf_clip,
@@ -240,7 +240,7 @@ def test_the_mirrored_upstream_code_is_unchanged():
         digest = hashlib.sha256(source.encode()).hexdigest()
         assert digest == recorded, (
             f"{where} changed upstream (sha256 {digest}); re-check {mirrored_by} in pullback_ext/prune against the new "
-            f"source, then record the new hash in hf_families.MIRRORS and the versions in CHECKED_TRANSFORMERS")
+            f"source, then record the new hash in families/versions.py MIRRORS and the versions in CHECKED_TRANSFORMERS")
 
 
 @pytest.mark.parametrize("version", ["5.23.0", CHECKED_TRANSFORMERS[1] + ".0"])

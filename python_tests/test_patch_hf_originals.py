@@ -18,9 +18,9 @@ from helpers.prune import images, tiny_dinov2, tiny_dpt, tiny_hf
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import hf_split
 from pullback_ext.prune import methods
-from pullback_ext.prune.methods.base import refusal
+from pullback_ext.prune.methods.base import Traits, refusal
 from pullback_ext.prune.hf_encoders import biased_layer_forward, masked_layer_forward
-from pullback_ext.prune.hf_families import FAMILIES
+from pullback_ext.families import family as family_named
 from pullback_ext.prune.merged_tokens import MergedTokens
 
 PATCHES = {"dpt": patch.hf_dpt, "dinov2": patch.hf_dinov2, "vit": patch.hf_vit, "clip": patch.hf_clip,
@@ -99,7 +99,7 @@ def hidden_states(model, x: torch.Tensor) -> tuple:
 def test_split_halves_equal_the_layer_forward_with_and_without_a_bias(family):
     """Attention half then MLP half is the layer's own forward (LayerScale, DPT's layer, CLIP's and
     SigLIP's layers), and an additive bias reaches the logits as the layer takes it."""
-    fam = FAMILIES[family]
+    fam = family_named(family)
     layer = layers_of(tiny(family), family)[1]
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     bias = torch.randn(2, 1, 1, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
@@ -132,7 +132,7 @@ def _reference(model, family, strategy, h):
 
 OPTIONS = {"tome": dict(r=3), "pitome": dict(r=3), "evit": dict(keep_rate=0.5, evit_layers=(1, 2)),
            "expedite": dict(cluster_grid=(2, 3), cluster_layer=1), "asap": dict(layers=2, ratio=0.4)}
-CASES = [(f, s) for f in SPLIT_FAMILIES for s in OPTIONS if refusal(methods.get(s), hf_split.traits(FAMILIES[f])) is None]
+CASES = [(f, s) for f in SPLIT_FAMILIES for s in OPTIONS if refusal(methods.get(s), Traits.of(family_named(f))) is None]
 
 
 @pytest.mark.parametrize("family,strategy", CASES)
@@ -175,7 +175,7 @@ def test_nothing_reduced_is_the_unpatched_model_and_unpatch_restores_it(family):
     x = images(2).double()
     plain = hidden_states(model, x)
     for strategy in ZERO:
-        if refusal(methods.get(strategy), hf_split.traits(FAMILIES[family])) is None:
+        if refusal(methods.get(strategy), Traits.of(family_named(family))) is None:
             PATCHES[family](model, strategy=strategy, **ZERO[strategy])
             assert all(torch.equal(a, b) for a, b in zip(hidden_states(model, x), plain)), strategy
     PATCHES[family](model, strategy="tome", **OPTIONS["tome"])
@@ -227,4 +227,4 @@ def test_what_a_family_cannot_run_is_refused_naming_the_family_and_what_it_runs(
     assert patch.config(model) is None
     if family == "dinov3":
         with pytest.raises(PullbackError, match="rows: .*DINOv3.*rotary rows of the current tokens"):
-            hf_split.attend(model.model.layer[0], MergedTokens(torch.zeros(1, 4, 32, dtype=torch.float64), 3), None, FAMILIES[family])
+            hf_split.attend(model.model.layer[0], MergedTokens(torch.zeros(1, 4, 32, dtype=torch.float64), 3), None, family_named(family))

@@ -12,6 +12,7 @@ import pullback_ext.patch as patch
 from helpers.blocks import small_timm
 from helpers.prune import attention_prune_reference, norm_merge_reference, norm_prune_full_llf_reference, tiny_eva
 from pullback_ext.errors import PullbackError
+from pullback_ext.families import detect
 from pullback_ext.prune import timm_eva
 from pullback_ext.prune.strategies import STRATEGIES
 
@@ -27,7 +28,7 @@ def parts(model, x: torch.Tensor):
     """``(input of block 0 [B, N, D], call(block, y, kept), rotary rows(block, kept))`` of an
     unpatched ViT or Eva; ``kept`` are the positions of the tokens ``y``."""
     p = int(model.num_prefix_tokens)
-    if not timm_eva.is_eva(model):
+    if not detect(model).rotary:
         h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
         return h, lambda block, y, kept: block(y), None
     h, rope = model._pos_embed(model.patch_embed(x))

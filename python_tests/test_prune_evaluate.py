@@ -298,12 +298,16 @@ def test_cli_model_and_images_errors(image_dir, tmp_path, capsys):
         assert message in err[-1] and err[-1].startswith("pullback evaluate: error:"), (argv, err)
 
 
-def test_cli_publishes_a_stamped_results_page(tmp_path):
+def test_cli_publishes_a_stamped_results_page(tmp_path, monkeypatch):
+    import pullback_ext.results_pages as rp
+
+    monkeypatch.setattr(rp, "git_commit", lambda repo=rp.REPO: "0" * 40)  # as from a clean checkout
     page = tmp_path / "pages" / "demo-eval"
     assert main(["evaluate", "--model", "demo", "--images", "builtin:scenes", "--num-images", "2", "--seeds", "1",
-                 "--ratios", "0.5", "--stages", "4", "--strategies", "tome_score", "--no-timing", "--quiet",
-                 "--out", str(tmp_path / "o"), "--results-page", str(page)]) == 0
+                 "--ratios", "0.5", "--layers", "2", "--strategies", "tome_score", "--time-batches", "1", "--time-repeats", "1",
+                 "--quiet", "--out", str(tmp_path / "o"), "--results-page", str(page)]) == 0
     text = (tmp_path / "pages" / "demo-eval.md").read_text()
+    assert "**FLOP ratio**" in text and "torch's flop counter" in text and "| tome_score | " in text
     published = json.loads((tmp_path / "pages" / "demo-eval.json").read_text())
     assert published["stamp"]["command"].startswith("pullback evaluate --model demo --images builtin:scenes")
     assert "tome_score" in text and published["tables"] == json.loads((tmp_path / "o" / "results.json").read_text())["tables"]

@@ -18,6 +18,13 @@ def _stamp():
     return rp.stamp("python benchmarks/bench_x.py --quick")
 
 
+def _clean_stamp(commit="0" * 40):
+    """A stamp as made in a checkout at ``commit`` (the tests may run in one with local changes)."""
+    s = _stamp()
+    s["versions"]["git_commit"] = commit
+    return s
+
+
 def test_stamp_says_machine_versions_date_and_command():
     s = _stamp()
     assert s["command"] == "python benchmarks/bench_x.py --quick"
@@ -86,9 +93,25 @@ def test_bad_results_and_arguments_are_named(tmp_path):
 
 
 def test_publish_writes_json_and_page(tmp_path):
-    json_path, page = rp.publish({"stamp": _stamp(), "v": 3}, "bench-y", "Bench Y", lambda r: f"v = {r['v']}", folder=tmp_path)
+    json_path, page = rp.publish({"stamp": _clean_stamp(), "v": 3}, "bench-y", "Bench Y", lambda r: f"v = {r['v']}", folder=tmp_path)
     assert json.loads(json_path.read_text())["v"] == 3
     assert page == tmp_path / "bench-y.md" and "v = 3" in page.read_text()
+
+
+def test_a_page_from_a_changed_checkout_is_refused_unless_allowed_and_then_says_so(tmp_path):
+    dirty = {"stamp": _clean_stamp("0" * 40 + " +local changes"), "v": 3}
+    with pytest.raises(PullbackError, match="the checkout has local changes .*give --allow-dirty"):
+        rp.publish(dirty, "dirty", "Dirty", lambda r: "body", folder=tmp_path)
+    assert not (tmp_path / "dirty.json").exists() and not (tmp_path / "dirty.md").exists()
+    _, page = rp.publish(dirty, "dirty", "Dirty", lambda r: "body", folder=tmp_path, allow_dirty=True)
+    lines = page.read_text().splitlines()
+    assert rp.DIRTY_NOTE in lines and lines.index(rp.DIRTY_NOTE) < lines.index("body")  # under the header, before the figures
+    _, clean = rp.publish({"stamp": _clean_stamp(), "v": 3}, "clean", "Clean", lambda r: "body", folder=tmp_path)
+    assert "local changes" not in clean.read_text()
+    rp.refuse_dirty(False, "0" * 40)
+    rp.refuse_dirty(True, "0" * 40 + " +local changes")
+    with pytest.raises(PullbackError, match="local changes"):
+        rp.refuse_dirty(False, "0" * 40 + " +local changes")
 
 
 def _bench(name):

@@ -10,8 +10,7 @@ import torch
 import pullback_ext.patch as patch
 from helpers.prune import images, tiny_dinov2, tiny_hf
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.hf_encoders import find_encoder
-from pullback_ext.prune.hf_families import FAMILIES
+from pullback_ext.families import detect
 from pullback_ext.tap.budget import keep_count, largest_remainder
 from pullback_ext.tap.register import TaskRegister, lora_shapes
 
@@ -37,8 +36,8 @@ def register_for(task: str, layers: tuple, lora=None, seed: int = 1) -> TaskRegi
 def entering_lengths(model, x) -> tuple[list[int], object]:
     """Sequence length each layer computes on (what its pre-attention norm is given), and the model
     output with hidden states."""
-    encoder = find_encoder(model, tuple(FAMILIES))
-    norms = [getattr(layer, FAMILIES[encoder.family].attention.norm) for layer in encoder.layers]
+    family = detect(model)
+    norms = [getattr(layer, family.attention.norm) for layer in family.layers(model)]
     lengths: list[int] = []
     hooks = [norm.register_forward_pre_hook(lambda m, a: lengths.append(a[0].shape[1])) for norm in norms]
     try:
@@ -211,8 +210,8 @@ def test_train_tap_on_a_hugging_face_folder_then_deploy_with_patch_auto(tmp_path
 
     from helpers.images import random_image_folder
     from pullback_ext.cli import main
-    from pullback_ext.metric import checkpoint
     from pullback_ext.sources.models import ModelSpec, load_model
+    from pullback_ext.tap.checkpoint import load_register
 
     folder = tmp_path / "vit"
     tiny_hf("vit", "sdpa").save_pretrained(folder)
@@ -223,7 +222,7 @@ def test_train_tap_on_a_hugging_face_folder_then_deploy_with_patch_auto(tmp_path
                  "--warmup", "1", "--threads", "1", "--quiet", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert [row["rho"] for row in results["heldout"]] == [0.3, 0.5, 0.7, 1.0]
-    trained, _ = checkpoint.load_model(out, kind="tap")
+    trained = load_register(out)
     assert trained.layers == (1, 4) and trained.adapted == (adapt == "lora")
     assert all(k.split(".", 1)[1].startswith(("attention.", "mlp.")) for k in trained.lora_shapes)  # the HF ViT's own linears
     assert trained.shares.weight.abs().sum() > 0  # trained: it starts at zero

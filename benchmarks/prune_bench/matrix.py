@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from prune_bench.models import MODELS, Method, ModelCase, find_method, matched_merge, method_grid
-from pullback_ext.comparison.cost import count_flops, interleaved_wall_clock
+from pullback_ext.comparison.cost import count_flops, interleaved_wall_clock, speedup_interval
 from pullback_ext.errors import PullbackError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -89,12 +89,16 @@ def _methods(case: ModelCase, model, sweep: Sweep, etas, tome_rs, image) -> list
 
 
 def _rows(cell: dict, times: dict, flops: dict, shares: dict) -> list[dict]:
-    base_t, base_f = times["unpruned"]["median_s"], flops["unpruned"]
+    """One row per method of a cell; ``speedup``: the median over rounds of the round's unpruned /
+    method time, ``speedup_ci90``: its bootstrap 90% interval (:func:`speedup_interval`)."""
+    base_f = flops["unpruned"]
     out = []
     for name, t in times.items():
-        speedup, flop_ratio = base_t / t["median_s"], base_f / flops[name]
+        spread = speedup_interval(times["unpruned"]["times_s"], t["times_s"])
+        speedup, flop_ratio = spread["median"], base_f / flops[name]
         out.append(dict(cell, method=name, median_s=t["median_s"], images_per_s=cell["batch"] / t["median_s"],
-                        speedup=speedup, gflops_per_image=flops[name] / 1e9, flop_ratio=flop_ratio,
+                        speedup=speedup, speedup_ci90=[spread["low"], spread["high"]], gflops_per_image=flops[name] / 1e9,
+                        flop_ratio=flop_ratio,
                         speedup_over_flop_ratio=speedup / flop_ratio, kernel_share=shares[name], times_s=t["times_s"]))
     return out
 

@@ -51,10 +51,18 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _speedup(row: dict) -> str:
+    """``1.23× [1.18, 1.27]``: the speed-up and its 90% interval (rows from before the intervals: the speed-up alone)."""
+    interval = row.get("speedup_ci90")
+    return f"{row['speedup']:.2f}×" + ("" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]")
+
+
 def render(result: dict) -> str:
     """Markdown body of the results page."""
-    parts = [f"Device: {result['device']}. Medians of {result['settings']['repeats']} interleaved rounds "
-             "(CUDA events on a GPU, wall clock on the CPU); FLOP ratio = unpruned FLOPs ÷ the method's (batch 1); "
+    parts = [f"Device: {result['device']}. {result['settings']['repeats']} interleaved rounds (CUDA events on a GPU, wall "
+             "clock on the CPU): images/s from the median time, speed-up the median over rounds of the round's unpruned ÷ "
+             "method time with the bootstrap 90% interval of that median in brackets; FLOP ratio = unpruned FLOPs ÷ the "
+             "method's (torch's flop counter over the whole forward at batch 1); "
              "*our ops* = share of the eager forward's time in `pullback_ext::` ops."]
     checks = result.get("checks", [])
     if checks:
@@ -64,7 +72,7 @@ def render(result: dict) -> str:
     for cell, group in cells(result["rows"]):
         parts += [f"## {_cell_title(cell)}", markdown_table(
             ["method", "images/s", "speed-up", "GFLOPs/image", "FLOP ratio", "speed-up ÷ FLOP ratio", "our ops"],
-            [(r["method"], r["images_per_s"], r["speedup"], r["gflops_per_image"], r["flop_ratio"], r["speedup_over_flop_ratio"],
+            [(r["method"], r["images_per_s"], _speedup(r), r["gflops_per_image"], r["flop_ratio"], r["speedup_over_flop_ratio"],
               "–" if r["kernel_share"] is None else f"{100 * r['kernel_share']:.1f}%") for r in group])]
     if "overhead" in result:
         o = result["overhead"]

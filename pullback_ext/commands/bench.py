@@ -12,6 +12,8 @@ from pullback_ext.progress import info_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pullback_ext.results_pages import ALLOW_DIRTY_HELP
+
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats (about a minute)")
     parser.add_argument("--out", default=None, metavar="DIR", help="write DIR/results.json and the speed-up plot DIR/results.png "
                                                                  "(a FILE.json, the old spelling, still works with a warning)")
@@ -22,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CUDA only: also profile each unchecked fused call and print its kernels and launch gaps")
     parser.add_argument("--results-page", default=None, metavar="NAME",
                         help="also publish the results as docs/results/NAME.json and a stamped page NAME.md (or DIR/NAME: into DIR)")
+    parser.add_argument("--allow-dirty", action="store_true", help=ALLOW_DIRTY_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
         raise PullbackError(f"--repeats: expected a positive count, got {args.repeats}")
     if args.kernels and args.device != "cuda":
         raise PullbackError("--kernels: profiles CUDA kernels, needs --device cuda")
+    if args.results_page:
+        from pullback_ext.results_pages import refuse_dirty
+
+        refuse_dirty(args.allow_dirty)
     if args.device == "cpu":
         warn_if_busy(args)
     result = ops.run(args.device, args.quick, args.repeats, not args.no_compile, kernel_breakdown=args.kernels)
@@ -54,5 +61,5 @@ def run(args: argparse.Namespace) -> int:
         render = lambda r: "```\n" + report.format_table(r) + "\n```"  # noqa: E731
         command = getattr(args, "command_line", None)  # None when run as benchmarks/bench_ops.py
         info_line("wrote", *publish_command_results(result, args.results_page, f"Fused-op microbenchmarks ({args.device})", render,
-                                                  command))
+                                                  command, args.allow_dirty))
     return 0

@@ -12,6 +12,7 @@ LLF_CHOICES = {"on": (True,), "full": ("full",), "off": (False,), "both": (True,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pullback_ext.commands.arguments import BUILTIN_HELP, add_source_arguments
+    from pullback_ext.results_pages import ALLOW_DIRTY_HELP
 
     add_source_arguments(parser, 32, "images per seed",
                          model_help="demo (cls and depth tasks), timm:NAME (random weights unless --weights; cls task) or hf:DIR, "
@@ -65,12 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--seeds", type=int, default=3, help="image sets (folder splits or scene seeds; random-strategy seeds)")
     run.add_argument("--batch-size", type=int, default=16)
     run.add_argument("--time-batches", default="1,64", help="batch sizes for wall-clock (default 1,64)")
-    run.add_argument("--time-repeats", type=int, default=3)
+    run.add_argument("--time-repeats", type=int, default=None,
+                     help="timed rounds (default 3, and with --pareto 7: the interleaved rounds whose per-round speed-ups "
+                          "give each point's median and bootstrap 90%% interval; a --pareto --results-page needs at least 7)")
     run.add_argument("--time-strategies", default=None, help="strategies to time (default: all evaluated)")
     run.add_argument("--no-timing", action="store_true", help="skip FLOPs and wall-clock")
     run.add_argument("--out", required=True, help="output folder (results.json, table.md, quality.png)")
     run.add_argument("--results-page", default=None, metavar="NAME",
                      help="also publish the results as docs/results/NAME.json and a stamped page NAME.md (or DIR/NAME: into DIR)")
+    run.add_argument("--allow-dirty", action="store_true", help=ALLOW_DIRTY_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     spec = model_spec(args)
     output_folder(args.out)
     images = image_source(args, spec)
+    _check_timing(args)
     for name in ("seeds", "batch_size", "time_repeats"):
         if getattr(args, name) < 1:
             raise PullbackError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
@@ -130,10 +135,39 @@ def run(args: argparse.Namespace) -> int:
     if args.results_page:
         from pullback_ext.results_pages import publish_command_results
 
-        render = lambda r: "\n".join(markdown_table(r, key) for key in r["tables"])  # noqa: E731
-        info_line("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", render,
-                                                  args.command_line))
+        info_line("wrote", *publish_command_results(result, args.results_page, f"Token reduction quality: {backbone.name}", _page_body,
+                                                  args.command_line, args.allow_dirty))
     return 0
+
+
+def _page_body(result: dict) -> str:
+    """The plain evaluation's results page: every quality table, then the FLOP table when costs were measured."""
+    from pullback_ext.comparison.evaluation import flop_table, markdown_table
+
+    parts = [markdown_table(result, key) for key in result["tables"]]
+    if "cost" in result:
+        parts.append(flop_table(result["cost"]))
+    return "\n".join(parts)
+
+
+def _check_timing(args: argparse.Namespace) -> None:
+    """Fill in ``--time-repeats`` (3, or :data:`~pullback_ext.comparison.pareto.TIME_REPEATS` with
+    ``--pareto``) and refuse, before any forward pass, a page that could not be published: a
+    ``--pareto`` page timed in fewer rounds, or a page from a checkout with local changes without
+    ``--allow-dirty``."""
+    from pullback_ext.comparison.pareto import TIME_REPEATS
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.results_pages import refuse_dirty
+
+    if args.time_repeats is None:
+        args.time_repeats = TIME_REPEATS if args.pareto else 3
+    if not args.results_page:
+        return
+    if args.pareto and not args.no_timing and args.time_repeats < TIME_REPEATS:
+        raise PullbackError(f"--time-repeats {args.time_repeats}: a --pareto results page gives every speed-up a bootstrap "
+                            f"interval over at least {TIME_REPEATS} interleaved rounds; give --time-repeats {TIME_REPEATS} or "
+                            "more, or --no-timing for a page on the FLOP axis alone")
+    refuse_dirty(args.allow_dirty)
 
 
 def _run_pareto(args: argparse.Namespace, backbone, model, images) -> int:
@@ -168,5 +202,5 @@ def _run_pareto(args: argparse.Namespace, backbone, model, images) -> int:
         plot = pareto_report.plot(result, Path(folder) / f"{name}.png")
         title = f"Matched-cost comparison: {backbone.name}, {args.task}, {images.spec}"
         info_line("wrote", plot, *publish_command_results(result, args.results_page, title, pareto_report.page_renderer(plot.name),
-                                                        args.command_line))
+                                                        args.command_line, args.allow_dirty))
     return 0

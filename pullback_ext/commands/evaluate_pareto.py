@@ -180,7 +180,7 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     if batches:
         warn_if_busy(args)  # every option checked: the run starts
     errors = [e[metric] for e in pareto.image_errors(backbone, images, points, args.task, args.batch_size, not args.quiet)]
-    cost = pareto.measure_cost(backbone, images, points, batches, args.time_repeats, not args.quiet)
+    cost = pareto.measure_cost(backbone, images, points, args.task, batches, args.time_repeats, not args.quiet)
     etas = [None if backbone.eta is None else backbone.eta(p.options) for p in points]
     result = pareto.summarise(points, labels, errors, cost, etas)
     for p in result["points"]:

@@ -20,6 +20,7 @@ RUN_OPTIONS = ("out", "resume", "quiet", "threads", "results_page", "command_lin
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pullback_ext.commands.arguments import IMAGES_HELP, positive_int
+    from pullback_ext.results_pages import ALLOW_DIRTY_HELP
     from pullback_ext.studies.models import STUDY_GRAMMAR
 
     parser.add_argument("kind", choices=KINDS, help="what to sweep over the layers")
@@ -51,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--resume", action="store_true", help="continue a killed sweep in --out: finished layers are read back")
     run.add_argument("--results-page", default=None, metavar="NAME",
                      help="also publish the results as docs/results/NAME.json, NAME.md and NAME.png (or DIR/NAME: into DIR)")
+    run.add_argument("--allow-dirty", action="store_true", help=ALLOW_DIRTY_HELP)
 
 
 def _add_diagnose_arguments(group) -> None:
@@ -91,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
         raise PullbackError(f"--model: study {args.kind} takes one model; only study subspace compares several")
     if args.weights is not None and len(models) > 1:
         raise PullbackError("--weights: applies to one --model; give one model with its weights")
+    if args.results_page:
+        from pullback_ext.results_pages import refuse_dirty
+
+        refuse_dirty(args.allow_dirty)
     out = output_folder(args.out)
     result = {"diagnose": _diagnose, "subspace": _subspace, "criteria": _criteria}[args.kind](args, models, out)
     if result is None:  # a torchrun rank other than 0
@@ -256,4 +262,5 @@ def _report(args, result: dict, out) -> None:
         folder, name = page_location(args.results_page)
         picture = plot(result, Path(folder) / f"{name}.png")
         print("wrote", picture, *publish_command_results(pages.published(result), args.results_page, TITLES[args.kind],
-                                                          lambda r: pages.render(r, picture.name), args.command_line))
+                                                          lambda r: pages.render(r, picture.name), args.command_line,
+                                                          args.allow_dirty))

@@ -1,7 +1,10 @@
 """Adapters that give the evaluation one view of a model: unpruned outputs, reduced outputs.
 
 Outputs are dicts with ``embedding [B, E]`` (CLS task) and, for models with a dense decoder,
-``depth [B, H, W]``.
+``depth [B, H, W]``. ``full`` and ``reduced`` give every output the errors read; the cost of a
+task is that of ``task_forward(task)``: the forward that task needs and nothing else (the demo's CLS
+task runs the backbone and the CLS head, not the depth decoder; its depth task the backbone and the
+depth decoder on the hooked layers, not the CLS head).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.families import TimmFamily, detect
 from pullback_ext.prune import timm_vit
 from pullback_ext.prune.eta import eta
 from pullback_ext.prune.pipeline import run_blocks
@@ -36,6 +40,13 @@ class Backbone:
     block_tokens: Callable  # (images, layer) -> patch tokens [B, n, D] after block ``layer``, unreduced
     preprocess: Preprocess  # how its images are prepared
     eta: Optional[Callable] = None  # ReductionOptions -> η, the fraction of patch tokens removed (None: not known)
+    task_forward: Optional[Callable] = None  # task -> (full, reduced) of that task alone (None: full and reduced)
+
+    def forwards(self, task: str) -> tuple[Callable, Callable]:
+        """``(full(images), reduced(reduction, images))`` of ``task`` alone: what its cost counts."""
+        if task not in self.tasks:
+            raise PullbackError(f"task {task!r}: {self.name} supports {', '.join(self.tasks)}")
+        return (self.full, self.reduced) if self.task_forward is None else self.task_forward(task)
 
 
 def demo_backbone(model) -> Backbone:
@@ -57,7 +68,32 @@ def demo_backbone(model) -> Backbone:
         name="demo", depth=len(bb.blocks), num_prefix=int(bb.num_prefix_tokens), has_cls=bb.cls_token is not None,
         image_size=int(model.image_size), tasks=("cls", "depth"), full=full, reduced=reduced, features_dim=int(bb.embed_dim),
         block_tokens=block_tokens, preprocess=unit_range_preprocess(int(model.image_size)), eta=lambda options: eta(options, bb),
+        task_forward=lambda task: _demo_task_forward(model, task),
     )
+
+
+def _demo_task_forward(model, task: str) -> tuple[Callable, Callable]:
+    """The demo's forward of one task on ``images [B, 3, H, W]``: ``cls`` -> ``{"embedding" [B, E]}``
+    (backbone, final norm, CLS head), ``depth`` -> ``{"depth" [B, H, W]}`` (backbone, the hooked
+    layers through the final norm, depth head)."""
+    bb, hooks = model.backbone, tuple(model.hook_layers)
+    take = set(hooks) if task == "depth" else set()
+
+    def decode(final: torch.Tensor, hooked: dict) -> dict:
+        if task == "cls":
+            return {"embedding": model.cls_head(bb.norm(final)[:, 0])[0]}
+        return {"depth": model.depth_head([bb.norm(hooked[i]) for i in hooks], model.image_size)}
+
+    def full(images: torch.Tensor) -> dict:
+        hooked: dict = {}
+        final = model.run_blocks(model.embed(images), 0, len(bb.blocks), hooked if take else None)
+        return decode(final, hooked)
+
+    def reduced(reduction: Reduction, images: torch.Tensor) -> dict:
+        return decode(*run_blocks(reduction, model.embed(images), bb.blocks, timm_vit.call_block, timm_vit.attention_probs,
+                                  take=take, split=timm_vit.SPLIT))
+
+    return full, reduced
 
 
 def timm_backbone(model) -> Backbone:
@@ -84,15 +120,14 @@ def timm_backbone(model) -> Backbone:
 
 
 def hf_backbone(model, folder: str | None = None) -> Backbone:
-    """A Hugging Face model: a model of one of the ViT families of :mod:`pullback_ext.probes.hf_vision`
+    """A Hugging Face model: a model of one of the ViT families of :mod:`pullback_ext.families`
     (CLS task: the family's image embedding, the probes' ``cls`` output) or a DPT / Depth Anything depth
     model (depth task: the predicted depth, and as the embedding the CLS token after the last encoder
     layer). ``folder`` holds its image processor config (mean and std)."""
     from pullback_ext.probes.hf_vision import embedding
     from pullback_ext.prune.hf_encoders import find_encoder, install, restore
-    from pullback_ext.prune.hf_families import FAMILIES
 
-    encoder = find_encoder(model, tuple(FAMILIES))
+    encoder = find_encoder(model)
     dense = hasattr(model, "head") and type(model).__name__.endswith("ForDepthEstimation")
 
     def full(images: torch.Tensor) -> dict:
@@ -128,9 +163,9 @@ def load_backbone(spec: ModelSpec, weights: Optional[str] = None) -> tuple[Backb
     model, _ = load_model(spec, weights, headless=True)
     if spec.kind == "demo":
         return demo_backbone(model), model
-    if spec.kind == "hf":
-        return hf_backbone(model, spec.name), model
-    return timm_backbone(model), model
+    if isinstance(detect(model, who="--model"), TimmFamily):
+        return timm_backbone(model), model
+    return hf_backbone(model, spec.name), model
 
 
 def block_output_tokens(backbone: Backbone, images: torch.Tensor, layer: int) -> torch.Tensor:

@@ -10,6 +10,11 @@ import torch
 
 from pullback_ext.errors import PullbackError
 
+FLOP_ACCOUNTING = ("FLOPs per image: torch's flop counter (torch.utils.flop_counter) over the task's whole forward at "
+                   "batch 1, the same for every method: the backbone with the method's scoring, matching and importance "
+                   "head, and the task's decoder (CLS: the CLS head; depth: the depth decoder on its hooked layers); "
+                   "the other task's decoder is not counted.")
+
 
 def count_flops(fn: Callable, *args) -> int:
     """Total FLOPs of ``fn(*args)`` as counted by ``torch.utils.flop_counter`` (no grad), with the
@@ -61,6 +66,32 @@ def interleaved_wall_clock(fns: dict[str, Callable[[], object]], repeats: int = 
                 if round_ >= warmup:
                     times[name].append(seconds)
     return {name: {"median_s": statistics.median(t), "min_s": min(t), "repeats": repeats, "times_s": t} for name, t in times.items()}
+
+
+def speedup_interval(base_s, point_s, level: float = 0.9, resamples: int = 2000, seed: int = 0) -> dict:
+    """Median and bootstrap interval of the per-round speed-up ``base_s[k] / point_s[k]``.
+
+    ``base_s [R]`` and ``point_s [R]``: seconds of the unpruned model and of one reduced setting in
+    the same ``R`` interleaved rounds (``times_s`` of :func:`interleaved_wall_clock`). The interval
+    is the percentile bootstrap of the median: ``resamples`` draws of ``R`` rounds with replacement
+    (numpy ``default_rng(seed)``), the median of each draw's ratios, and the ``(1 − level) / 2`` and
+    ``(1 + level) / 2`` percentiles (numpy's linear rule) of those medians. Returns
+    ``{"median", "low", "high", "rounds"}``.
+    """
+    import numpy as np
+
+    base, point = np.asarray(base_s, dtype=np.float64), np.asarray(point_s, dtype=np.float64)
+    if base.ndim != 1 or base.shape != point.shape or base.size < 1:
+        raise PullbackError(f"speed-up interval: expected two equal-length lists of round times; got {base.shape} and {point.shape}")
+    if not (base > 0).all() or not (point > 0).all():
+        raise PullbackError("speed-up interval: round times must be positive")
+    if not 0 < level < 1 or resamples < 1:
+        raise PullbackError(f"speed-up interval: level must be in (0, 1) and resamples >= 1; got {level!r}, {resamples!r}")
+    ratios = base / point
+    draws = np.random.default_rng(seed).integers(0, ratios.size, size=(resamples, ratios.size))
+    medians = np.median(ratios[draws], axis=1)
+    low, high = np.percentile(medians, [50 * (1 - level), 50 * (1 + level)])
+    return {"median": float(np.median(ratios)), "low": float(low), "high": float(high), "rounds": int(ratios.size)}
 
 
 def _host_timer(fn: Callable[[], object]) -> float:

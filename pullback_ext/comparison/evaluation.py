@@ -22,7 +22,7 @@ import torch
 
 from pullback_ext.comparison import quality
 from pullback_ext.comparison.backbones import Backbone
-from pullback_ext.comparison.cost import count_flops, wall_clock
+from pullback_ext.comparison.cost import FLOP_ACCOUNTING, count_flops, wall_clock
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.reduction_options import MODES, PRESETS, BackboneShape, Reduction, ReductionOptions
 from pullback_ext.prune.row_rules import describe
@@ -237,11 +237,12 @@ def _wilcoxon(plan: Plan, per_image: dict) -> dict:
 
 def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 64), repeats: int = 3,
              strategies: Optional[tuple] = None, progress: bool = True) -> dict:
-    """FLOPs per image (torch's flop counter, batch 1) and wall-clock at each batch size for the
-    unpruned model and every row × ratio (first LLF setting of the plan) of the given ``strategies``
-    (default all), keyed by row."""
+    """FLOPs per image (:data:`~pullback_ext.comparison.cost.FLOP_ACCOUNTING`: the plan's task's
+    forward at batch 1) and wall-clock at each batch size for the unpruned model and every row ×
+    ratio (first LLF setting of the plan) of the given ``strategies`` (default all), keyed by row."""
     from pullback_ext.progress import progress_bar
 
+    full, reduced = backbone.forwards(plan.task)
     strategies = plan.strategies if strategies is None else strategies
     inputs = {b: images[torch.arange(b) % images.shape[0]] for b in batches}
     llf = plan.llf[0]
@@ -259,12 +260,12 @@ def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 6
 
     cells = [(row, r) for row in plan.rows(backbone) if row.strategy in strategies for r in plan.ratios]
     bar = progress_bar(total=len(cells) + 1, desc="cost", enabled=progress, unit="run")
-    out = {"batches": list(batches), "repeats": repeats, "llf": llf, "unpruned": measure(backbone.full)}
+    out = {"batches": list(batches), "repeats": repeats, "llf": llf, "flops": FLOP_ACCOUNTING, "unpruned": measure(full)}
     bar.update(1)
     base = out["unpruned"]
     for row, ratio in cells:
         reduction = plan.row_reduction(backbone, row, ratio, llf, 0)
-        entry = measure(lambda x: backbone.reduced(reduction, x), _prepare_scorers(plan, row.strategy))
+        entry = measure(lambda x: reduced(reduction, x), _prepare_scorers(plan, row.strategy))
         entry["flop_ratio"] = base["gflops_per_image"] / entry["gflops_per_image"]
         for b in batches:
             entry[f"speedup_batch{b}"] = base[f"batch{b}"]["median_s"] / entry[f"batch{b}"]["median_s"]
@@ -319,6 +320,19 @@ def markdown_table(result: dict, llf_key: str, metrics: Optional[Sequence[str]] 
         lines.append("")
     return "\n".join(lines)
 
+
+
+def flop_table(cost: dict) -> str:
+    """The FLOP ratio (unpruned / reduced FLOPs per image) of every timed row × ratio of
+    :func:`run_cost`'s ``cost``, after the note saying how FLOPs are counted."""
+    rows = {key: cells for key, cells in cost.items() if isinstance(cells, dict) and key != "unpruned" and
+            all(isinstance(c, dict) and "flop_ratio" in c for c in cells.values())}
+    ratios = list(dict.fromkeys(r for cells in rows.values() for r in cells))
+    lines = [f"**FLOP ratio** (unpruned {cost['unpruned']['gflops_per_image']:.3f} GFLOPs per image). {cost['flops']}\n",
+             "| row | " + " | ".join(f"η={r}" for r in ratios) + " |", "|---|" + "---|" * len(ratios)]
+    for key, cells in rows.items():
+        lines.append(f"| {key} | " + " | ".join(f"{cells[r]['flop_ratio']:.2f}×" if r in cells else "–" for r in ratios) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(value: float) -> str:

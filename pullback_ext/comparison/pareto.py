@@ -3,10 +3,14 @@
 A *point* is one setting of one method's own knob (ToMe's ``r``, EViT's ``keep_rate``, our ``ratio``
 η, ...). A *row* is one method with its selection and averaging rules fixed, swept over its knob;
 every row is labelled by those rules (:func:`~pullback_ext.prune.row_rules.describe`). Each point gets per-image errors against
-the unpruned model and a cost: FLOPs per image (one accounting for every method: torch's flop
-counter over the whole reduced forward, scoring, matching and the importance head included) and
+the unpruned model and a cost: FLOPs per image (:data:`~pullback_ext.comparison.cost.FLOP_ACCOUNTING`, one accounting for every
+method: torch's flop counter over the task's whole forward at batch 1, scoring, matching and the
+importance head included, the task's decoder included and the other task's decoder not) and
 wall-clock at several batch sizes from one interleaved timing run
-(:func:`~pullback_ext.comparison.cost.interleaved_wall_clock`), as speed-ups over the unpruned model.
+(:func:`~pullback_ext.comparison.cost.interleaved_wall_clock`, :data:`TIME_REPEATS` rounds by
+default), as speed-ups over the unpruned model: the median of the per-round ratios with its
+bootstrap 90% interval (:func:`~pullback_ext.comparison.cost.speedup_interval`). The FLOP ratio is
+the stable axis; measured speed-ups move with the machine's load.
 
 A row's *frontier* on one cost axis and one error statistic is its set of points that no other
 point of the row beats on both (at least as fast and at most as wrong, one of them strictly).
@@ -14,6 +18,13 @@ The error of a row at a matched speed-up ``s`` is read on that frontier: log-lin
 interpolated between the two frontier points around ``s`` (linearly where one error is 0); below
 the row's slowest frontier point its error there (an upper bound, flagged ``bound``); blank above
 its fastest point (not reachable).
+
+On a measured axis a matched cell is *within noise* (:func:`mark_noise`) when its row's error band
+at ``s`` overlaps that of another row reaching ``s``. A row's band at ``s`` runs from its matched
+error with every point placed at the high end of its speed-up interval (the optimistic reading) to
+that with every point at the low end (the pessimistic one; unbounded where the row then does not
+reach ``s``): where two bands overlap, moving the points within their intervals can swap the two
+rows' order at ``s``.
 """
 
 from __future__ import annotations
@@ -24,13 +35,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from pullback_ext.comparison.cost import count_flops, interleaved_wall_clock
+from pullback_ext.comparison.cost import FLOP_ACCOUNTING, count_flops, interleaved_wall_clock, speedup_interval
 from pullback_ext.comparison.evaluation import batched_outputs, output_errors
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.reduction_options import BackboneShape, Reduction, ReductionOptions
 
 MATCHED_SPEEDUPS = (1.1, 1.25, 1.5, 2.0)
 STATISTICS = ("mean", "p95", "worst")
+TIME_REPEATS = 7  # interleaved timing rounds of a page: the fewest that give its speed-up intervals
 @dataclass(frozen=True)
 class Point:
     """One setting of one method: ``options`` (unresolved), the ``knob`` values that set it
@@ -69,15 +81,19 @@ def image_errors(backbone, images: torch.Tensor, points: Sequence[Point], task: 
     return out
 
 
-def measure_cost(backbone, images: torch.Tensor, points: Sequence[Point], batches: Sequence[int] = (1, 64),
-                 repeats: int = 3, progress: bool = True) -> dict:
-    """``{"unpruned": entry, "points": [entry per point]}``, each entry with ``gflops_per_image``
-    (batch 1) and ``batch{b}`` timings; the point entries add ``flop_ratio`` and ``speedup_batch{b}``
-    (medians over ``repeats`` interleaved rounds, every point and the unpruned model in each round)."""
+def measure_cost(backbone, images: torch.Tensor, points: Sequence[Point], task: str, batches: Sequence[int] = (1, 64),
+                 repeats: int = TIME_REPEATS, progress: bool = True) -> dict:
+    """``{"unpruned": entry, "points": [entry per point]}`` of ``task``'s forward on ``images [n, 3, H, W]``
+    (:meth:`~pullback_ext.comparison.backbones.Backbone.forwards`), each entry with ``gflops_per_image``
+    (batch 1) and ``batch{b}`` timings; the point entries add ``flop_ratio`` and, per batch,
+    ``speedup_batch{b}`` (the median over ``repeats`` interleaved rounds, every point and the unpruned
+    model in each round, of the round's unpruned / point time) and ``speedup_batch{b}_ci90``
+    (``[low, high]``, the bootstrap 90% interval of that median: :func:`~pullback_ext.comparison.cost.speedup_interval`)."""
     from pullback_ext.progress import progress_bar
 
+    full, reduced = backbone.forwards(task)
     reductions = [resolve(p.options, backbone) for p in points]
-    fns = {"unpruned": backbone.full} | {i: (lambda x, r=r: backbone.reduced(r, x)) for i, r in enumerate(reductions)}
+    fns = {"unpruned": full} | {i: (lambda x, r=r: reduced(r, x)) for i, r in enumerate(reductions)}
     one = images[:1]
     entries = {key: {"gflops_per_image": count_flops(fn, one) / 1e9} for key, fn in fns.items()}
     for b in progress_bar(batches, desc="pareto timing", enabled=progress, unit="batch size"):
@@ -90,8 +106,11 @@ def measure_cost(backbone, images: torch.Tensor, points: Sequence[Point], batche
     for entry in entries.values():
         entry["flop_ratio"] = base["gflops_per_image"] / entry["gflops_per_image"]
         for b in batches:
-            entry[f"speedup_batch{b}"] = base[f"batch{b}"]["median_s"] / entry[f"batch{b}"]["median_s"]
-    return {"unpruned": base, "points": [entries[i] for i in range(len(points))], "batches": list(batches), "repeats": repeats}
+            spread = speedup_interval(base[f"batch{b}"]["times_s"], entry[f"batch{b}"]["times_s"])
+            entry[f"speedup_batch{b}"] = spread["median"]
+            entry[f"speedup_batch{b}_ci90"] = [spread["low"], spread["high"]]
+    return {"unpruned": base, "points": [entries[i] for i in range(len(points))], "batches": list(batches), "repeats": repeats,
+            "flops": FLOP_ACCOUNTING}
 
 
 def frontier(speedups: Sequence[float], errors: Sequence[float]) -> list[int]:
@@ -124,14 +143,45 @@ def matched_error(speedups: Sequence[float], errors: Sequence[float], target: fl
 
 
 def cost_axes(batches: Sequence[int]) -> tuple[str, ...]:
-    """The speed-up keys of a :func:`measure_cost` entry: measured ones (largest batch first), then FLOPs."""
-    return tuple(f"speedup_batch{b}" for b in sorted(batches, reverse=True)) + ("flop_ratio",)
+    """The speed-up keys of a :func:`measure_cost` entry: FLOPs (the stable axis), then the measured
+    ones (largest batch first)."""
+    return ("flop_ratio",) + tuple(f"speedup_batch{b}" for b in sorted(batches, reverse=True))
+
+
+def error_band(points: Sequence[dict], axis: str, stat: str, target: float) -> Optional[tuple[float, float]]:
+    """``(optimistic, pessimistic)`` matched ``stat`` error of one row's ``points`` (entries of
+    :func:`summarise`) at speed-up ``target`` on the measured ``axis``, with every point at the high,
+    then the low end of its ``{axis}_ci90`` interval (pessimistic ``inf`` where that reading does
+    not reach ``target``); None where even the optimistic one does not."""
+    ys = [p["error"][stat] for p in points]
+    best = matched_error([p["cost"][f"{axis}_ci90"][1] for p in points], ys, target)
+    if best is None:
+        return None
+    worst = matched_error([p["cost"][f"{axis}_ci90"][0] for p in points], ys, target)
+    return best["value"], (math.inf if worst is None else worst["value"])
+
+
+def mark_noise(matched: dict, points: Sequence[dict], rows: Sequence[str], axis: str, targets: Sequence[float]) -> None:
+    """Set ``within_noise`` on every reached cell of ``matched[stat][row][target]`` (the matched
+    errors on measured ``axis``): True where the row's :func:`error_band` overlaps another row's
+    at that target (see the module docstring)."""
+    for stat in STATISTICS:
+        for t in targets:
+            bands = {row: error_band([p for p in points if p["row"] == row], axis, stat, t) for row in rows}
+            for row in rows:
+                cell, mine = matched[stat][row][f"{t:g}"], bands[row]
+                if cell is None:
+                    continue
+                cell["band"] = None if mine is None else list(mine)
+                cell["within_noise"] = mine is not None and any(
+                    other is not None and other[0] <= mine[1] and mine[0] <= other[1] for r, other in bands.items() if r != row)
 
 
 def summarise(points: Sequence[Point], labels: Sequence[str], errors: Sequence[torch.Tensor], cost: dict,
               etas: Sequence[Optional[float]], targets: Sequence[float] = MATCHED_SPEEDUPS) -> dict:
     """JSON-ready results: every point (row, knob, η, error summary, cost) and, per cost axis and
-    statistic, each row's matched error at every ``targets`` speed-up (:func:`matched_error`)."""
+    statistic, each row's matched error at every ``targets`` speed-up (:func:`matched_error`; on
+    the measured axes with ``band`` and ``within_noise``, :func:`mark_noise`)."""
     entries = []
     for p, label, e, c, eta in zip(points, labels, errors, cost["points"], etas):
         entries.append({"row": label, "knob": dict(p.knob), "options": p.options.to_dict(), "eta": eta,
@@ -145,5 +195,7 @@ def summarise(points: Sequence[Point], labels: Sequence[str], errors: Sequence[t
                 mine = [e for e in entries if e["row"] == row]
                 xs, ys = [e["cost"][axis] for e in mine], [e["error"][stat] for e in mine]
                 table[row] = {f"{t:g}": matched_error(xs, ys, t) for t in targets}
+        if axis != "flop_ratio":
+            mark_noise(matched[axis], entries, rows, axis, targets)
     return {"rows": rows, "points": entries, "matched": matched, "targets": list(targets),
-            "unpruned_cost": cost["unpruned"], "batches": cost["batches"], "repeats": cost["repeats"]}
+            "unpruned_cost": cost["unpruned"], "batches": cost["batches"], "repeats": cost["repeats"], "flops": cost["flops"]}

@@ -23,16 +23,37 @@ def _fmt(value) -> str:
 
 
 def _cell(entry) -> str:
-    return "–" if entry is None else ("≤ " if entry["bound"] else "") + _fmt(entry["value"])
+    if entry is None:
+        return "–"
+    return ("≈ " if entry.get("within_noise") else "") + ("≤ " if entry["bound"] else "") + _fmt(entry["value"])
+
+
+def speedup_text(cost: dict, axis: str) -> str:
+    """A point's speed-up on ``axis``: ``1.23×``, with ``[low, high]`` (its 90% interval) on a measured axis."""
+    interval = cost.get(f"{axis}_ci90")
+    return f"{cost[axis]:.2f}×" + ("" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]")
+
+
+def cost_note(result: dict) -> str:
+    """How the page counts FLOPs and times, and what ``≈`` marks."""
+    repeats = result["repeats"]
+    timing = "" if not result["batches"] else (
+        f" Measured speed-ups: {repeats} interleaved rounds (the unpruned model and every point in each round, the order "
+        "rotating); a speed-up is the median over rounds of the round's unpruned / reduced time, with the bootstrap 90% "
+        "interval of that median in brackets. On a measured axis ≈ marks a cell *within noise*: the row's error band at "
+        "that speed-up (its matched error with every point at the high end of its interval, and with every point at the "
+        "low end) overlaps another row's band there, so the two rows' order at that speed-up is not settled by this run.")
+    return f"{result['flops']} The FLOP ratio is the stable axis and its table comes first.{timing}\n"
 
 
 def matched_tables(result: dict) -> str:
-    """One table per cost axis: each row's mean / p95 / worst-image error at the matched speed-ups."""
+    """One table per cost axis (FLOPs first): each row's mean / p95 / worst-image error at the matched speed-ups."""
     targets = [f"{t:g}" for t in result["targets"]]
     out = []
     for axis in cost_axes(result["batches"]):
+        noise = "" if axis == "flop_ratio" else ", ≈ within noise"
         out.append(f"**{result['metric']} at matched {axis_title(axis)}** (mean / p95 / worst image; "
-                   "– not reachable, ≤ the row's slowest setting)\n")
+                   f"– not reachable, ≤ the row's slowest setting{noise})\n")
         out.append("| row | " + " | ".join(f"{t}×" for t in targets) + " | fastest reached |")
         out.append("|---|" + "---|" * (len(targets) + 1))
         for row in result["rows"]:
@@ -45,7 +66,7 @@ def matched_tables(result: dict) -> str:
 def _fastest(result: dict, row: str, axis: str) -> str:
     mine = [p for p in result["points"] if p["row"] == row]
     best = max(mine, key=lambda p: p["cost"][axis])
-    return f"{best['cost'][axis]:.2f}× at {_knob(best)} (mean {_fmt(best['error']['mean'])}, worst {_fmt(best['error']['worst'])})"
+    return f"{speedup_text(best['cost'], axis)} at {_knob(best)} (mean {_fmt(best['error']['mean'])}, worst {_fmt(best['error']['worst'])})"
 
 
 def _knob(point: dict) -> str:
@@ -53,21 +74,21 @@ def _knob(point: dict) -> str:
 
 
 def points_table(result: dict) -> str:
-    """Every point: row, knob, η, cost and its error statistics."""
+    """Every point: row, knob, η, cost (measured speed-ups with their 90% intervals) and its error statistics."""
     measured = [a for a in cost_axes(result["batches"]) if a != "flop_ratio"]
     head = ["row", "knob", "η", "FLOP ratio"] + [f"speed-up b{a.removeprefix('speedup_batch')}" for a in measured] + \
         ["mean", "median", "p95", "worst"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in result["points"]:
         eta = "–" if p["eta"] is None else f"{p['eta']:.3f}"
-        cells = [p["row"], _knob(p), eta, f"{p['cost']['flop_ratio']:.2f}"] + [f"{p['cost'][a]:.2f}" for a in measured] + \
+        cells = [p["row"], _knob(p), eta, f"{p['cost']['flop_ratio']:.2f}"] + [speedup_text(p["cost"], a) for a in measured] + \
             [_fmt(p["error"][s]) for s in ("mean", "median", "p95", "worst")]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
 def markdown(result: dict) -> str:
-    return matched_tables(result) + "\n**Every point**\n\n" + points_table(result)
+    return cost_note(result) + "\n" + matched_tables(result) + "\n**Every point**\n\n" + points_table(result)
 
 
 def page_renderer(plot_name: str):
@@ -77,13 +98,13 @@ def page_renderer(plot_name: str):
 
 def figure(result: dict):
     """Mean (solid, on the row's frontier) and worst-image (dashed) error against speed-up, log y
-    (whole decades; errors ≤ 0 at a stated floor), one panel per cost axis (the largest measured
-    batch and FLOPs)."""
+    (whole decades; errors ≤ 0 at a stated floor), one panel per cost axis (FLOPs, and the largest
+    measured batch when timed)."""
     from pullback_ext.plots import decade_limits, note_floor, pyplot
 
     plt = pyplot()
-    axes_shown = [cost_axes(result["batches"])[0], "flop_ratio"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), squeeze=False)
+    axes_shown = cost_axes(result["batches"])[:2]
+    fig, axes = plt.subplots(1, len(axes_shown), figsize=(6 * len(axes_shown), 4.8), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     floor = min((p["error"]["mean"] for p in result["points"] if p["error"]["mean"] > 0), default=1e-6) / 10
     for ax, axis in zip(axes[0], axes_shown):

@@ -1,5 +1,6 @@
 """Probe maps of the Hugging Face ViT families: DINOv2 (with or without registers), ViT, CLIP and
-SigLIP vision models, DINOv3 ViT (see :data:`FAMILIES`).
+SigLIP vision models, DINOv3 ViT: the families of :mod:`pullback_ext.families` with a probe
+read-out (:class:`~pullback_ext.families.adapter.ProbeReadout`).
 
 F = tokens after encoder layer ℓ (prefix tokens — CLS, registers — first, then the patches);
 ψ runs layers ℓ+1.., then what the model does after its layer loop, and reads out
@@ -21,13 +22,13 @@ computed once and kept as a buffer.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.families import HFFamily, detect, table
 from pullback_ext.probes.base import Probe
 from pullback_ext.probes.features import Features
 from pullback_ext.probes.modes import evaluation, jvp_friendly
@@ -35,68 +36,23 @@ from pullback_ext.probes.modes import evaluation, jvp_friendly
 OUTPUTS = ("cls", "tokens", "pooled")
 
 
-@dataclass(frozen=True)
-class VisionFamily:
-    """Where one family keeps its parts. ``bases``: class names of the base model (the one with the
-    embeddings and the layer loop); ``wrapper``: the attribute a model built on it (a classifier, a
-    model with a projection) holds it under; ``layers``: dotted path of the layers from the base;
-    ``norm``: the base's norm on all tokens after the loop (None: none); ``pool``: the base's map of
-    the last hidden state to ``pooler_output`` (None: its normed CLS row), ``head`` the base's
-    attribute it needs; ``projection``: the wrapper's attribute projecting the pooled output (None:
-    none); ``pooler``: the image embedding is the base's ``pooler_output`` (False: the CLS row of its
-    ``last_hidden_state``); ``rotary``: the layers read the base's ``rope_embeddings``."""
-
-    name: str
-    bases: tuple
-    wrapper: Optional[str]
-    layers: str
-    norm: Optional[str]
-    pool: Optional[Callable] = None
-    head: Optional[str] = None
-    projection: Optional[str] = None
-    has_cls: bool = True
-    pooler: bool = True
-    rotary: bool = False
-
-
-def _clip_pool(base, h: Tensor) -> Tensor:
-    return base.post_layernorm(h[:, 0])
-
-
-def _siglip_pool(base, h: Tensor) -> Tensor:
-    return base.head(h)
-
-
-FAMILIES = {
-    family.name: family
-    for family in (
-        VisionFamily("dinov2", ("Dinov2Model", "Dinov2WithRegistersModel"), "dinov2", "encoder.layer", "layernorm"),
-        VisionFamily("vit", ("ViTModel",), "vit", "layers", "layernorm", pooler=False),
-        VisionFamily("clip", ("CLIPVisionModel",), "vision_model", "encoder.layers", None, _clip_pool,
-                     projection="visual_projection"),
-        VisionFamily("siglip", ("SiglipVisionModel",), "vision_model", "encoder.layers", "post_layernorm",
-                     _siglip_pool, "head", has_cls=False),
-        VisionFamily("dinov3", ("DINOv3ViTModel",), None, "model.layer", "norm", rotary=True),
-    )
-}
-
-
-def _resolve(model: torch.nn.Module, families: Sequence[str]) -> tuple[VisionFamily, torch.nn.Module]:
-    """``(family, base model)`` of ``model`` (a base model of ``families`` or a model around one)."""
-    for family in (FAMILIES[name] for name in families):
-        if type(model).__name__ in family.bases:
-            return family, model
-        inner = getattr(model, family.wrapper, None) if family.wrapper else None
-        if inner is not None and type(inner).__name__ in family.bases:
-            return family, inner
-    names = [base for name in families for base in FAMILIES[name].bases]
+def _resolve(model: torch.nn.Module, families: Optional[Sequence[str]] = None) -> tuple[HFFamily, torch.nn.Module]:
+    """``(family, base model)`` of ``model`` (a base model of ``families``, default every family
+    with a probe read-out, or a model around one)."""
+    try:
+        family = detect(model, families)
+    except PullbackError:
+        family = None
+    readout = getattr(family, "probe", None)
+    if readout is not None:
+        inner = getattr(model, readout.wrapper, None) if readout.wrapper else None
+        for base in (model, inner):
+            if type(base).__name__ in readout.bases:
+                return family, base
+    names = [base for f in table().values() if getattr(f, "probe", None) is not None
+             and (families is None or f.name in families) for base in f.probe.bases]
     raise TypeError(f"model: expected transformers' {', '.join(names)} or a model around one (an image classifier, "
                     f"a model with a projection), got {type(model).__name__}")
-
-
-def family_name(model: torch.nn.Module) -> str:
-    """The name in :data:`FAMILIES` of ``model``'s family (TypeError when it is none of them)."""
-    return _resolve(model, tuple(FAMILIES))[0].name
 
 
 def _attribute(module: torch.nn.Module, path: str):
@@ -108,13 +64,14 @@ def _attribute(module: torch.nn.Module, path: str):
 def embedding(model: torch.nn.Module, images: Tensor) -> Tensor:
     """The ``cls`` output of the family's model, from its base model's own forward (then the
     wrapper's projection, if any): images[B,3,H,W] -> [B,E]."""
-    family, base = _resolve(model, tuple(FAMILIES))
+    family, base = _resolve(model)
+    readout = family.probe
     out = base(pixel_values=images)
-    pooled = out.pooler_output if family.pooler else out.last_hidden_state[:, 0]
+    pooled = out.pooler_output if readout.pooler else out.last_hidden_state[:, 0]
     if pooled is None:
         raise PullbackError(f"model: this {type(base).__name__} has no pooled output (its config leaves out the "
                             f"pooling head), so no image embedding")
-    projection = getattr(model, family.projection, None) if family.projection else None
+    projection = getattr(model, readout.projection, None) if readout.projection else None
     return pooled if projection is None else projection(pooled)
 
 
@@ -132,11 +89,12 @@ class HFVisionProbe(Probe):
     """Probe of a Hugging Face ViT-family model at encoder layer ``layer`` (see module docstring)."""
 
     def __init__(self, model: torch.nn.Module, layer: int, output: str = "cls", image_size: Optional[Sequence[int]] = None,
-                 output_transform: Optional[Tensor] = None, families: Sequence[str] = tuple(FAMILIES)) -> None:
+                 output_transform: Optional[Tensor] = None, families: Optional[Sequence[str]] = None) -> None:
         family, base = _resolve(model, families)
-        layers = _attribute(base, family.layers)
-        if output == "cls" and family.head is not None and getattr(base, family.head, None) is None:
-            raise PullbackError(f"output: 'cls' of a {family.bases[0]} is its attention-pooling head's output; this model "
+        readout = family.probe
+        layers = _attribute(base, readout.layers)
+        if output == "cls" and readout.head is not None and getattr(base, readout.head, None) is None:
+            raise PullbackError(f"output: 'cls' of a {readout.bases[0]} is its attention-pooling head's output; this model "
                                 f"has none (config.vision_use_head is False): use 'pooled' or 'tokens'")
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < len(layers):
             raise PullbackError(f"layer: expected an int in [0, {len(layers) - 1}] (the encoder has {len(layers)} layers), "
@@ -149,25 +107,25 @@ class HFVisionProbe(Probe):
         if len(image_size) != 2 or min(image_size) < 1:
             raise PullbackError(f"image_size: expected (H, W), got {tuple(image_size)!r}")
         grid = (int(image_size[0]) // config.patch_size, int(image_size[1]) // config.patch_size)
-        prefix = int(family.has_cls) + int(getattr(config, "num_register_tokens", 0) or 0)
+        prefix = int(family.has_cls(base)) + int(getattr(config, "num_register_tokens", 0) or 0)
         super().__init__(layer, grid[0] * grid[1] + prefix, config.hidden_size, prefix, output_transform)
         self.family = family.name
         self.model = base
-        self.projection = getattr(model, family.projection, None) if family.projection else None
+        self.projection = getattr(model, readout.projection, None) if readout.projection else None
         self.output = output
         self.image_size = (int(image_size[0]), int(image_size[1]))
         self.grid_size = grid
-        self._family = family
+        self._readout = readout
         self.register_buffer("rotary", self._rotary_table(), persistent=False)
 
     @property
     def layers(self) -> torch.nn.ModuleList:
         """The encoder layers of the model."""
-        return _attribute(self.model, self._family.layers)
+        return _attribute(self.model, self._readout.layers)
 
     def _rotary_table(self) -> Optional[Tensor]:
         """DINOv3: the (cos, sin) tables of the patch grid stacked, [2, n, d]; else None."""
-        if not self._family.rotary:
+        if not self._readout.rotary:
             return None
         weight = self.model.embeddings.patch_embeddings.weight
         with torch.no_grad(), evaluation(self.model):
@@ -189,19 +147,19 @@ class HFVisionProbe(Probe):
         return Features(store["out"])
 
     def outputs(self, F: Tensor) -> Tensor:
-        family = self._family
+        readout = self._readout
         extra = {} if self.rotary is None else {"position_embeddings": (self.rotary[0], self.rotary[1])}
         with jvp_friendly(self.model):
             h = F
             for layer in self.layers[self.layer + 1:]:
                 h = layer(h, None, **extra)
-            if family.norm is not None:
-                h = getattr(self.model, family.norm)(h)
+            if readout.norm is not None:
+                h = getattr(self.model, readout.norm)(h)
             if self.output == "tokens":
                 return h.reshape(h.shape[0], -1)
             if self.output == "pooled":
                 return h[:, self.num_prefix_tokens:].mean(dim=1)
-            y = h[:, 0] if family.pool is None else family.pool(self.model, h)
+            y = h[:, 0] if readout.pool is None else readout.pool(self.model, h)
             return y if self.projection is None else self.projection(y)
 
 

@@ -17,7 +17,7 @@ from pullback_ext.probes.cls_row import run_blocks_for_cls_row
 from pullback_ext.probes.features import Features
 from pullback_ext.probes.modes import evaluation, jvp_friendly
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.timm_eva import is_eva
+from pullback_ext.families.timm_eva import ADAPTER as EVA
 
 OUTPUTS = ("cls", "tokens", "pooled")
 
@@ -34,13 +34,10 @@ def _check_timm_vit(model: torch.nn.Module) -> None:
 def _rotary_table(model: torch.nn.Module) -> Optional[Tensor]:
     """The rotary table an ``Eva``'s blocks read ([n, d], or [depth, H, n, d] for the mixed RoPE);
     None for a model without RoPE."""
-    if not is_eva(model) or model.rope is None:
+    if not EVA.matches(model):
         return None
-    param = next(model.parameters())
-    size = tuple(int(s) for s in model.patch_embed.img_size)
     with torch.no_grad(), evaluation(model):
-        _, rope = model._pos_embed(model.patch_embed(param.new_zeros(1, 3, *size)))
-    return rope
+        return EVA.rotary_table(model)
 
 
 class TimmViTProbe(Probe):
@@ -84,7 +81,7 @@ class TimmViTProbe(Probe):
         self.model = model
         self.output = output
         self.cls_row = bool(cls_row)
-        self.eva = is_eva(model)
+        self.eva = EVA.matches(model)
         self.register_buffer("rotary", _rotary_table(model), persistent=False)
 
     def _run_blocks(self, x: Tensor, start: int, stop: int) -> Tensor:

@@ -1,5 +1,5 @@
 """Reduction-aware layer loops for the Hugging Face ViT families of
-:mod:`pullback_ext.prune.hf_families`: DPT, DINOv2 (with or without registers; also Depth
+:mod:`pullback_ext.families`: DPT, DINOv2 (with or without registers; also Depth
 Anything's backbone), ViT, CLIP and SigLIP vision models, DINOv3 ViT (registers, RoPE).
 
 Transformers records ``hidden_states`` (what a DPT or Depth Anything neck reads) with forward hooks
@@ -32,15 +32,16 @@ import inspect
 import types
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.families import HFFamily, check_transformers, detect, family as family_named
+from pullback_ext.families.dpt import ADAPTER as DPT
 from pullback_ext.prune import hf_split
-from pullback_ext.prune.hf_families import FAMILIES, Family, attention_module, check_transformers, heads
-from pullback_ext.prune.hf_vit import refuse_attention_mask
+from pullback_ext.prune.hf_vit import model_forward, refuse_attention_mask
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.reduction_options import Reduction
 from pullback_ext.prune.rope import DeferredAttention, RotaryRows, still_cos_sin
@@ -55,60 +56,35 @@ _MASKABLE_ATTENTION = ("eager", "sdpa")
 @dataclass(frozen=True)
 class Encoder:
     """A layer loop the pipeline can run: ``module`` owns the loop (its forward is replaced) and
-    holds the layers (:attr:`layers`); ``family`` names its entry in
-    :data:`~pullback_ext.prune.hf_families.FAMILIES`; ``num_prefix`` counts CLS and register tokens."""
+    holds the layers (:attr:`layers`); ``family`` is its adapter
+    (:class:`~pullback_ext.families.adapter.HFFamily`); ``num_prefix`` counts CLS and register tokens."""
 
     module: torch.nn.Module
-    family: str
+    family: HFFamily
     num_prefix: int
     feeds_dense_neck: bool  # its hidden states feed a dense decoder (a transformers backbone, a DPT neck)
     has_cls: bool = True
 
     @property
     def layers(self) -> torch.nn.ModuleList:
-        return getattr(self.module, FAMILIES[self.family].layers)
+        return getattr(self.module, self.family.layer_attr)
 
 
-def _first(model, names: tuple):
-    modules = model.modules() if hasattr(model, "modules") else ()
-    return next((m for m in modules if type(m).__name__ in names), None)
-
-
-def _loop_owner(model, family: Family):
-    if not family.parents:
-        return _first(model, family.loops)
-    parent = _first(model, family.parents)
-    encoder = getattr(parent, "encoder", None)
-    return encoder if type(encoder).__name__ in family.loops else None
-
-
-def find_encoder(model, families: tuple = ("dpt", "dinov2")) -> Encoder:
-    """The layer loop of ``model`` in the first of ``families`` it belongs to (see
-    :data:`~pullback_ext.prune.hf_families.FAMILIES`: a DPT, DINOv2, ViT, CLIP or SigLIP vision,
-    DINOv3 model, or a model built on one)."""
-    for name in families:
-        family = FAMILIES[name]
-        owner = _loop_owner(model, family)
-        if owner is not None:
-            registers = int(getattr(owner.config, "num_register_tokens", 0) or 0)
-            return Encoder(owner, name, int(family.has_cls) + registers, has_cls=family.has_cls,
-                           feeds_dense_neck=_first(model, family.dense) is not None)
-    raise PullbackError(f"model must be {' or '.join(FAMILIES[f].title for f in families)}; got {type(model).__name__}")
+def find_encoder(model, families: Optional[tuple] = None) -> Encoder:
+    """The layer loop of ``model`` in the first of ``families`` (names in
+    :func:`pullback_ext.families.table`; None: every family), in detection order, it belongs to: a
+    DPT, Depth Anything, DINOv2, ViT, CLIP or SigLIP vision, DINOv3 model, or a model built on one."""
+    family = detect(model, families)
+    if not isinstance(family, HFFamily):
+        raise PullbackError(f"model: expected a Hugging Face model; {type(model).__name__} is {family.title}")
+    return Encoder(family.loop_owner(model), family, family.num_prefix(model), has_cls=family.has_cls(model),
+                   feeds_dense_neck=family.feeds_dense_neck(model))
 
 
 def attention_probs(layer, x: torch.Tensor, bias=None, family: str = "dpt", position_embeddings=None) -> torch.Tensor:
-    """Head-averaged attention probabilities ``[B, K, K]`` of a layer of ``family`` (see
-    :data:`~pullback_ext.prune.hf_families.FAMILIES`) on input ``x [B, K, D]`` (``bias``: additive
-    logit mask or None; ``position_embeddings``: the rotary ``(cos, sin)`` rows of the current patch
-    tokens, RoPE families only)."""
-    attn, _, (q, key) = heads(layer, x, family, 2)
-    rotary = FAMILIES[family].rotary
-    if rotary is not None:
-        q, key = rotary(q, key, position_embeddings)
-    logits = (q @ key.transpose(-2, -1)) * getattr(attn, FAMILIES[family].attention.scaling)
-    if bias is not None:
-        logits = logits + bias
-    return logits.softmax(dim=-1).mean(dim=1)
+    """Head-averaged attention probabilities ``[B, K, K]`` of a layer of the family named ``family``
+    on input ``x [B, K, D]`` (:meth:`~pullback_ext.families.adapter.HFFamily.attention_probs`)."""
+    return family_named(family).attention_probs(layer, x, bias, position_embeddings)
 
 
 def dinov2_attention_probs(layer, x: torch.Tensor, bias=None) -> torch.Tensor:
@@ -119,19 +95,21 @@ def dinov2_attention_probs(layer, x: torch.Tensor, bias=None) -> torch.Tensor:
 def biased_layer_forward(layer, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``DPTViTLayer.forward`` on ``x [B, K, D]`` with ``bias`` (``[B, 1, 1|K, K]``) added to the
     attention logits of every head (inference: no dropout)."""
-    attn, h, (q, key, v) = heads(layer, x, "dpt", 3)
+    attn, h, (q, key, v) = DPT.heads(layer, x, 3)
     b, k, _ = h.shape
     context = F.scaled_dot_product_attention(q, key, v, attn_mask=bias.to(q.dtype), scale=attn.scaling)
     x = layer.attention.output(context.transpose(1, 2).reshape(b, k, attn.all_head_size), h) + x
     return layer.output(layer.intermediate(layer.layernorm_after(x)), x)
 
 
-def masked_layer_forward(layer, x: torch.Tensor, bias: Optional[torch.Tensor], family: str = "dinov2", **extra):
+def masked_layer_forward(layer, x: torch.Tensor, bias: Optional[torch.Tensor], family: Union[str, HFFamily] = "dinov2",
+                         **extra):
     """The layer's own forward on ``x [B, K, D]`` with ``bias`` (``[B, 1, 1|K, K]`` or None) as its
-    additive ``attention_mask`` (the families whose layers take one); ``extra``: further layer
-    arguments (DINOv3's ``position_embeddings``)."""
+    additive ``attention_mask`` (the families whose layers take one; ``family``: its adapter or
+    name); ``extra``: further layer arguments (DINOv3's ``position_embeddings``)."""
     if bias is not None:
-        implementation = attention_module(layer, FAMILIES[family]).config._attn_implementation
+        adapter = family_named(family) if isinstance(family, str) else family
+        implementation = adapter.attention_module(layer).config._attn_implementation
         if implementation not in _MASKABLE_ATTENTION:
             raise PullbackError(f"attention implementation {implementation!r} takes no additive attention mask, which "
                                 f"proportional attention and masked LLF need; load the model with "
@@ -146,15 +124,15 @@ def dinov2_biased_forward(layer, x: torch.Tensor, bias: torch.Tensor) -> torch.T
     return masked_layer_forward(layer, x, bias, "dinov2")
 
 
-def _current_forward(holder: dict, family: Family, layer, state, bias) -> torch.Tensor:
+def _current_forward(holder: dict, family: HFFamily, layer, state, bias) -> torch.Tensor:
     """The layer's own computation on the current tokens ``state.x [B, K, D]`` (with ``bias`` and,
     RoPE families, the rotary rows of the current tokens); returns ``[B, K, D]``."""
     x, extra = state.x, {}
-    if family.rotary is not None:
+    if family.rotary:
         extra["position_embeddings"] = _rotary_rows(holder, state)
         holder["deferred"].fill(layer, x, bias, extra["position_embeddings"])
     if family.takes_mask:
-        return masked_layer_forward(layer, x, bias, family.name, **extra)
+        return masked_layer_forward(layer, x, bias, family, **extra)
     return type(layer).forward(layer, x) if bias is None else biased_layer_forward(layer, x, bias)
 
 
@@ -163,7 +141,7 @@ def _rotary_rows(holder: dict, state) -> tuple:
     return holder["rows"].select(state, holder["rotary"])
 
 
-def _layer_forward(holder: dict, family: Family):
+def _layer_forward(holder: dict, family: HFFamily):
     """A layer forward that runs on the loop's current tokens (with its bias and rotary rows) and
     returns full-length features; while the originals' outputs are replayed (see
     :func:`_run_original`) it returns the layer's recorded full-length output; outside a patched
@@ -199,14 +177,14 @@ def _attention_reader(encoder: Encoder, holder: dict, position_embeddings):
     """The ``attention_probs(layer, x, bias)`` the block loop calls; for RoPE families the rotary
     tables go into ``holder`` and the attention is computed when the layer runs (TAP's register is
     one more prefix token)."""
-    family = FAMILIES[encoder.family]
-    if family.rotary is None:
-        return lambda layer, x, bias: attention_probs(layer, x, bias, encoder.family)
+    family = encoder.family
+    if not family.rotary:
+        return lambda layer, x, bias: family.attention_probs(layer, x, bias)
     if position_embeddings is None:
         raise PullbackError(f"position_embeddings: {family.title} layers need the rotary (cos, sin) tables; got None")
     prefix = encoder.num_prefix + int(holder.get("register") is not None)
     holder["rows"], holder["rotary"] = RotaryRows(prefix, still_cos_sin), tuple(position_embeddings)
-    holder["deferred"] = DeferredAttention(lambda layer, x, bias, rows: attention_probs(layer, x, bias, encoder.family, rows))
+    holder["deferred"] = DeferredAttention(lambda layer, x, bias, rows: family.attention_probs(layer, x, bias, rows))
     return holder["deferred"].request
 
 
@@ -242,12 +220,12 @@ def _run_original(encoder: Encoder, reduction: Reduction, holder: dict, hidden_s
     [B, N, D]``, its layers run directly on the current tokens; then every layer is called once more
     to hand transformers' hooks its full-length output (the layers the originals split never run
     as modules). Returns the final features ``[B, N, D]``."""
-    family = FAMILIES[encoder.family]
+    family = encoder.family
 
     def call_layer(layer, state, bias) -> torch.Tensor:
         return _current_forward(holder, family, layer, state, bias)
 
-    rows = partial(_rotary_rows, holder) if family.rotary is not None else None
+    rows = partial(_rotary_rows, holder) if family.rotary else None
     final, outputs = hf_split.run(family, reduction, hidden_states, encoder.layers, call_layer, probs, rows)
     holder["replay"] = dict(zip(encoder.layers, outputs))
     x = hidden_states
@@ -258,12 +236,11 @@ def _run_original(encoder: Encoder, reduction: Reduction, holder: dict, hidden_s
 
 def _owner_forward(encoder: Encoder, reduction: Reduction, holder: dict):
     """The patched forward of the loop owner, taking the arguments of its own forward."""
-    family = FAMILIES[encoder.family]
-    if family.mirror is not None:
+    if encoder.family.mirrored:
         def run_layers(hidden_states: torch.Tensor) -> torch.Tensor:
             return encoder_forward(encoder, reduction, holder, hidden_states).last_hidden_state
 
-        return lambda module, *args, **kwargs: family.mirror(module, run_layers, *args, **kwargs)
+        return lambda module, *args, **kwargs: model_forward(module, run_layers, *args, **kwargs)
     signature = inspect.signature(type(encoder.module).forward)
     first = list(signature.parameters)[1]  # after self: the hidden states (or inputs_embeds)
 
@@ -277,7 +254,7 @@ def _owner_forward(encoder: Encoder, reduction: Reduction, holder: dict):
 
 def install(encoder: Encoder, reduction: Reduction) -> None:
     """Patch the loop owner and its layers in place."""
-    family = FAMILIES[encoder.family]
+    family = encoder.family
     check_transformers(family)
     holder: dict = {}
     for layer in encoder.layers:

@@ -1,9 +1,9 @@
 """The original methods (ToMe, PiToMe, EViT, Expedite, ASAP) on the Hugging Face layer loops of
-:mod:`pullback_ext.prune.hf_families`.
+:mod:`pullback_ext.families`.
 
 ToMe, PiToMe and EViT reduce between a layer's attention and its MLP: :func:`split` runs a layer
-of any family in those two halves, from the family's :class:`~pullback_ext.prune.hf_families.AttentionLayout`
-(norm, projections, head width, logit scale) and :class:`~pullback_ext.prune.hf_families.Branches`
+of any family in those two halves, from the family's :class:`~pullback_ext.families.adapter.AttentionLayout`
+(norm, projections, head width, logit scale) and :class:`~pullback_ext.families.adapter.Branches`
 (output projection, LayerScale, MLP), as the :class:`~pullback_ext.prune.split_block.SplitBlock`
 that :func:`pullback_ext.prune.methods.tome.run`, :func:`pullback_ext.prune.methods.evit.run` and
 :func:`pullback_ext.prune.methods.pitome.run` take for timm blocks. The attention half runs
@@ -32,15 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.hf_families import Family, heads
+from pullback_ext.families import HFFamily
 from pullback_ext.prune.methods import check_supported
 from pullback_ext.prune.methods.base import Traits
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.split_block import Attended, SplitBlock
-
-def traits(family: Family) -> Traits:
-    """What ``family`` offers the methods (:func:`pullback_ext.prune.methods.supported`)."""
-    return Traits(has_cls=family.has_cls, rotary=family.rotary is not None)
 
 
 def _apply(layer, paths: tuple, h: torch.Tensor) -> torch.Tensor:
@@ -49,17 +45,17 @@ def _apply(layer, paths: tuple, h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def attend(layer, state, bias: Optional[torch.Tensor], family: Family, rows: Optional[Callable] = None) -> Attended:
+def attend(layer, state, bias: Optional[torch.Tensor], family: HFFamily, rows: Optional[Callable] = None) -> Attended:
     """The attention half of a layer of ``family`` on ``x = state.x [B, K, D]``: ``x +
     branch(attention(norm(x)))`` with the additive ``bias`` (``[B, 1, 1|K, K]`` or None) on the
     logits of every head, and the queries and keys ``[B, H, K, d]`` it used (inference: no
     dropout); RoPE families rotate them by ``rows(state)``, the rotary rows of the current tokens."""
-    if family.rotary is not None and rows is None:
+    if family.rotary and rows is None:
         raise PullbackError(f"rows: {family.title} layers run in halves need the rotary rows of the current tokens; got None")
     x = state.x
-    attn, _, (q, k, v) = heads(layer, x, family.name, 3)
-    if family.rotary is not None:
-        q, k = family.rotary(q, k, rows(state))
+    attn, _, (q, k, v) = family.heads(layer, x, 3)
+    if family.rotary:
+        q, k = family.rotate(q, k, rows(state))
     scale = float(getattr(attn, family.attention.scaling))
     mask = None if bias is None else bias.to(q.dtype)
     context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -67,24 +63,24 @@ def attend(layer, state, bias: Optional[torch.Tensor], family: Family, rows: Opt
     return Attended(x + _apply(layer, family.branches.attention_out, merged), q, k, scale)
 
 
-def feed_forward(layer, x: torch.Tensor, family: Family) -> torch.Tensor:
+def feed_forward(layer, x: torch.Tensor, family: HFFamily) -> torch.Tensor:
     """The MLP half of a layer of ``family``: ``x + branch(mlp(norm(x)))`` ``[B, K, D]``."""
     b = family.branches
     return x + _apply(layer, b.mlp, getattr(layer, b.mlp_norm)(x))
 
 
-def split(family: Family, rows: Optional[Callable] = None) -> SplitBlock:
+def split(family: HFFamily, rows: Optional[Callable] = None) -> SplitBlock:
     """The layers of ``family`` in two halves, for the originals that reduce between them
     (``rows(state)``: the rotary rows of the current tokens, RoPE families)."""
     return SplitBlock(attend=partial(attend, family=family, rows=rows), feed_forward=partial(feed_forward, family=family))
 
 
-def run(family: Family, reduction, x: torch.Tensor, layers, call_layer, attention_probs, rows: Optional[Callable] = None):
+def run(family: HFFamily, reduction, x: torch.Tensor, layers, call_layer, attention_probs, rows: Optional[Callable] = None):
     """Run ``layers`` of ``family`` on ``x [B, N, D]`` with the original method of ``reduction``
     (``call_layer(layer, state, bias)``, ``attention_probs(layer, x, bias)``: see
     :func:`~pullback_ext.prune.pipeline.run_blocks`; ``rows``: see :func:`split`). Returns
     ``(final [B, N, D], [output of layer i, full-length [B, N, D], for every layer])``."""
-    check_supported(reduction.method.name, traits(family), family.title)
+    check_supported(reduction.method.name, Traits.of(family), family.title)
     final, taken = run_blocks(reduction, x, layers, call_layer, attention_probs, take=range(len(layers)),
                               split=split(family, rows))
     return final, [taken[i] for i in range(len(layers))]

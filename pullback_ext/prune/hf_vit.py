@@ -5,7 +5,7 @@ layers (``ViTModel.layers``), the final LayerNorm and the pooler itself. The pat
 method line by line with the layer loop replaced by ``run_layers``; it is installed wrapped in the
 same ``merge_with_config_defaults`` and ``capture_outputs`` decorators, so hidden states are
 recorded by the same hooks on the (full-length returning) layers. A hash of the upstream source is
-recorded in :data:`pullback_ext.prune.hf_families.MIRRORS`; a test fails when it changes.
+recorded in :data:`pullback_ext.families.versions.MIRRORS`; a test fails when it changes.
 """
 
 from __future__ import annotations

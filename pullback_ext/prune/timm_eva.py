@@ -25,15 +25,6 @@ from pullback_ext.prune.split_block import Attended, SplitBlock
 from pullback_ext.prune.timm_vit import BlockRunner, attention_with_qk
 
 
-def is_eva(model) -> bool:
-    """Whether ``model`` is a timm ``Eva``."""
-    try:
-        from timm.models.eva import Eva
-    except ImportError:
-        return False
-    return isinstance(model, Eva)
-
-
 def _rotate(t: torch.Tensor, rope: torch.Tensor, attn) -> torch.Tensor:
     """What the attention does to queries or keys ``t [B, H, K, d]``: rotate all but its prefix tokens."""
     from timm.layers import apply_rot_embed_cat

@@ -16,6 +16,8 @@ from typing import Callable, List, NamedTuple, Optional, Union
 import torch
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.families.timm_eva import ADAPTER as EVA
+from pullback_ext.families.timm_vit import ADAPTER as VIT
 from pullback_ext.prune.folded_attention import FoldedSizes, StaleKeys, folded_block
 from pullback_ext.prune.methods import check_supported
 from pullback_ext.prune.methods.base import BackboneShape, Reduction, Traits
@@ -42,23 +44,10 @@ def check_model(model) -> None:
         raise PullbackError(f"model must be a timm VisionTransformer; {type(model).__name__} lacks {', '.join(missing)}")
 
 
-def is_timm_vit(model) -> bool:
-    """Whether ``model`` is a timm ``VisionTransformer`` or ``Eva`` (or a subclass)."""
-    try:
-        from timm.models.eva import Eva
-        from timm.models.vision_transformer import VisionTransformer
-    except ImportError:
-        return False
-    return isinstance(model, (VisionTransformer, Eva))
-
-
 def traits(model) -> Traits:
-    """What a timm ``VisionTransformer`` or ``Eva`` offers the methods: an ``Eva`` has rotary
-    positions and no room for an extra prefix token in its rotary rows."""
-    from pullback_ext.prune import timm_eva
-
-    eva = timm_eva.is_eva(model)
-    return Traits(has_cls=getattr(model, "cls_token", None) is not None, rotary=eva, takes_extra_token=not eva)
+    """What a timm ``VisionTransformer`` or ``Eva`` offers the methods: its family adapter's traits
+    (an ``Eva`` has rotary positions and no room for an extra prefix token in its rotary rows)."""
+    return Traits.of(EVA if EVA.matches(model) else VIT, model)
 
 
 def check_strategy(model, strategy: str) -> None:
@@ -160,7 +149,7 @@ def _embed(model, x: torch.Tensor) -> tuple[torch.Tensor, BlockRunner]:
     """The input of the first block ``[B, N, D]`` and the runner of the blocks."""
     from pullback_ext.prune import timm_eva
 
-    if timm_eva.is_eva(model):
+    if EVA.matches(model):
         return timm_eva.embed(model, x)
     x = model.patch_embed(x)
     x = model._pos_embed(x)

@@ -9,32 +9,26 @@ from typing import Optional
 import torch
 
 from pullback_ext.errors import CheckpointError, PullbackError
+from pullback_ext.families import table
 from pullback_ext.sources.weights import read_state_dict
 
-# transformers model types and the classes built for each (by name: transformers is imported lazily):
-# the one of the config's ``architectures`` when it is listed, else the first.
-HF_DEPTH_MODELS = {"dpt": ("DPTForDepthEstimation",), "depth_anything": ("DepthAnythingForDepthEstimation",)}
-HF_CLS_MODELS = {
-    "dinov2": ("Dinov2Model",),
-    "dinov2_with_registers": ("Dinov2WithRegistersModel",),
-    "vit": ("ViTModel", "ViTForImageClassification"),
-    "clip_vision_model": ("CLIPVisionModel", "CLIPVisionModelWithProjection"),
-    "siglip_vision_model": ("SiglipVisionModel",),
-    "dinov3_vit": ("DINOv3ViTModel",),
-}
-HF_MODELS = {**HF_DEPTH_MODELS, **HF_CLS_MODELS}
+def model_types() -> dict:
+    """transformers model type -> the classes built for it (by name: transformers is imported
+    lazily), as the families of :mod:`pullback_ext.families` load them: the one of the config's
+    ``architectures`` when it is listed, else the first."""
+    return {kind: classes for family in table().values() for kind, classes in getattr(family, "loads", {}).items()}
 
 
 def model_class_name(config) -> str:
-    """The class :func:`load_hf_model` builds for ``config`` (of a model type in :data:`HF_MODELS`)."""
-    offered = HF_MODELS[config.model_type]
+    """The class :func:`load_hf_model` builds for ``config`` (of a model type in :func:`model_types`)."""
+    offered = model_types()[config.model_type]
     listed = [name for name in (getattr(config, "architectures", None) or ()) if name in offered]
     return listed[0] if listed else offered[0]
 
 
 def load_hf_model(folder: str, weights: Optional[str], random_weights: bool = False) -> tuple[torch.nn.Module, Optional[str]]:
     """``(model, weights path)``: the model of a local transformers folder (its ``config.json``,
-    of a model type in :data:`HF_MODELS`) in float32, eval mode, without gradients.
+    of a model type in :func:`model_types`) in float32, eval mode, without gradients.
 
     Weights: ``weights``, else the folder's ``model.safetensors`` / ``pytorch_model.bin``; a folder
     without weights (an unfinished download) is refused unless ``random_weights``, which keeps the
@@ -49,8 +43,8 @@ def load_hf_model(folder: str, weights: Optional[str], random_weights: bool = Fa
     if not (path / "config.json").is_file():
         raise PullbackError(f"--model: hf:{folder} must be a local folder with a config.json")
     config = _read_config(path)
-    if config.model_type not in HF_MODELS:
-        raise PullbackError(f"--model: hf model type must be one of {sorted(HF_MODELS)}, got {config.model_type!r}")
+    if config.model_type not in model_types():
+        raise PullbackError(f"--model: hf model type must be one of {sorted(model_types())}, got {config.model_type!r}")
     name = model_class_name(config)
     cls = getattr(transformers, name)
     if weights is None:
@@ -110,8 +104,3 @@ def _read_config(path: Path):
     except _config_errors() as exc:
         reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise CheckpointError(f"--model: {path / 'config.json'} is not a usable transformers config: {reason}") from None
-
-
-def is_depth_model(model: torch.nn.Module) -> bool:
-    """Whether a model from :func:`load_hf_model` is one of the depth models (else a CLS model)."""
-    return any(type(model).__name__ in names for names in HF_DEPTH_MODELS.values())

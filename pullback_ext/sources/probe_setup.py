@@ -1,7 +1,7 @@
 """A model and a decoder name -> the probe map the diagnostics and the learned metric work on.
 
-Decoders: ``cls``, ``tokens``, ``pooled`` (timm, the Hugging Face ViT families of
-:mod:`pullback_ext.probes.hf_vision`), ``embedding`` (demo), ``depth``
+Decoders: ``cls``, ``tokens``, ``pooled`` (timm, the Hugging Face families of
+:mod:`pullback_ext.families` with a probe read-out), ``embedding`` (demo), ``depth``
 (demo, DPT / Depth Anything), ``depth-multi`` (DPT / Depth Anything, all hooked layers) and
 ``linear:FILE`` (a linear token probe ``weight [C, D]``, optional ``bias [C]``, on any model).
 """
@@ -59,26 +59,32 @@ def _linear_probe(base, decoder: str, layer: int, dtype: torch.dtype, keep_grid:
     return probe
 
 
-_HF_CLS_TITLES = {"dinov2": "DINOv2", "vit": "ViT", "clip": "CLIP", "siglip": "SigLIP", "dinov3": "DINOv3"}
-
-# what each kind of model (a Hugging Face CLS model: its family) offers besides linear:FILE, and the error naming it
+# what each kind of model offers besides linear:FILE, and the error naming it (a Hugging Face CLS model: see _offered)
 OFFERED = {
     "timm": (("cls", "tokens", "pooled"), "timm models offer cls, tokens, pooled and linear:FILE"),
-    **{family: (("cls", "tokens", "pooled"), f"{title} models offer cls, tokens, pooled and linear:FILE")
-       for family, title in _HF_CLS_TITLES.items()},
     "hf-depth": (("depth", "depth-multi"), "hf depth models support depth and depth-multi"),
     "demo": (("cls", "embedding", "depth"), "the demo model supports cls, logits, depth and linear:FILE"),
 }
 
 
-def _check_decoder(decoder: str, family: Optional[str] = None) -> None:
-    """``decoder`` is a known name and (given a ``family`` of :data:`OFFERED`) one it offers."""
+def _offered(kind) -> tuple:
+    """``(decoders, message)`` of ``kind``: a key of :data:`OFFERED` or a Hugging Face family adapter."""
+    if isinstance(kind, str):
+        return OFFERED[kind]
+    if kind.depth:
+        return OFFERED["hf-depth"]
+    return ("cls", "tokens", "pooled"), f"{kind.short_title} models offer cls, tokens, pooled and linear:FILE"
+
+
+def _check_decoder(decoder: str, kind=None) -> None:
+    """``decoder`` is a known name and (given the ``kind`` of model: a key of :data:`OFFERED` or a
+    Hugging Face family adapter) one it offers."""
     linear = decoder.startswith("linear:")
     if decoder not in DECODERS[:-1] and not linear:
         raise PullbackError(f"--task: expected one of cls, logits (demo), tokens, pooled, depth, depth-multi, linear:FILE; got {decoder!r}")
-    if family is not None:
-        offered, message = OFFERED[family]
-        if decoder not in offered and not (linear and family != "hf-depth"):
+    if kind is not None:
+        offered, message = _offered(kind)
+        if decoder not in offered and not (linear and not getattr(kind, "depth", False)):
             raise PullbackError(f"--task: {message}, got {decoder!r}")
 
 
@@ -91,15 +97,14 @@ def _timm_probe(model, layer: int, decoder: str, dtype: torch.dtype):
 
 
 def _hf_probe(model, folder: str, layer: int, decoder: str, output_size: Optional[int], dtype: torch.dtype):
+    from pullback_ext.families import detect
     from pullback_ext.probes import from_hf_dpt, from_hf_vision
-    from pullback_ext.probes.hf_vision import family_name
-    from pullback_ext.sources.hf_models import is_depth_model
 
-    if is_depth_model(model):
-        _check_decoder(decoder, "hf-depth")
+    family = detect(model)
+    _check_decoder(decoder, family)
+    if family.depth:
         probe = from_hf_dpt(model, layer, output_size=output_size, multi_layer=decoder == "depth-multi")
         return probe, hf_preprocess(probe.image_size, folder)
-    _check_decoder(decoder, family_name(model))
     preprocess = hf_crop_preprocess((model.config.image_size,) * 2, folder)
     if decoder.startswith("linear:"):
         base = from_hf_vision(model, layer, "tokens", image_size=preprocess.size)

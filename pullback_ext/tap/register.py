@@ -13,8 +13,8 @@ state ``r`` (layer-normed, with the keep rate ρ appended: ``h = [LN(r), ρ]``) 
   ``α·x^frozen + (1 − α)·m``, :func:`pullback_ext.prune.recovery.recover`).
 
 TAP-J adds LoRA adapters ``W + (α_lora / r) B A`` to the attention and MLP linears of every block
-(:data:`LORA_TARGETS`: timm's ``qkv``, ``proj``, ``fc1``, ``fc2``; a Hugging Face family's query, key,
-value, attention output and two MLP linears); the backbone's own weights are never changed (the
+(each family's ``lora_targets``, :mod:`pullback_ext.families`: timm's ``qkv``, ``proj``, ``fc1``, ``fc2``;
+a Hugging Face family's query, key, value, attention output and two MLP linears); the backbone's own weights are never changed (the
 adapted weights are handed to the block for each call, :func:`torch.func.functional_call`). The
 adapters are keyed by the linears' names in the model they were trained on, so they deploy on a
 model with the same layer layout only (:func:`check_adapters`).
@@ -29,23 +29,9 @@ import torch
 from torch import nn
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.families import family
 
 TASKS = ("cls", "depth")
-# The linears TAP-J adapts in one block, per layer layout: timm (the demo model, timm ViTs) and the
-# Hugging Face families of :mod:`pullback_ext.prune.hf_families` (a name a layer lacks is skipped:
-# DINOv3's gated MLP adds ``mlp.gate_proj``, DINOv2's SwiGLU MLP has ``weights_in`` / ``weights_out``).
-_HF_ATTENTION = tuple(f"attention.{n}_proj" for n in "qkvo")
-_CLIP_ATTENTION = tuple(f"self_attn.{n}_proj" for n in "qkv") + ("self_attn.out_proj",)
-LORA_TARGETS = {
-    "timm": ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"),
-    "dpt": ("attention.attention.query", "attention.attention.key", "attention.attention.value", "attention.output.dense",
-            "intermediate.dense", "output.dense"),
-    "dinov2": _HF_ATTENTION + ("mlp.fc1", "mlp.fc2", "mlp.weights_in", "mlp.weights_out"),
-    "vit": _HF_ATTENTION + ("mlp.fc1", "mlp.fc2"),
-    "clip": _CLIP_ATTENTION + ("mlp.fc1", "mlp.fc2"),
-    "siglip": _CLIP_ATTENTION + ("mlp.fc1", "mlp.fc2"),
-    "dinov3": _HF_ATTENTION + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-}
 
 
 class Readout(NamedTuple):
@@ -169,17 +155,19 @@ class _Caller(nn.Module):
         return self._call(self.block, state, bias)
 
 
-def lora_shapes(blocks, layout: str = "timm") -> dict:
-    """``{"<i>.<target>": [out, in]}`` of the attention and MLP linears of ``blocks`` laid out as
-    ``layout`` (a key of :data:`LORA_TARGETS`; the names a block lacks are skipped)."""
+def lora_shapes(blocks, layout: str = "timm_vit") -> dict:
+    """``{"<i>.<target>": [out, in]}`` of the attention and MLP linears of ``blocks`` of the family
+    named ``layout`` (its ``lora_targets``, :mod:`pullback_ext.families`; the names a block lacks
+    are skipped; the demo model's blocks are timm's)."""
+    targets = family(layout).lora_targets
     shapes = {}
     for i, block in enumerate(blocks):
         linears = dict(block.named_modules())
-        for target in LORA_TARGETS[layout]:
+        for target in targets:
             if isinstance(linears.get(target), nn.Linear):
                 shapes[f"{i}.{target}"] = list(linears[target].weight.shape)
     if not shapes:
-        raise PullbackError(f"TAP-J: these blocks have none of the {layout} linears {', '.join(LORA_TARGETS[layout])} to adapt")
+        raise PullbackError(f"TAP-J: these blocks have none of the {layout} linears {', '.join(targets)} to adapt")
     return shapes
 
 

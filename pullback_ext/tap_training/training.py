@@ -1,6 +1,6 @@
 """Training TAP: TAP-F (register and read-out, backbone frozen) and TAP-J (the same, with LoRA
 adapters on every block's attention and MLP), on the demo model, a timm VisionTransformer or a
-Hugging Face model of the families :mod:`pullback_ext.prune.hf_families` names (through the
+Hugging Face model of the families of :mod:`pullback_ext.families` (through the
 evaluation's :class:`~pullback_ext.comparison.backbones.Backbone`: its ``reduced`` forward with the
 training loop in place of the deployed one).
 
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from pullback_ext.comparison.backbones import Backbone
 from pullback_ext.errors import PullbackError
+from pullback_ext.families import TimmFamily, detect
 from pullback_ext.metric.targets import image_generator
 from pullback_ext.metric.training import TrainConfig
 from pullback_ext.prune import timm_vit
@@ -156,18 +157,14 @@ class TapConfig:
 
 def layer_layout(model, backbone: Backbone) -> tuple:
     """``(blocks, layout)``: the block list of ``model`` (the demo model, a timm VisionTransformer or
-    a Hugging Face model; ``backbone`` its view) and its key in
-    :data:`~pullback_ext.tap.register.LORA_TARGETS`."""
+    a Hugging Face model; ``backbone`` its view) and the name of its family
+    (:func:`pullback_ext.families.detect`), whose ``lora_targets`` TAP-J adapts."""
     if backbone.name == "demo":
-        return model.backbone.blocks, "timm"
-    if timm_vit.is_timm_vit(model):
+        return model.backbone.blocks, "timm_vit"
+    family = detect(model)
+    if isinstance(family, TimmFamily):
         timm_vit.check_strategy(model, TAP.name)  # an Eva (RoPE) is refused
-        return model.blocks, "timm"
-    from pullback_ext.prune.hf_encoders import find_encoder
-    from pullback_ext.prune.hf_families import FAMILIES
-
-    encoder = find_encoder(model, tuple(FAMILIES))
-    return encoder.layers, encoder.family
+    return family.layers(model), family.name
 
 
 def build_register(model, backbone: Backbone, config: TapConfig) -> TaskRegister:

@@ -67,7 +67,28 @@ def check_supported(name: str, traits: Traits, model: str) -> None:
     if reason is not None:
         runs = [get(m) for m in supported(traits)]
         originals = ", ".join(m.name for m in runs if m.kind == "original")
-        others = "".join(f", {m.name}" for m in runs if m.kind == "ours")
+        others = "".join(f", and {m.name}" for m in runs if m.kind == "ours")
         hint = f" (e.g. '{name}_score')" if f"{name}_score" in names() else ""
-        raise PullbackError(f"strategy {name!r} on {model}: it {reason}; this model runs the originals {originals}{others} "
-                            f"and the single-stage strategies{hint}")
+        raise PullbackError(f"strategy {name!r} on {model}: it {reason}; this model runs the originals {originals} "
+                            f"and the single-stage strategies{hint}{others}")
+
+
+def support_table() -> str:
+    """The markdown table of what every model family of :mod:`pullback_ext.families` runs: one row
+    per family, one column per method that is not a single-stage criterion, and one for the criteria
+    (a timm family's class token depends on the model: its cells assume one)."""
+    from pullback_ext.families import TimmFamily, table
+
+    shown = [m for m in all_methods() if m.kind != "criterion"]
+    criteria = [m for m in all_methods() if m.kind == "criterion"]
+    lines = ["| family | " + " | ".join(m.name for m in shown) + " | single-stage criteria |",
+             "|---" * (len(shown) + 2) + "|"]
+    for family in table().values():
+        per_model = isinstance(family, TimmFamily)
+        traits = Traits.of(family)._replace(has_cls=True) if per_model else Traits.of(family)
+        cells = ["yes" if refusal(m, traits) is None else f"no: {refusal(m, traits)}" for m in shown]
+        refused = [m.name for m in criteria if refusal(m, traits) is not None]
+        cells.append("all" if not refused else f"all but {', '.join(refused)}")
+        title = family.title + (" (cells assume a class token)" if per_model else "")
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -74,6 +74,12 @@ class Traits(NamedTuple):
     splittable: bool = True
     takes_extra_token: bool = True
 
+    @classmethod
+    def of(cls, family, model=None) -> "Traits":
+        """The traits of ``model`` of the family adapter ``family`` (:mod:`pullback_ext.families`)."""
+        return cls(has_cls=family.has_cls(model), rotary=family.rotary, splittable=family.splittable,
+                   takes_extra_token=family.takes_extra_token)
+
 
 @dataclass(frozen=True)
 class Needs:

@@ -108,7 +108,7 @@ class TAP(Method):
 
     name, short, title = "tap", "TAP", "TAP (a trained task register ranks tokens and splits an exact budget over depth)"
     takes = ("ratio", "head")
-    needs = Needs(extra_token="runs timm VisionTransformer blocks only")
+    needs = Needs(extra_token="adds a task-register token, which this model's rotary rows do not count")
 
     def checked_head(self, head, layers: tuple):
         return as_register(head)

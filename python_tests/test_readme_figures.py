@@ -1,0 +1,99 @@
+"""The README's headline figures are read from the generated results pages' JSON: every number the
+README quotes from such a page is rebuilt here from the page's JSON, formatted as the README
+writes it, so a quoted figure cannot drift from its page. Regenerating a page whose figures the
+README quotes means updating the README in the same commit."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+
+
+def figure(value: float) -> str:
+    """An error as the README writes it: two significant figures below 0.1 (scientific with an
+    unpadded exponent below 0.01: ``3.0e-4``), two decimals from 0.1 on."""
+    if abs(value) < 0.01:
+        mantissa, exponent = f"{value:.1e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+    return f"{value:.2g}" if abs(value) < 0.1 else f"{value:.2f}"
+
+
+def speedup(value: float) -> str:
+    return f"{value:.1f}×"
+
+
+def _page(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _row(result: dict, prefix: str) -> str:
+    (row,) = [r for r in result["rows"] if r.startswith(prefix)]
+    return row
+
+
+def pareto_cls_photos() -> tuple[str, ...]:
+    """The photo CLS sentence: importance merge against the original ToMe at matched batch-64 speed-up."""
+    result = _page("pareto-cls-photos")
+    axis = "speedup_batch64"
+    ours, tome = _row(result, "importance · bound"), _row(result, "tome · ")
+    matched = result["matched"][axis]
+
+    def at(stat: str, row: str) -> str:
+        return " / ".join(figure(matched[stat][row][t]["value"]) for t in ("1.1", "1.25"))
+
+    def fastest(row: str) -> str:
+        return speedup(max(p["cost"][axis] for p in result["points"] if p["row"] == row))
+
+    return ("matched batch-64 speed-up 1.1× / 1.25×: importance merge (bound selection",
+            f"{at('mean', ours)} mean and {at('worst', ours)} worst crop against the original ToMe's {at('mean', tome)} and "
+            f"{at('worst', tome)} (100·(1 − cos)); ToMe reaches {fastest(tome)}, ours {fastest(ours)}")
+
+
+def pareto_depth_photos() -> tuple[str, ...]:
+    """The photo depth claim: ToMe (with unmerging) has the lowest mean added SILog of every row at
+    matched batch-64 speed-up 1.1× and 1.25× (the speed-ups the CLS sentence quotes)."""
+    result = _page("pareto-depth-photos")
+    matched, tome = result["matched"]["speedup_batch64"]["mean"], _row(result, "tome · ")
+
+    def wins(t: str) -> bool:
+        others = [cells[t]["value"] for row, cells in matched.items() if row != tome and cells[t] is not None]
+        return matched[tome][t] is not None and all(matched[tome][t]["value"] < v for v in others)
+
+    return ("for depth ToMe with unmerging wins" if wins("1.1") and wins("1.25") else "for depth ToMe with unmerging does not win",)
+
+
+# generated page -> the README text it backs: fragments that appear in this order (the README may
+# say more between them: which run, which head)
+QUOTED = {"pareto-cls-photos": pareto_cls_photos, "pareto-depth-photos": pareto_depth_photos}
+
+
+def _readme_glance() -> str:
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Results at a glance", 1)[1].split("\n## ", 1)[0]
+    return " ".join(section.split())
+
+
+def test_the_formats():
+    assert [figure(v) for v in (3.0001e-4, 3.39e-3, 0.0371, 0.0449, 0.993, 1.126)] == ["3.0e-4", "3.4e-3", "0.037", "0.045", "0.99", "1.13"]
+    assert speedup(2.09) == "2.1×"
+
+
+def test_every_quoted_figure_equals_its_page():
+    glance = _readme_glance()
+    for name, sentence in QUOTED.items():
+        at = 0
+        for fragment in sentence():
+            found = glance.find(fragment, at)
+            assert found >= 0, f"README.md quotes docs/results/{name}.md; from its JSON it should read, in this order:\n" + \
+                "\n".join(sentence())
+            at = found + len(fragment)
+
+
+def test_every_generated_page_the_readme_quotes_is_checked():
+    linked = set(re.findall(r"\(docs/results/([\w-]+)\.md\)", _readme_glance()))
+    generated = {name for name in linked if (RESULTS / f"{name}.json").exists()}
+    assert generated == set(QUOTED), "a generated page linked from 'Results at a glance' needs its sentence in QUOTED"
