@@ -126,7 +126,7 @@ def _row(decoder, layer, kappa, regime, name, method):
 def _headline_row(row, method, ours, r, error, speedups, flop_ratio=1.4):
     return {"row": row, "method": method, "ours": ours, "knob": {"r": r}, "flop_ratio": flop_ratio,
             "error": {"mean": error, "p95": 2 * error},
-            "speedup": {"median": sorted(speedups)[1], "min": min(speedups), "max": max(speedups)}}
+            "speedup": {"median": sorted(speedups)[1], "low": min(speedups), "high": max(speedups)}}
 
 
 def _headline(metric, tome, ours):

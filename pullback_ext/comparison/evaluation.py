@@ -277,9 +277,11 @@ def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 6
 
 def run_flop_ratios(backbone: Backbone, image: torch.Tensor, plan: Plan) -> dict:
     """``{table key: {row: {ratio: FLOP ratio}}}`` of every cell of ``plan``: unpruned FLOPs over
-    the cell's (torch's flop counter on ``image [1, 3, H, W]``, scoring included), the cost axis
+    the cell's (torch's flop counter on ``image [1, 3, H, W]`` over the task's own forward,
+    :meth:`~pullback_ext.comparison.backbones.Backbone.forwards`, scoring included), the cost axis
     the quality plots are drawn against."""
-    base = count_flops(backbone.full, image)
+    full, reduced = backbone.forwards(plan.task)
+    base = count_flops(full, image)
     out: dict = {}
     for llf in plan.llf:
         for row in plan.rows(backbone):
@@ -288,7 +290,7 @@ def run_flop_ratios(backbone: Backbone, image: torch.Tensor, plan: Plan) -> dict
                 prepare = _prepare_scorers(plan, row.strategy)
                 if prepare is not None:
                     prepare(image)
-                flops = count_flops(lambda x: backbone.reduced(reduction, x), image)
+                flops = count_flops(lambda x: reduced(reduction, x), image)
                 out.setdefault(table_key(plan.mode, llf), {}).setdefault(row.key, {})[f"{ratio:g}"] = base / flops
     return out
 

@@ -6,8 +6,9 @@ restored to its sources, so a dense decoder reads full-length features) and, for
 paper's pipeline (``importance`` in prune mode under ``preset="paper"``, full Last-Layer Fusion)
 at the prune ratio η whose patch-token budget over the blocks is closest to ToMe's. Each row's
 error against the unpruned model comes from every held-out image, its cost from
-:func:`~pullback_ext.comparison.pareto.measure_cost`: FLOPs (head included) and wall-clock in
-interleaved rounds, the speed-up given as the median and the min–max over the rounds.
+:func:`~pullback_ext.comparison.pareto.measure_cost` on the decoder's own forward: FLOPs (head
+included) and wall-clock in interleaved rounds, the speed-up given as the median over the rounds
+and its bootstrap 90% interval (``low``, ``high``).
 
 The *winner* of a decoder is computed, never written: at the largest ``r``, the row of lowest
 mean error among those whose median measured speed-up exceeds 1 (None when no row is faster
@@ -16,7 +17,6 @@ than the unpruned model).
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ from pullback_ext.comparison.evaluation import PRIMARY
 from pullback_ext.prune.reduction_options import ReductionOptions
 
 R = {True: (16,), False: (8, 16)}
-SETTINGS = {True: {"batch": 16, "repeats": 3}, False: {"batch": 32, "repeats": 5}}
+SETTINGS = {True: {"batch": 16, "repeats": 5}, False: {"batch": 32, "repeats": pareto.TIME_REPEATS}}
 PAPER_ETAS = tuple(round(0.05 * i, 2) for i in range(1, 19))
 
 
@@ -74,13 +74,6 @@ def headline_points(backbone, setup: Setup) -> list:
     return points
 
 
-def spread(base: dict, entry: dict) -> dict:
-    """Speed-up of one timing ``entry`` over ``base`` (both ``{times_s: [rounds]}`` of the same
-    interleaved run): the median and the min–max of the per-round ratios."""
-    ratios = [b / t for b, t in zip(base["times_s"], entry["times_s"])]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-
-
 def run_headline(backbone, images: torch.Tensor, setup: Setup, progress: bool = True) -> dict:
     """Errors and cost of :func:`headline_points` on ``images [n, 3, H, W]``; JSON-ready
     ``{"metric", "batch", "repeats", "num_images", "rows": [...], "winner"}``."""
@@ -88,13 +81,13 @@ def run_headline(backbone, images: torch.Tensor, setup: Setup, progress: bool = 
     metric = PRIMARY[setup.task]
     errors = [e[metric] for e in pareto.image_errors(backbone, images, points, setup.task, progress=progress)]
     batch, repeats = SETTINGS[setup.quick]["batch"], SETTINGS[setup.quick]["repeats"]
-    cost = pareto.measure_cost(backbone, images, points, (batch,), repeats, progress)
+    cost = pareto.measure_cost(backbone, images, points, setup.task, (batch,), repeats, progress)
     rows = []
     for p, e, c in zip(points, errors, cost["points"]):
         method = pareto.resolve(p.options, backbone).method
         rows.append({"row": p.row, "method": method.name, "ours": bool(method.ours), "knob": dict(p.knob),
                      "error": pareto.error_summary(e), "flop_ratio": c["flop_ratio"],
-                     "speedup": spread(cost["unpruned"][f"batch{batch}"], c[f"batch{batch}"])})
+                     "speedup": dict(zip(("median", "low", "high"), (c[f"speedup_batch{batch}"], *c[f"speedup_batch{batch}_ci90"])))})
     result = {"metric": metric, "batch": batch, "repeats": repeats, "num_images": int(images.shape[0]), "rows": rows}
     return result | {"winner": winner(result)}
 
@@ -116,15 +109,15 @@ def _knob(row: dict) -> str:
 
 
 def speed(row: dict) -> str:
-    """``1.23× (1.10–1.31)``: median and min–max of the measured speed-up."""
+    """``1.23× (1.10–1.31)``: the measured speed-up's median and 90% interval."""
     s = row["speedup"]
-    return f"{s['median']:.2f}× ({s['min']:.2f}–{s['max']:.2f})"
+    return f"{s['median']:.2f}× ({s['low']:.2f}–{s['high']:.2f})"
 
 
 def headline_table(result: dict, title: str) -> str:
     """The headline as markdown: one row per point, the winner named under it."""
     lines = [f"**{title}**: {result['metric']} (mean / p95 over {result['num_images']} held-out scenes) against cost; "
-             f"speed-up at batch {result['batch']}: median (min–max) over {result['repeats']} interleaved rounds\n",
+             f"speed-up at batch {result['batch']}: median over {result['repeats']} interleaved rounds (bootstrap 90% interval)\n",
              "| row | setting | FLOP ratio | measured speed-up | mean | p95 |", "|---|---|---|---|---|---|"]
     for row in result["rows"]:
         name = f"{row['row']} (ours)" if row["ours"] else row["row"]

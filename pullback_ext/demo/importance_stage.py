@@ -4,7 +4,7 @@ one for the CLS embedding and one for the depth map, both reading the output of 
 Block 1's output is the input of the CLS soft-merge stage the pruning stage runs at (the ViT-B
 layer 4 scaled to the demo's 8 blocks) and the layer ``importance_tome`` scores at. Targets imp*
 come from the demo probe's Jacobian (CLS: exact, 128 VJPs per image; depth: randomised, rank 20,
-on a 16×16 depth map) on 32 rendered training scenes; an ImportanceHead is trained on them.
+on a 16×16 depth map) on 96 (CLS) and 32 (depth) rendered training scenes; an ImportanceHead is trained on them.
 
 Training is the expensive part of the demo and is deterministic, so the heads trained with
 :data:`SETTINGS` on the shipped demo model are shipped too (``embedded/weights/heads/``, fp16,
@@ -50,7 +50,7 @@ class HeadSettings:
     mlp_hidden: int = 64  # per-token MLPs in the encoder (pullback train head, 256 scenes: held-out ρ 0.916, 0.888 without)
 
 
-SETTINGS = {"cls": HeadSettings("embedding", None, "exact", train_images=32, steps=400),
+SETTINGS = {"cls": HeadSettings("embedding", None, "exact", train_images=96, steps=600),
             "depth": HeadSettings("depth", 16, "randnla", train_images=32, steps=400)}
 EVAL_IMAGES = {True: 2, False: 6}  # held-out scenes the stage measures ρ on (quick / full)
 PLAN = {quick: f"load the shipped CLS and depth importance heads (trained here if they do not fit the weights), "

@@ -9,7 +9,7 @@ from itertools import groupby
 from pathlib import Path
 
 from pullback_ext.demo.diagnostic_stage import DECODER_LABELS
-from pullback_ext.demo.headline import verdict
+from pullback_ext.demo.headline import speed, verdict
 
 FILES = (("results.json", "every number of this run"), ("spectra.png, importance.png", "the diagnostic's spectra and imp* maps"),
          ("importance_head/", "importance heads trained in this run (none when the shipped ones fit)"),
@@ -39,16 +39,16 @@ def diagnostic_lines(rows: list[dict]) -> list[str]:
 
 def headline_lines(pruning: dict) -> list[str]:
     """Per decoder of the pruning stage's result: ours against the original ToMe at the largest
-    ``r`` (error, FLOP ratio, measured speed-up median and min–max), then the measured winner."""
+    ``r`` (error, FLOP ratio, measured speed-up: median and 90% interval), then the measured winner."""
     lines = []
     for task, label in (("cls", "CLS embedding"), ("depth", "DPT depth")):
         result = pruning[task]["headline"]
         top = max(row["knob"]["r"] for row in result["rows"])
         cells = [f"{row['row']}{' (ours)' if row['ours'] else ''} {row['error']['mean']:.3g} at FLOP ratio {row['flop_ratio']:.2f}, "
-                 f"{row['speedup']['median']:.2f}× ({row['speedup']['min']:.2f}–{row['speedup']['max']:.2f})"
+                 f"{speed(row)}"
                  for row in result["rows"] if row["knob"]["r"] == top]
-        lines.append(f"  {label}, {result['metric']} at ToMe r = {top} (speed-up at batch {result['batch']}, median (min–max) "
-                     f"of {result['repeats']} rounds): " + "; ".join(cells))
+        lines.append(f"  {label}, {result['metric']} at ToMe r = {top} (speed-up at batch {result['batch']}: median of "
+                     f"{result['repeats']} rounds (90% interval)): " + "; ".join(cells))
         lines.append(f"    recommended for {label} (measured winner): {verdict(result)}")
     return lines
 
