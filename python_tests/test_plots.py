@@ -390,4 +390,4 @@ def test_bands_are_drawn_and_explained_only_with_several_seeds():
     result["seeds"] = 3
     with opened(lambda: _quality(result)) as fig:
         assert fig.axes[0].collections
-        assert any("band: ± std of the mean across 3 seeds" in t.get_text() for lg in fig.legends for t in lg.get_texts())
+        assert any("band: ± std of the mean across 3 seeds (where it stays > 0)" in t.get_text() for lg in fig.legends for t in lg.get_texts())

@@ -54,7 +54,7 @@ def method_style(row: str) -> dict:
 VARIANTS = (("merge", "-", "o", ""), ("llf", "-", "o", ""), ("llf_full", ":", "s", " (full LLF)"), ("no_llf", "--", "^", " (no LLF)"))
 METRIC_TITLES = {"cosine_x100": "100·(1 − cos) of the CLS embedding", "silog_x100": "added SILog ×100 of the depth map",
                  "knn_top1": "k-NN top-1 accuracy"}
-COST_TITLE = "cost: FLOP ratio (unpruned / reduced FLOPs per image, scoring included)"
+COST_TITLE = "FLOP ratio (unpruned / reduced, scoring included)"
 
 
 def _series(result: dict, metric: str) -> list[dict]:
@@ -86,20 +86,22 @@ def _series(result: dict, metric: str) -> list[dict]:
 
 def _quality_panel(ax, result: dict, metric: str) -> None:
     """Mean error against FLOP ratio per row (colour: its method, :func:`~pullback_ext.plots.method_style`;
-    linestyle: its LLF variant) on a log axis; with several seeds the std across seeds as a band
-    clipped to the floor (a log axis cannot show mean − std ≤ 0)."""
+    linestyle: its LLF variant) on a log axis; with several seeds the std across seeds as a band,
+    for a row whose mean − std stays positive (a log axis cannot show the rest)."""
     series = _series(result, metric)
     floor, clipped = log_floor(np.concatenate([s["mean"] for s in series])), 0
-    banded = result.get("seeds", 1) > 1
+    banded = False
     for s in series:
         style = {"marker": s["marker"], "ms": 4} | method_style(s["method"])
+        if "paper preset" in s["label"]:  # the other preset of the same method: hollow markers
+            style["mfc"] = "none"
         ours = " — ours" if method_of(s["method"]).ours else ""
         clipped += log_series(ax, s["x"], s["mean"], floor, ls=s["ls"], label=s["label"] + ours, **style)
-        if banded and s["std"] is not None:
-            ax.fill_between(s["x"], np.maximum(s["mean"] - s["std"], floor), np.maximum(s["mean"] + s["std"], floor),
-                            color=style["color"], alpha=0.12, lw=0)
+        if result.get("seeds", 1) > 1 and s["std"] is not None and (s["mean"] - s["std"] > 0).all():  # a log axis shows > 0 only
+            ax.fill_between(s["x"], s["mean"] - s["std"], s["mean"] + s["std"], color=style["color"], alpha=0.12, lw=0)
+            banded = True
     if banded:
-        ax.fill_between([], [], [], color="gray", alpha=0.25, lw=0, label=f"band: ± std of the mean across {result['seeds']} seeds")
+        ax.fill_between([], [], [], color="gray", alpha=0.25, lw=0, label=f"band: ± std of the mean across {result['seeds']} seeds (where it stays > 0)")
     ax.set_yscale("log")
     decade_limits(ax)
     note_floor(ax, floor, clipped)
@@ -120,7 +122,7 @@ def quality_figure(result: dict):
     for ax, metric in zip(axes[0], metrics):
         _quality_panel(ax, result, metric)
     outside_legend(fig, max(axes[0], key=lambda ax: len(ax.get_legend_handles_labels()[1])))
-    fig.suptitle(f"{result['task']} / {result['mode']} at layers {result['layers']}: error against the unpruned model's output, against cost (lower is better)")
+    fig.suptitle(f"{result['task']} / {result['mode']} at layers {result['layers']} (lower is better)", fontsize=10, x=0.02, ha="left")
     return fig
 
 
