@@ -20,7 +20,7 @@ NAME = "diagnostic"
 PROBE_LAYERS = (1, 3, 6)
 PLAN = {True: "κ_cap, CV and regime of the CLS and depth probes at blocks 1, 3, 6 on 1 scene (no SLQ)",
         False: "κ_cap, CV, r_eff and regime of the CLS and depth probes at blocks 1, 3, 6 on 2 scenes"}
-EXPECTED_S = {True: 35, False: 140}
+EXPECTED_S = {True: 10, False: 30}
 
 
 @dataclass(frozen=True)

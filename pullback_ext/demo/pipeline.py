@@ -2,8 +2,7 @@
 
 Each stage is a module of this package listed in :data:`STAGES` (``NAME``, ``run_demo_stage``,
 and ``PLAN`` / ``EXPECTED_S``: what it does and its expected seconds on an idle 2-core machine,
-by ``quick``: the CPU seconds it took on a busy 2-core machine, which bound its wall-clock on an
-idle one when both cores serve it); the run states that plan first, and each stage's time against it when it ends. The
+by ``quick``: measured on a 2-core machine with nothing else running); the run states that plan first, and each stage's time against it when it ends. The
 heads a stage trains are handed to the stages after it. After every stage
 ``DIR/results.json`` is rewritten atomically, so it is always valid JSON describing the stages
 done so far; a stage that fails is recorded and the later ones still run.

@@ -27,7 +27,7 @@ FULL = {"images": 16, "seeds": 2, "cls_ratios": (0.05, 0.1, 0.2, 0.3, 0.5), "dep
 PLAN = {quick: f"per decoder: ours against ToMe at matched FLOP ratio (r = {', '.join(map(str, R[quick]))}, timed), "
                f"then the η sweep of {s['seeds']} × {s['images']} scenes; the subspace probe"
         for quick, s in ((True, QUICK), (False, FULL))}
-EXPECTED_S = {True: 165, False: 460}
+EXPECTED_S = {True: 30, False: 115}
 HEADLINE_TITLES = {"cls": "CLS embedding: ours against the original ToMe at matched FLOP ratio",
                    "depth": "DPT depth: ours against the original ToMe at matched FLOP ratio"}
 
