@@ -24,7 +24,7 @@ def _walk_numbers(value):
 
 
 def _stage(name, run):
-    return SimpleNamespace(NAME=name, run_demo_stage=run)
+    return SimpleNamespace(NAME=name, run_demo_stage=run, PLAN={True: "a stage", False: "a stage"}, EXPECTED_S={True: 1, False: 1})
 
 
 def test_the_stages_are_the_demo_modules_in_order():
@@ -102,10 +102,18 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
         assert (tmp_path / name).stat().st_size > 1000
     for stage in results["stages"].values():
         assert stage["status"] == "ok"
-    assert results["stages"]["pruning"]["result"]["heads"] == {"cls": 2}  # the importance stage's head, by value
+    assert results["stages"]["pruning"]["result"]["heads"] == {"cls": 2, "depth": 2}  # the importance stage's heads, by value
+    assert all(stage["cpu_seconds"] > 0 for stage in results["stages"].values())
+    assert printed.out.startswith("\n".join(pipeline.plan_lines(True)))
+    assert all(f"[{stage.NAME}] done in " in printed.out for stage in pipeline.STAGES)
+    for task in ("cls", "depth"):
+        headline = results["stages"]["pruning"]["result"][task]["headline"]
+        assert {row["method"] for row in headline["rows"]} >= {"tome", "importance_tome"}
+        assert "Measured winner: " in (tmp_path / "pruning" / task / "table.md").read_text()
     summary = printed.out[printed.out.index("\nSummary\n"):]
-    assert "CLS embedding: κ_cap" in summary and "DPT depth: κ_cap" in summary and "recommended: " in summary
-    assert "importance head" in summary and "the best baseline" in summary and f"Files in {tmp_path}" in summary
+    assert "CLS embedding: κ_cap" in summary and "DPT depth: κ_cap" in summary
+    assert "recommended for CLS embedding (measured winner): " in summary and "recommended for DPT depth (measured winner): " in summary
+    assert f"Files in {tmp_path}" in summary
     tables = [block for block in printed.out.split("\n\n") if block.startswith("| strategy |")]
     assert len(tables) == len(set(tables)), "a quality table is printed twice"
     assert all(len(line) < 200 for line in printed.err.splitlines()) and "\r" not in printed.err  # plain progress lines
@@ -115,37 +123,79 @@ def _row(decoder, layer, kappa, regime, name, method):
     return {"decoder": decoder, "layer": layer, "kappa_cap": kappa, "regime": regime, "regime_name": name, "recommended": method}
 
 
-def _cls_result(importance=True):
-    """The pruning stage's CLS result: cosine ×100 per strategy, the same at every ratio."""
-    errors = {"tome_score": 4e-2, "random": 0.5} | ({"importance": 1e-2} if importance else {})
-    table = {s: {r: {"cosine_x100": {"mean": e}} for r in ("0.1", "0.3", "0.5")} for s, e in errors.items()}
-    return {"ratios": [0.1, 0.3, 0.5], "layers": [2], "tables": {"merge": table}}
+def _headline_row(row, method, ours, r, error, speedups, flop_ratio=1.4):
+    return {"row": row, "method": method, "ours": ours, "knob": {"r": r}, "flop_ratio": flop_ratio,
+            "error": {"mean": error, "p95": 2 * error},
+            "speedup": {"median": sorted(speedups)[1], "low": min(speedups), "high": max(speedups)}}
 
 
-def test_the_summary_says_what_was_found_the_gain_and_where_the_files_are(tmp_path):
+def _headline(metric, tome, ours):
+    """A headline at r = 8 and 16: ToMe and importance_tome, ``(error, speed-ups)`` each at r = 16."""
+    from pullback_ext.demo.headline import winner
+
+    rows = [_headline_row("tome", "tome", False, 8, 0.1, (1.1, 1.2, 1.3), 1.2),
+            _headline_row("importance_tome", "importance_tome", True, 8, 0.01, (1.1, 1.2, 1.3), 1.2),
+            _headline_row("tome", "tome", False, 16, *tome), _headline_row("importance_tome", "importance_tome", True, 16, *ours)]
+    result = {"metric": metric, "batch": 32, "repeats": 3, "num_images": 16, "rows": rows}
+    return result | {"winner": winner(result)}
+
+
+def test_the_recommendation_is_the_measured_winner():
+    """The winner is computed from the numbers: the lowest error at the largest r among the rows
+    faster than the unpruned model; none when no row is."""
+    from pullback_ext.demo.headline import headline_table, verdict
+
+    ours_better = _headline("cosine_x100", (0.5, (1.3, 1.4, 1.5)), (0.05, (1.2, 1.3, 1.4)))
+    assert ours_better["winner"]["method"] == "importance_tome"
+    assert verdict(ours_better).startswith("importance_tome at r=16: cosine_x100 0.050") and "ToMe there: 0.500" in verdict(ours_better)
+    tome_better = _headline("cosine_x100", (0.05, (1.3, 1.4, 1.5)), (0.5, (1.2, 1.3, 1.4)))
+    assert tome_better["winner"]["method"] == "tome" and "ToMe there" not in verdict(tome_better)
+    ours_slow = _headline("cosine_x100", (0.5, (1.3, 1.4, 1.5)), (0.05, (0.8, 0.9, 1.2)))
+    assert ours_slow["winner"]["method"] == "tome"  # lower error but slower than the unpruned model
+    nothing_faster = _headline("cosine_x100", (0.5, (0.8, 0.9, 1.0)), (0.05, (0.8, 0.9, 1.2)))
+    assert nothing_faster["winner"] is None and verdict(nothing_faster).startswith("none")
+    table = headline_table(ours_better, "CLS")
+    assert "| importance_tome (ours) | r=16 | 1.40 | 1.30× (1.20–1.40) | 0.050 | 0.100 |" in table
+    assert "Measured winner: importance_tome at r=16" in table
+
+
+def test_the_summary_says_what_was_found_the_measured_winner_and_where_the_files_are(tmp_path):
     from pullback_ext.demo.summary import summary
     from pullback_ext.diagnostics import REGIMES
 
     rows = [_row("embedding", 1, 0.95, "v", REGIMES["v"][0], REGIMES["v"][1]), _row("embedding", 6, 0.39, "iii", REGIMES["iii"][0], REGIMES["iii"][1]),
             _row("depth", 1, 0.99, "v", REGIMES["v"][0], REGIMES["v"][1]), _row("depth", 3, 0.98, "v", REGIMES["v"][0], REGIMES["v"][1])]
-    results = {"stages": {"diagnostic": {"status": "ok", "result": {"table": rows}},
-                          "pruning": {"status": "ok", "result": {"cls": _cls_result()}}}}
+    pruning = {"cls": {"headline": _headline("cosine_x100", (0.5, (1.3, 1.4, 1.5)), (0.05, (1.2, 1.3, 1.4)))},
+               "depth": {"headline": _headline("silog_x100", (0.2, (1.3, 1.4, 1.5)), (0.4, (1.2, 1.3, 1.4)))}}
+    results = {"stages": {"diagnostic": {"status": "ok", "result": {"table": rows}}, "pruning": {"status": "ok", "result": pruning}}}
     text = summary(results, tmp_path)
     lines = text.splitlines()
-    embedding = next(line for line in lines if line.strip().startswith("CLS embedding"))
+    embedding = next(line for line in lines if line.strip().startswith("CLS embedding: κ_cap"))
     assert "κ_cap 0.95 / 0.39 at layers 1 / 6" in embedding
-    assert f"layer 1: regime (v) {REGIMES['v'][0]}; recommended: {REGIMES['v'][1]}" in embedding
-    assert f"layer 6: regime (iii) {REGIMES['iii'][0]}; recommended: {REGIMES['iii'][1]}" in embedding
-    depth = next(line for line in lines if line.strip().startswith("DPT depth"))
-    assert "layer" not in depth.split("recommended")[0].split(". ", 1)[1]  # one regime for both layers: said once
-    gain = next(line for line in lines if "η = 0.3" in line)
-    assert "importance head 0.01, 4.0× lower than the best baseline (tome_score 0.04)" in gain and "random 0.5" in gain
+    assert f"layer 1: regime (v) {REGIMES['v'][0]}" in embedding and f"layer 6: regime (iii) {REGIMES['iii'][0]}" in embedding
+    assert "recommended" not in embedding  # the recommendation is measured, below
+    depth = next(line for line in lines if line.strip().startswith("DPT depth: κ_cap"))
+    assert "layer" not in depth.split(". ", 1)[1]  # one regime for both layers: said once
+    cls_line = next(line for line in lines if line.strip().startswith("CLS embedding, cosine_x100 at ToMe r = 16"))
+    assert "tome 0.5 at FLOP ratio 1.40, 1.40× (1.30–1.50)" in cls_line and "importance_tome (ours) 0.05" in cls_line
+    assert "recommended for CLS embedding (measured winner): importance_tome at r=16" in text
+    assert "recommended for DPT depth (measured winner): tome at r=16" in text
     assert f"Files in {tmp_path}:" in text and "pruning/cls/" in text and "results.json" in text
-    no_head = {"stages": {"pruning": {"status": "ok", "result": {"cls": _cls_result(importance=False)}},
-                          "diagnostic": {"status": "failed", "error": "RuntimeError: boom"}}}
-    text = summary(no_head, tmp_path)
-    assert "no importance head ran" in text and "(the diagnostic stage failed: RuntimeError: boom)" in text
-    assert "(the pruning stage did not run)" in summary({"stages": {}}, tmp_path)
+    failed = {"stages": {"diagnostic": {"status": "failed", "error": "RuntimeError: boom"}}}
+    text = summary(failed, tmp_path)
+    assert "(the diagnostic stage failed: RuntimeError: boom)" in text and "(the pruning stage did not run)" in text
+
+
+def test_the_demo_states_its_plan_and_expected_times():
+    """Each stage says what it does and how long it takes on an idle 2-core machine; the first
+    line gives the total."""
+    for quick in (True, False):
+        lines = pipeline.plan_lines(quick)
+        assert len(lines) == 1 + len(pipeline.STAGES)
+        for stage, line in zip(pipeline.STAGES, lines[1:]):
+            assert line.split()[0] == stage.NAME and f"~{stage.EXPECTED_S[quick]:>4.0f} s" in line and stage.PLAN[quick] in line
+        total = sum(stage.EXPECTED_S[quick] for stage in pipeline.STAGES)
+        assert f"about {total / 60:.0f} min" in lines[0] and ("--quick" in lines[0]) == quick and "idle 2-core machine" in lines[0]
 
 
 def test_the_demo_ends_with_the_summary(tmp_path, monkeypatch, capsys):

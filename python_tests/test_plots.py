@@ -222,7 +222,7 @@ def figure_problems(fig) -> list[str]:
     return problems + _legend_problems(fig)
 
 
-def decade_gap_problems(fig, low: str = "importance", high: str = "tome_score") -> list[str]:
+def decade_gap_problems(fig, low: str = "importance — ours", high: str = "tome_score") -> list[str]:
     """Where ``low`` and ``high`` differ by a decade or more in data, their drawn y positions must
     be a decade apart on the panel's own scale (the display height of y = 1 … 10)."""
     ax = fig.axes[0]
@@ -337,3 +337,57 @@ def test_the_figures_name_what_the_tables_name():
     fig = _token_energy()
     assert "prefix share: the part of Σ_t e_t on the prefix tokens" in fig.get_suptitle()
     pyplot().close(fig)
+
+
+def _lines_by_label(fig) -> dict:
+    return {line.get_label(): line for ax in fig.axes for line in ax.lines if not line.get_label().startswith("_")}
+
+
+def test_every_quality_figure_draws_a_method_in_its_one_colour_and_marks_ours():
+    """One colour table (the registry's order) for every figure: importance and tome_score keep
+    their colours from the CLS plot to the depth plot; rows of ours say so and are starred."""
+    from pullback_ext.comparison.report import method_colours
+    from pullback_ext.prune.methods import all_methods
+
+    colours = method_colours()
+    assert list(colours) == [m.name for m in all_methods()]
+    assert len({to_hex(c) for c in colours.values()}) == len(colours)
+    seen: dict = {}
+    for build in (cls_quality_result, depth_quality_result):
+        with opened(lambda: _quality(build())) as fig:
+            for label, line in _lines_by_label(fig).items():
+                method = label.split(" ")[0]
+                assert to_hex(line.get_color()) == to_hex(colours[method]), label
+                seen.setdefault(method, set()).add(to_hex(line.get_color()))
+                assert ("— ours" in label) == (method in {m.name for m in all_methods() if m.ours}), label
+                assert ("— ours" in label) == (line.get_marker() == "*"), label
+    assert all(len(c) == 1 for c in seen.values()) and {"importance", "tome_score"} <= set(seen)
+
+
+def test_the_quality_figure_has_cost_on_x_and_names_the_output_on_y():
+    result = depth_quality_result()
+    result["flop_ratio"] = {key: {row: {f"{r:g}": 1 / (1 - r) for r in RATIOS} for row in table} for key, table in result["tables"].items()}
+    with opened(lambda: _quality(result)) as fig:
+        panels = [ax for ax in fig.axes if ax.lines]
+        assert all("FLOP ratio" in ax.get_xlabel() for ax in panels)
+        assert [ax.get_ylabel() for ax in panels] == ["added SILog ×100 of the depth map", "100·(1 − cos) of the CLS embedding"]
+        xs = [x for line in panels[0].lines if not line.get_label().startswith("_") for x in line.get_xdata()]
+        assert min(xs) == pytest.approx(1 / 0.9) and max(xs) == pytest.approx(2.0)
+
+
+def test_a_row_identical_to_another_is_drawn_once_and_the_legend_says_so():
+    result = depth_quality_result()
+    result["tables"]["no_llf"]["tome_score"] = result["tables"]["llf"]["tome_score"]
+    with opened(lambda: _quality(result)) as fig:
+        labels = list(_lines_by_label(fig))
+        assert "tome_score (= tome_score (no LLF), drawn once)" in labels and "tome_score (no LLF)" not in labels
+
+
+def test_bands_are_drawn_and_explained_only_with_several_seeds():
+    result = cls_quality_result()
+    with opened(lambda: _quality(result)) as fig:
+        assert not fig.axes[0].collections and not any("band" in t.get_text() for lg in fig.legends for t in lg.get_texts())
+    result["seeds"] = 3
+    with opened(lambda: _quality(result)) as fig:
+        assert fig.axes[0].collections
+        assert any("band: ± std of the mean across 3 seeds (where it stays > 0)" in t.get_text() for lg in fig.legends for t in lg.get_texts())

@@ -163,7 +163,7 @@ def test_cli_rejects_a_corrupt_head_checkpoint(image_dir, tmp_path, capsys):
 def test_demo_stage_uses_the_trained_head_at_its_layer(tmp_path, monkeypatch):
     from dataclasses import replace
 
-    from pullback_ext.demo import pruning_stage
+    from pullback_ext.demo import headline, pruning_stage
     from pullback_ext.demo.pipeline import demo_inputs
     from pullback_ext.demo.stages import TrainedHead
     from pullback_ext.metric.head import ImportanceHead
@@ -171,8 +171,7 @@ def test_demo_stage_uses_the_trained_head_at_its_layer(tmp_path, monkeypatch):
     monkeypatch.setitem(pruning_stage.QUICK, "images", 4)
     monkeypatch.setitem(pruning_stage.QUICK, "cls_ratios", (0.5,))
     monkeypatch.setitem(pruning_stage.QUICK, "depth_ratios", (0.5,))
-    monkeypatch.setitem(pruning_stage.QUICK, "batches", (1,))
-    monkeypatch.setitem(pruning_stage.QUICK, "repeats", 1)
+    monkeypatch.setitem(headline.SETTINGS, True, {"batch": 2, "repeats": 1})
     torch.manual_seed(0)
     head = ImportanceHead(192, hidden=16, heads=2).eval().requires_grad_(False)
     inputs = replace(demo_inputs(tmp_path, quick=True), model=_demo_model(), heads=(TrainedHead("cls", head, 4),))
@@ -180,6 +179,10 @@ def test_demo_stage_uses_the_trained_head_at_its_layer(tmp_path, monkeypatch):
     assert result["heads"] == {"cls": 4}
     assert result["cls"]["layers"] == [4] and "importance" in result["cls"]["strategies"]
     assert "importance" not in result["depth"]["strategies"]
+    assert [(row["method"], row["ours"]) for row in result["cls"]["headline"]["rows"]] == [("tome", False), ("importance_tome", True)]
+    assert result["cls"]["headline"]["rows"][1]["speedup"]["low"] <= result["cls"]["headline"]["rows"][1]["speedup"]["high"]
+    assert [row["method"] for row in result["depth"]["headline"]["rows"]] == ["tome"]  # no depth head: ToMe alone
+    assert "Measured winner" in (tmp_path / "pruning" / "cls" / "table.md").read_text()
     for task in ("cls", "depth"):
         assert (tmp_path / "pruning" / task / "results.json").is_file()
         assert (tmp_path / "pruning" / task / "quality.png").is_file()

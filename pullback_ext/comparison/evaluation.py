@@ -275,6 +275,26 @@ def run_cost(backbone: Backbone, images: torch.Tensor, plan: Plan, batches=(1, 6
     return out
 
 
+def run_flop_ratios(backbone: Backbone, image: torch.Tensor, plan: Plan) -> dict:
+    """``{table key: {row: {ratio: FLOP ratio}}}`` of every cell of ``plan``: unpruned FLOPs over
+    the cell's (torch's flop counter on ``image [1, 3, H, W]`` over the task's own forward,
+    :meth:`~pullback_ext.comparison.backbones.Backbone.forwards`, scoring included), the cost axis
+    the quality plots are drawn against."""
+    full, reduced = backbone.forwards(plan.task)
+    base = count_flops(full, image)
+    out: dict = {}
+    for llf in plan.llf:
+        for row in plan.rows(backbone):
+            for ratio in plan.ratios:
+                reduction = plan.row_reduction(backbone, row, ratio, llf, 0)
+                prepare = _prepare_scorers(plan, row.strategy)
+                if prepare is not None:
+                    prepare(image)
+                flops = count_flops(lambda x: reduced(reduction, x), image)
+                out.setdefault(table_key(plan.mode, llf), {}).setdefault(row.key, {})[f"{ratio:g}"] = base / flops
+    return out
+
+
 def markdown_table(result: dict, llf_key: str, metrics: Optional[Sequence[str]] = None) -> str:
     """One quality table (``llf_key`` from :func:`table_key`) as markdown: one row per strategy and
     rule set (named with its selection and averaging), columns ratios, cells mean ± std across

@@ -1,4 +1,4 @@
-"""Evaluation outputs: JSON, markdown table and the quality-against-ratio plot, written atomically."""
+"""Evaluation outputs: JSON, markdown table and the quality-against-cost plot, written atomically."""
 
 from __future__ import annotations
 
@@ -24,53 +24,105 @@ def write_text(text: str, path: str | os.PathLike) -> Path:
     return path
 
 
+def method_colours() -> dict:
+    """The one colour table of every figure that draws methods: ``{method name: RGBA}`` for each
+    method of the registry (:func:`pullback_ext.prune.methods.all_methods`), in its order: tab10,
+    then the light tab20 shades."""
+    from pullback_ext.prune.methods import all_methods
+
+    plt = pyplot()
+    table = [plt.get_cmap("tab10")(i) for i in range(10)] + [plt.get_cmap("tab20")(2 * i + 1) for i in range(10)]
+    return {m.name: table[i % len(table)] for i, m in enumerate(all_methods())}
+
+
+def method_of(row: str):
+    """The registered method of a row key (``"importance (paper preset)"`` names its method first)."""
+    from pullback_ext.prune.methods import get
+
+    return get(row.split(" ")[0])
+
+
+def method_style(row: str) -> dict:
+    """Line2D keywords of the row ``row``: its method's colour of :func:`method_colours`; a
+    method of ours (the registry's ``ours``) is drawn thicker with a star marker."""
+    method = method_of(row)
+    style = {"color": method_colours()[method.name]}
+    return style | ({"lw": 2.2, "marker": "*", "ms": 9} if method.ours else {})
+
+
 # (table key, linestyle, marker, legend suffix): LLF variants differ in linestyle and marker
 VARIANTS = (("merge", "-", "o", ""), ("llf", "-", "o", ""), ("llf_full", ":", "s", " (full LLF)"), ("no_llf", "--", "^", " (no LLF)"))
-METRIC_TITLES = {"cosine_x100": "cosine distance ×100 (to the unpruned output)", "silog_x100": "added SILog ×100 (to the unpruned depth)",
+METRIC_TITLES = {"cosine_x100": "100·(1 − cos) of the CLS embedding", "silog_x100": "added SILog ×100 of the depth map",
                  "knn_top1": "k-NN top-1 accuracy"}
+COST_TITLE = "FLOP ratio (unpruned / reduced, scoring included)"
 
 
-def _colours(plt, count: int) -> list:
-    """Distinct colours for ``count`` strategies (tab10, tab20 beyond ten)."""
-    return [plt.get_cmap("tab10" if count <= 10 else "tab20")(i) for i in range(count)]
+def _series(result: dict, metric: str) -> list[dict]:
+    """Every line of one panel: ``{label, method, ls, marker, x, mean, std}``; x is the FLOP ratio
+    of each cell (``result["flop_ratio"]``; the prune ratio η where a result has none). A row
+    identical to an earlier one (same x and means) is left out and named in the earlier's label."""
+    ratios, costs = result["ratios"], result.get("flop_ratio")
+    out: list[dict] = []
+    for key, ls, marker, suffix in VARIANTS:
+        for row, by_ratio in result["tables"].get(key, {}).items():
+            x = [costs[key][row][f"{r:g}"] for r in ratios] if costs else list(ratios)
+            mean = np.array([by_ratio[f"{r:g}"][metric]["mean"] for r in ratios], dtype=float)
+            std = np.array([by_ratio[f"{r:g}"][metric].get("std", 0.0) for r in ratios], dtype=float)
+            twin = next((s for s in out if s["x"] == x and np.array_equal(s["mean"], mean)), None)
+            if twin is not None:
+                twin["label"] += f" (= {row}{suffix}, drawn once)"
+                continue
+            out.append({"label": row + suffix, "method": row, "ls": ls, "marker": marker, "x": x, "mean": mean, "std": std})
+    for row in result.get("headline", {}).get("rows", []) if result.get("headline", {}).get("metric") == metric else []:
+        line = next((s for s in out if s.get("headline_row") == row["row"]), None)
+        if line is None:
+            line = {"label": f"{row['row']} (headline, ToMe's r)", "method": row["method"], "ls": "-.", "marker": "D",
+                    "x": [], "mean": np.array([]), "std": None, "headline_row": row["row"]}
+            out.append(line)
+        line["x"].append(row["flop_ratio"])
+        line["mean"] = np.append(line["mean"], row["error"]["mean"])
+    return out
 
 
-def _quality_panel(ax, result: dict, metric: str, colours: dict) -> None:
-    """Mean error against ratio per (strategy, LLF variant) on a log axis; the std across seeds
-    as a band clipped to the floor (a log axis cannot show mean − std ≤ 0)."""
-    ratios = result["ratios"]
-
-    def stat(by_ratio: dict, name: str) -> np.ndarray:
-        return np.array([by_ratio[f"{r:g}"][metric][name] for r in ratios], dtype=float)
-
-    series = [(ls, marker, strategy, suffix, stat(by_ratio, "mean"), stat(by_ratio, "std")) for key, ls, marker, suffix in VARIANTS
-              for strategy, by_ratio in result["tables"].get(key, {}).items()]
-    floor, clipped = log_floor([s[4] for s in series]), 0
-    for ls, marker, strategy, suffix, mean, std in series:
-        colour = colours[strategy]
-        clipped += log_series(ax, ratios, mean, floor, ls=ls, marker=marker, ms=4, color=colour, label=strategy + suffix)
-        ax.fill_between(ratios, np.maximum(mean - std, floor), np.maximum(mean + std, floor), color=colour, alpha=0.12, lw=0)
+def _quality_panel(ax, result: dict, metric: str) -> None:
+    """Mean error against FLOP ratio per row (colour: its method, :func:`~pullback_ext.plots.method_style`;
+    linestyle: its LLF variant) on a log axis; with several seeds the std across seeds as a band,
+    for a row whose mean − std stays positive (a log axis cannot show the rest)."""
+    series = _series(result, metric)
+    floor, clipped = log_floor(np.concatenate([s["mean"] for s in series])), 0
+    banded = False
+    for s in series:
+        style = {"marker": s["marker"], "ms": 4} | method_style(s["method"])
+        if "paper preset" in s["label"]:  # the other preset of the same method: hollow markers
+            style["mfc"] = "none"
+        ours = " — ours" if method_of(s["method"]).ours else ""
+        clipped += log_series(ax, s["x"], s["mean"], floor, ls=s["ls"], label=s["label"] + ours, **style)
+        if result.get("seeds", 1) > 1 and s["std"] is not None and (s["mean"] - s["std"] > 0).all():  # a log axis shows > 0 only
+            ax.fill_between(s["x"], s["mean"] - s["std"], s["mean"] + s["std"], color=style["color"], alpha=0.12, lw=0)
+            banded = True
+    if banded:
+        ax.fill_between([], [], [], color="gray", alpha=0.25, lw=0, label=f"band: ± std of the mean across {result['seeds']} seeds (where it stays > 0)")
     ax.set_yscale("log")
     decade_limits(ax)
     note_floor(ax, floor, clipped)
-    ax.set_xlabel("prune ratio η (fraction of tokens removed)")
+    ax.set_xlabel(COST_TITLE if result.get("flop_ratio") else "prune ratio η (fraction of tokens removed)")
     ax.set_ylabel(METRIC_TITLES.get(metric, metric))
     ax.grid(alpha=0.3, which="both")
 
 
 def quality_figure(result: dict):
-    """One panel per metric of ``result`` (:func:`pullback_ext.comparison.evaluation.run_quality`): mean
-    error (band: ± std across seeds) against ratio for each strategy, log y; prune mode without LLF
-    dashed with triangles, full LLF dotted with squares. The legend sits right of the panels."""
+    """One panel per metric of ``result`` (:func:`pullback_ext.comparison.evaluation.run_quality`,
+    with ``flop_ratio`` from :func:`~pullback_ext.comparison.evaluation.run_flop_ratios` and
+    optionally a ``headline``): mean error against cost for each row, log y; prune mode without
+    LLF dashed with triangles, full LLF dotted with squares, the every-block merges of the
+    headline dash-dotted; ours thicker with a star. The legend sits right of the panels."""
     plt = pyplot()
     metrics = METRICS[result["task"]]
-    strategies = list(dict.fromkeys(s for key, *_ in VARIANTS for s in result["tables"].get(key, {})))
-    colours = dict(zip(strategies, _colours(plt, len(strategies))))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics) + 2, 4.2), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics) + 3, 4.2), squeeze=False, layout="constrained")
     for ax, metric in zip(axes[0], metrics):
-        _quality_panel(ax, result, metric, colours)
-    outside_legend(fig, axes[0][0])
-    fig.suptitle(f"{result['task']} / {result['mode']} at layers {result['layers']} (lower is better)")
+        _quality_panel(ax, result, metric)
+    outside_legend(fig, max(axes[0], key=lambda ax: len(ax.get_legend_handles_labels()[1])))
+    fig.suptitle(f"{result['task']} / {result['mode']} at layers {result['layers']} (lower is better)", fontsize=10, x=0.02, ha="left")
     return fig
 
 

@@ -18,6 +18,9 @@ from pullback_ext.plots import colour_range, decade_limits, log_floor, log_serie
 
 NAME = "diagnostic"
 PROBE_LAYERS = (1, 3, 6)
+PLAN = {True: "κ_cap, CV and regime of the CLS and depth probes at blocks 1, 3, 6 on 1 scene (no SLQ)",
+        False: "κ_cap, CV, r_eff and regime of the CLS and depth probes at blocks 1, 3, 6 on 2 scenes"}
+EXPECTED_S = {True: 10, False: 30}
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class DiagnosticSettings:
     def for_run(cls, quick: bool) -> "DiagnosticSettings":
         if quick:
             return cls(num_images=1, depth_output_size=8, oversample=2, power=1, probes=8, slq_steps=0)
-        return cls(num_images=3, depth_output_size=16, oversample=5, power=2, probes=10, slq_steps=10)
+        return cls(num_images=2, depth_output_size=16, oversample=5, power=2, probes=10, slq_steps=10)
 
 
 DECODER_LABELS = {"embedding": "CLS embedding", "depth": "DPT depth", "cls": "CLS logits"}

@@ -1,7 +1,9 @@
 """The run of ``pullback demo``: the demo model's held-out quality, then the stages in order.
 
-Each stage is a module of this package listed in :data:`STAGES` (``NAME``, ``run_demo_stage``);
-the heads a stage trains are handed to the stages after it. After every stage
+Each stage is a module of this package listed in :data:`STAGES` (``NAME``, ``run_demo_stage``,
+and ``PLAN`` / ``EXPECTED_S``: what it does and its expected seconds on an idle 2-core machine,
+by ``quick``: measured on a 2-core machine with nothing else running); the run states that plan first, and each stage's time against it when it ends. The
+heads a stage trains are handed to the stages after it. After every stage
 ``DIR/results.json`` is rewritten atomically, so it is always valid JSON describing the stages
 done so far; a stage that fails is recorded and the later ones still run.
 """
@@ -47,6 +49,14 @@ def jsonable(value):
     return str(value)
 
 
+def plan_lines(quick: bool) -> list[str]:
+    """The plan a run states when it starts: each stage, its expected time and what it does."""
+    total = sum(stage.EXPECTED_S[quick] for stage in STAGES)
+    lines = [f"pullback demo{' --quick' if quick else ''}: {len(STAGES)} stages, about {total / 60:.0f} min on an idle "
+             "2-core machine (longer on a busy one):"]
+    return lines + [f"  {stage.NAME:<16} ~{stage.EXPECTED_S[quick]:>4.0f} s  {stage.PLAN[quick]}" for stage in STAGES]
+
+
 def run_stages(inputs: DemoInputs, results: dict, results_path: Path, started: float) -> list[str]:
     """Run :data:`STAGES` in order into ``results["stages"]`` (rewriting ``results_path`` after
     each); returns the names of the stages that failed."""
@@ -54,11 +64,14 @@ def run_stages(inputs: DemoInputs, results: dict, results_path: Path, started: f
 
     failed = []
     for stage in progress_bar(STAGES, desc="pullback demo", unit="stage"):
-        stage_started = time.time()
+        stage_started, cpu_started = time.time(), time.process_time()
         try:
             output = stage.run_demo_stage(inputs)
             inputs = replace(inputs, heads=inputs.heads + output.heads)
-            results["stages"][stage.NAME] = {"status": "ok", "seconds": time.time() - stage_started, "result": output.report}
+            seconds = time.time() - stage_started
+            results["stages"][stage.NAME] = {"status": "ok", "seconds": seconds, "cpu_seconds": time.process_time() - cpu_started,
+                                             "result": output.report}
+            info_line(f"[{stage.NAME}] done in {seconds:.0f} s (expected ~{stage.EXPECTED_S[inputs.quick]:.0f} s on an idle 2-core machine)")
         except Exception as exc:
             traceback.print_exc()
             print(f"[{stage.NAME}] failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -93,6 +106,7 @@ def run_demo(out_dir: Path, quick: bool, weights: str | None = None) -> int:
     from pullback_ext.embedded.weights_io import CARD_JSON
 
     started = time.time()
+    info_line("\n".join(plan_lines(quick)))
     inputs = demo_inputs(out_dir, quick, weights)
     card = json.loads(CARD_JSON.read_text()).get("heldout", {}) if weights is None and CARD_JSON.is_file() else {}
     quality = evaluate(inputs.model, inputs.scenes)

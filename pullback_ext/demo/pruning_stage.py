@@ -1,8 +1,9 @@
-"""The token merging / pruning part of ``pullback demo``: a short strategy comparison.
-
-CLS merge (cosine ×100) and dense prune with LLF on/off (SILog ×100) on held-out scenes, the
-cost of the importance head against ToMe, and a Geosubprobe-style analysis of a linear depth
-probe. Quick mode (about a minute on a laptop CPU) uses fewer scenes and ratios.
+"""The token merging / pruning part of ``pullback demo``: per decoder, the headline (ours against
+the original ToMe at matched FLOP ratio, measured speed-up with its spread and the measured
+winner, :mod:`pullback_ext.demo.headline`), then the strategy comparison over the prune ratio η
+(CLS merge, cosine ×100; dense prune with LLF on/off, SILog ×100) on held-out scenes, drawn
+against FLOP ratio, and a Geosubprobe-style analysis of a linear depth probe. Quick mode uses
+fewer scenes and ratios.
 """
 
 from __future__ import annotations
@@ -10,19 +11,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from pullback_ext.comparison.backbones import demo_backbone
-from pullback_ext.comparison.evaluation import METRICS, Plan, check_plan, markdown_table, run_cost, run_quality
+from pullback_ext.comparison.evaluation import METRICS, Plan, check_plan, markdown_table, run_flop_ratios, run_quality
 from pullback_ext.comparison.report import plot_quality, write_json, write_text
+from pullback_ext.demo.headline import R, Setup, headline_table, run_headline
 from pullback_ext.demo.stages import DemoInputs, StageResult
 from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.strategies import TRAINING_FREE
 from pullback_ext.studies.subspace import subspace_analysis
 
 NAME = "pruning"
-QUICK = {"images": 16, "seeds": 1, "cls_ratios": (0.1, 0.3, 0.5), "depth_ratios": (0.25, 0.5), "batches": (1, 16), "repeats": 2}
+QUICK = {"images": 8, "seeds": 1, "cls_ratios": (0.1, 0.3, 0.5), "depth_ratios": (0.25, 0.5), "subspace": 32}
 TITLES = {"cls": "CLS soft merge, cosine ×100 against the unpruned embedding (lower is better)",
           "depth": "dense prune, additional SILog ×100 against the unpruned depth (lower is better)"}
-FULL = {"images": 32, "seeds": 3, "cls_ratios": (0.05, 0.1, 0.2, 0.3, 0.5), "depth_ratios": (0.1, 0.2, 0.3, 0.5),
-        "batches": (1, 64), "repeats": 3}
+FULL = {"images": 16, "seeds": 2, "cls_ratios": (0.05, 0.1, 0.2, 0.3, 0.5), "depth_ratios": (0.1, 0.25, 0.5), "subspace": 64}
+PLAN = {quick: f"per decoder: ours against ToMe at matched FLOP ratio (r = {', '.join(map(str, R[quick]))}, timed), "
+               f"then the η sweep of {s['seeds']} × {s['images']} scenes; the subspace probe"
+        for quick, s in ((True, QUICK), (False, FULL))}
+EXPECTED_S = {True: 30, False: 115}
+HEADLINE_TITLES = {"cls": "CLS embedding: ours against the original ToMe at matched FLOP ratio",
+                   "depth": "DPT depth: ours against the original ToMe at matched FLOP ratio"}
 
 
 def _plan(backbone, task: str, spec: dict, head, results: dict) -> Plan:
@@ -69,12 +76,25 @@ def printed_tables(result: dict) -> str:
     return "\n".join(parts)
 
 
-def run_demo_stage(inputs: DemoInputs, progress: bool = True) -> StageResult:
-    """Run the comparison on rendered held-out scenes and write ``pruning/{cls,depth}/results.json``,
-    ``table.md``, ``quality.png`` and ``pruning/subspace.json`` under ``inputs.out_dir``.
+def _write_task(result: dict, folder: Path) -> None:
+    """results.json, table.md (the headline first) and quality.png of one task; prints both tables."""
+    task = result["task"]
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(result, folder / "results.json")
+    top = headline_table(result["headline"], HEADLINE_TITLES[task])
+    write_text(top + "\n" + "\n".join(markdown_table(result, key) for key in result["tables"]), folder / "table.md")
+    print(f"[pruning] {top}\n[pruning] {task}: {TITLES[task]}\n{printed_tables(result)}", flush=True)
+    plot_quality(result, folder / "quality.png")
 
-    A task with one of ``inputs.heads`` also runs the importance strategy with it, its first stage
-    at the head's layer; tasks without a head compare the training-free strategies only.
+
+def run_demo_stage(inputs: DemoInputs, progress: bool = True) -> StageResult:
+    """Run the headline and the comparison on rendered held-out scenes and write
+    ``pruning/{cls,depth}/results.json``, ``table.md``, ``quality.png`` and ``pruning/subspace.json``
+    under ``inputs.out_dir``.
+
+    A task with one of ``inputs.heads`` also runs our methods with it (the importance strategy,
+    its first stage at the head's layer; ``importance_tome`` scoring the head's probe layer);
+    tasks without a head compare the training-free strategies and ToMe only.
     """
     model, quick = inputs.model, inputs.quick
     settings = QUICK if quick else FULL
@@ -89,18 +109,14 @@ def run_demo_stage(inputs: DemoInputs, progress: bool = True) -> StageResult:
     }
     for task, spec in tasks.items():
         plan = _plan(backbone, task, spec, heads.get(task), results)
+        head, layer = heads.get(task, (None, 1))
+        setup = Setup(task, head, layer - 1, spec["layers"], int(model.backbone.patch_embed.num_patches), quick)
         result = run_quality(backbone, sets, plan, progress=progress)
-        timed = ("importance", "tome_score") if "importance" in plan.scorers else ("tome_score",)
-        result["cost"] = run_cost(backbone, sets[0]["images"], plan, settings["batches"], settings["repeats"],
-                                  strategies=timed, progress=progress)
-        folder = out / task
-        folder.mkdir(parents=True, exist_ok=True)
-        write_json(result, folder / "results.json")
-        write_text("\n".join(markdown_table(result, key) for key in result["tables"]), folder / "table.md")
-        print(f"[pruning] {task}: {TITLES[task]}\n{printed_tables(result)}", flush=True)
-        plot_quality(result, folder / "quality.png")
+        result["flop_ratio"] = run_flop_ratios(backbone, sets[0]["images"][:1], plan)
+        result["headline"] = run_headline(backbone, inputs.scenes["images"], setup, progress)
+        _write_task(result, out / task)
         results[task] = result
     test = inputs.images.heldout(inputs.preprocess, settings["images"]).load()
-    results["subspace"] = subspace_analysis(model, model.hook_layers[1], 32 if quick else 128, test, quick)
+    results["subspace"] = subspace_analysis(model, model.hook_layers[1], settings["subspace"], test, quick)
     write_json(results["subspace"], out / "subspace.json")
     return StageResult(results)
