@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from helpers.blocks import unmerge
+
 
 def attention_half(block, x: torch.Tensor, sizes: list | None):
     """``x [K, D]`` -> ``(x + attention output, keys [H, K, hd])``, ``log(size)`` added to the logits."""
@@ -103,13 +105,5 @@ def reference(model, head, x: torch.Tensor, r: int, schedule: str, score_layer: 
         if i == score_layer and any(merges):
             energy = [float(v) ** 2 * s for v, s in zip(head(x[None])[0], sizes)]
         if i in take:
-            taken[i] = restore(x, groups, n)
-    return restore(x, groups, n), taken, groups
-
-
-def restore(x: torch.Tensor, groups: list, n: int) -> torch.Tensor:
-    out = torch.empty(n, x.shape[1], dtype=x.dtype)
-    for row, members in enumerate(groups):
-        for t in members:
-            out[t] = x[row]
-    return out
+            taken[i] = unmerge(x, groups, n)
+    return unmerge(x, groups, n), taken, groups

@@ -227,3 +227,14 @@ class BlockLoopMethod(Method):
     def describe(self, reduction: Reduction) -> dict:
         selection, averaging = self.rules
         return {"method": self.name, "selection": selection, "averaging": averaging}
+
+    # the module's loop ``block_loop(reduction, x, blocks, call_block, split, take)`` and its count
+    # ``token_counts(options, num_patch, depth)``, set by each subclass as staticmethods
+    block_loop: Callable = None
+    token_counts: Callable = None
+
+    def run(self, reduction: Reduction, x: torch.Tensor, loop: BlockLoop, take=()):
+        return self.block_loop(reduction, x, loop.blocks, loop.call_block, loop.split, take)
+
+    def patch_tokens_per_block(self, reduction: Reduction, num_patch: int) -> list:
+        return self.token_counts(reduction.options, num_patch, reduction.backbone.depth)

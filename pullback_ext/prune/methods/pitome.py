@@ -45,7 +45,7 @@ import torch
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.merged_tokens import MergedTokens
 from pullback_ext.prune.methods import tome
-from pullback_ext.prune.methods.base import BlockLoop, Needs
+from pullback_ext.prune.methods.base import Needs
 from pullback_ext.prune.option_checks import is_real
 
 
@@ -140,11 +140,7 @@ class PiToMe(tome.MergingMethod):
              "size-weighted, proportional attention")
     sweep = {"r": (1, 2, 4, 6, 8, 12, 16, 20, 24)}
 
-    def run(self, reduction, x: torch.Tensor, loop: BlockLoop, take=()):
-        return run(reduction, x, loop.blocks, loop.call_block, loop.split, take)
-
-    def patch_tokens_per_block(self, reduction, num_patch: int) -> list:
-        return patch_tokens_per_block(reduction.options, num_patch, reduction.backbone.depth)
+    block_loop, token_counts = staticmethod(run), staticmethod(patch_tokens_per_block)
 
 
 ORDER = 4
