@@ -100,6 +100,29 @@ def test_grids_give_both_of_our_rules_and_the_authors_knobs():
         build_points(("tome",), {"evit": {"keep_rate": (0.5,)}}, base, {}, None, (0.1,))
 
 
+def test_a_method_with_an_optional_head_sweeps_it_into_two_rows():
+    from pullback_ext.prune.methods.base import BackboneShape
+    from pullback_ext.prune.row_rules import row_label
+
+    base = {"layers": (2,), "mode": "merge", "preset": "recommended"}
+    head = lambda F: F.norm(dim=-1)  # noqa: E731  (any callable F [B, K, D] -> [B, K])
+    given = parse_sweeps(["importance_tome:head=trained,none", "importance_tome:r=4", "importance_tome:schedule=constant",
+                          "importance_tome:early_merges=off"])
+    points = build_points(("importance_tome",), given, base, {"importance": head}, None, (0.1,))
+    assert [(p.knob["head"], p.options.head) for p in points] == [("trained", head), ("none", None)]
+    labels = {row_label(p.options.resolve(BackboneShape(depth=8, num_prefix=1, has_cls=True))) for p in points}
+    assert len(labels) == 2  # one row each: a frontier never mixes the headed and the head-free method
+    without = build_points(("importance_tome",), parse_sweeps(["importance_tome:head=none", "importance_tome:r=4"]),
+                           base, {}, None, (0.1,))
+    assert {p.options.head for p in without} == {None}
+    for sweep, scorers, match in ((["importance_tome:head=trained"], {}, "head=trained needs --head"),
+                                  (["tome:head=none"], {}, "only a method that runs without one")):
+        with pytest.raises(PullbackError, match=match):
+            build_points((sweep[0].split(":")[0],), parse_sweeps(sweep), base, scorers, None, (0.1,))
+    with pytest.raises(PullbackError, match="head takes trained or none"):
+        parse_sweeps(["importance_tome:head=big"])
+
+
 @pytest.fixture
 def clean_checkout(monkeypatch):
     """Stamps as from a checkout without local changes (the page refusal is tested on its own)."""

@@ -55,7 +55,7 @@ def spectra_energies() -> dict:
 
 
 def pareto_result() -> dict:
-    points = [{"row": row, "knob": {"r": k}, "eta": 0.1 * k,
+    points = [{"row": row, "knob": {"r": k}, "eta": 0.1 * k, "options": {"strategy": row},
                "cost": {"speedup_batch16": 1 + 0.2 * k, "flop_ratio": 1 + 0.25 * k},
                "error": {"mean": scale * k ** 2 if k else 0.0, "median": scale * k, "p95": 2 * scale * k ** 2, "worst": 3 * scale * k ** 2}}
               for row, scale in (("tome", 1e-3), ("importance", 1e-4)) for k in range(4)]
@@ -362,6 +362,30 @@ def test_every_quality_figure_draws_a_method_in_its_one_colour_and_marks_ours():
                 assert ("— ours" in label) == (method in {m.name for m in all_methods() if m.ours}), label
                 assert ("— ours" in label) == (line.get_marker() == "*"), label
     assert all(len(c) == 1 for c in seen.values()) and {"importance", "tome_score"} <= set(seen)
+
+
+def test_the_pareto_figure_draws_a_row_in_its_methods_colour_and_tells_rows_of_one_method_apart():
+    from pullback_ext.comparison.report import method_colours
+
+    result = pareto_result()
+    twin = [dict(p, row="importance (lowest)", options={"strategy": "importance"},
+                 error={k: 2 * v if k != "worst_image" else v for k, v in p["error"].items()})
+            for p in result["points"] if p["row"] == "importance"]
+    result = dict(result, rows=[*result["rows"], "importance (lowest)"], points=[*result["points"], *twin])
+    colours = method_colours()
+    with opened(lambda: figure_of(result)) as fig:
+        lines = _lines_by_label(fig)
+        assert {label: to_hex(line.get_color()) for label, line in lines.items()} == {
+            "tome": to_hex(colours["tome"]), "importance": to_hex(colours["importance"]),
+            "importance (lowest)": to_hex(colours["importance"])}
+        assert lines["importance"].get_marker() != lines["importance (lowest)"].get_marker()
+        assert lines["importance"].get_linewidth() > lines["tome"].get_linewidth()  # ours is drawn thicker
+
+
+def figure_of(result):
+    from pullback_ext.comparison.pareto_report import figure
+
+    return figure(result)
 
 
 def test_the_quality_figure_has_cost_on_x_and_names_the_output_on_y():

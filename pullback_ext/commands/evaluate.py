@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(cpu, cuda or cuda:N; wall-clock then uses CUDA events)")
     pareto.add_argument("--sweep", action="append", metavar="METHOD:FIELD=V1,V2",
                         help="with --pareto: the values of one knob of one method, e.g. tome:r=4,8,16 or evit:keep_rate=0.7,0.5 "
-                             "(repeatable; single-stage methods sweep ratio over --ratios by default)")
+                             "(repeatable; single-stage methods sweep ratio over --ratios by default; "
+                             "importance_tome:head=trained,none gives a row with the --head checkpoint and one without)")
     pareto.add_argument("--tap", default=None, metavar="DIR[,DIR]",
                         help="with --pareto: TAP checkpoint folders (pullback train tap), one row each swept over the keep "
                              "rate ρ = 0.9..0.3 (η = 1 − ρ), plus its quality with nothing removed (ρ = 1)")

@@ -6,7 +6,8 @@ suit the demo model (196 patch tokens, 8 blocks) and are not scaled to other mod
 replaces one field of one method. ``--tap DIR[,DIR]`` adds one row per TAP checkpoint swept over the
 keep rate ρ (:data:`TAP_RHOS`, η = 1 − ρ; ``--sweep tap:ratio=η1,η2`` replaces them), and beside it a
 one-point row at ρ = 1: what the register, and TAP-J's adapted backbone, cost in quality with nothing
-removed.
+removed. A method whose head is optional (``importance_tome``) also sweeps ``head=trained,none``: the
+``--head`` checkpoint, or no head; each gives its own row.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import itertools
 from pullback_ext.errors import PullbackError
 
 DEFAULT_METHODS = ("importance", "tome", "evit", "random")
+HEAD_CHOICES = ("trained", "none")  # the values of --sweep METHOD:head=...
 TAP_RHOS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)  # keep rates of every --tap checkpoint
 
 
@@ -25,7 +27,7 @@ def parse_sweeps(texts) -> dict:
     replace in the method grids (:func:`method_grid`)."""
     from pullback_ext.prune.reduction_options import option_names
 
-    fields = set(option_names()) - {"head", "spn", "strategy"}
+    fields = (set(option_names()) - {"spn", "strategy"}) | {"head"}
     given: dict = {}
     for text in texts or ():
         method, sep, rest = text.partition(":")
@@ -34,7 +36,11 @@ def parse_sweeps(texts) -> dict:
             raise PullbackError(f"--sweep: expected METHOD:FIELD=v1,v2 (e.g. tome:r=4,8,16); got {text!r}")
         if name not in fields:
             raise PullbackError(f"--sweep {text}: {name!r} is not a reduction option; choose from {', '.join(sorted(fields))}")
-        given.setdefault(method, {})[name] = tuple(_value(v.strip()) for v in values.split(",") if v.strip())
+        values = tuple(v.strip() for v in values.split(",") if v.strip())
+        if name == "head" and not set(values) <= set(HEAD_CHOICES):
+            raise PullbackError(f"--sweep {text}: head takes {' or '.join(HEAD_CHOICES)} (the --head checkpoint, or no head); "
+                                f"got {', '.join(v for v in values if v not in HEAD_CHOICES)}")
+        given.setdefault(method, {})[name] = values if name == "head" else tuple(_value(v) for v in values)
     return given
 
 
@@ -83,14 +89,29 @@ def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ra
             fixed["head"] = scorers[m.head_from]
             if spn is not None and base["mode"] == "merge" and "spn" in m.takes:
                 fixed["spn"] = spn
+        heads = _swept_heads(method, m, grid, fixed.pop("head", None))
         for combo in itertools.product(*grid.values()):
             knob = dict(zip(grid, combo))
+            head = heads[knob.get("head", "trained")]
             try:
-                options = ReductionOptions(strategy=method, **fixed, **knob)
+                options = ReductionOptions(strategy=method, **fixed, **{**knob, "head": head})
             except PullbackError as exc:
                 raise PullbackError(f"--sweep {method}: {exc}") from None
             points.append(Point(options=options, knob=knob))
     return points
+
+
+def _swept_heads(method: str, m, grid: dict, trained) -> dict:
+    """``{choice: head}`` of the ``head`` values ``grid`` sweeps (checked: the method's head must be
+    optional, and ``trained`` needs a loaded ``--head``); ``{"trained": trained}`` when it sweeps none."""
+    if "head" not in grid:
+        return {"trained": trained}
+    if not m.head_optional:
+        raise PullbackError(f"--sweep {method}:head: {method!r} always takes its head; only a method that runs "
+                            f"without one sweeps it")
+    if "trained" in grid["head"] and trained is None:
+        raise PullbackError(f"--sweep {method}:head=trained needs --head CKPT")
+    return {"trained": trained, "none": None}
 
 
 def load_taps(text: str, backbone, model, task: str) -> list:

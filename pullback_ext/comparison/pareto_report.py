@@ -96,27 +96,46 @@ def page_renderer(plot_name: str):
     return lambda result: f"![error against speed-up]({plot_name})\n\n" + markdown(result)
 
 
+ROW_MARKERS = ("o", "s", "^", "v", "D", "P")  # the 1st, 2nd, … row of one method
+
+
+def row_styles(result: dict) -> dict:
+    """``{row: Line2D keywords}``: the colour of the row's method in the one colour table
+    (:func:`~pullback_ext.comparison.report.method_colours`, by the points' ``strategy``), a
+    thicker line for a method of ours, and a marker telling rows of one method apart."""
+    from pullback_ext.comparison.report import method_colours
+    from pullback_ext.prune.methods import get
+
+    colours, seen, styles = method_colours(), {}, {}
+    for row in result["rows"]:
+        strategy = next(p["options"]["strategy"] for p in result["points"] if p["row"] == row)
+        k = seen[strategy] = seen.get(strategy, -1) + 1
+        styles[row] = {"color": colours[strategy], "lw": 2.0 if get(strategy).ours else 1.2,
+                       "marker": ROW_MARKERS[k % len(ROW_MARKERS)]}
+    return styles
+
+
 def figure(result: dict):
     """Mean (solid, on the row's frontier) and worst-image (dashed) error against speed-up, log y
     (whole decades; errors ≤ 0 at a stated floor), one panel per cost axis (FLOPs, and the largest
-    measured batch when timed)."""
+    measured batch when timed). A row's colour is its method's (the same in every figure)."""
     from pullback_ext.plots import decade_limits, note_floor, pyplot
 
     plt = pyplot()
     axes_shown = cost_axes(result["batches"])[:2]
     fig, axes = plt.subplots(1, len(axes_shown), figsize=(6 * len(axes_shown), 4.8), squeeze=False)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = row_styles(result)
     floor = min((p["error"]["mean"] for p in result["points"] if p["error"]["mean"] > 0), default=1e-6) / 10
     for ax, axis in zip(axes[0], axes_shown):
-        for i, row in enumerate(result["rows"]):
+        for row in result["rows"]:
             mine = [p for p in result["points"] if p["row"] == row]
-            colour = colours[i % len(colours)]
-            for stat, style in (("mean", "-"), ("worst", "--")):
+            style = styles[row]
+            for stat, ls in (("mean", "-"), ("worst", "--")):
                 xs, ys = [p["cost"][axis] for p in mine], [max(p["error"][stat], floor) for p in mine]
-                ax.scatter(xs, ys, s=10, color=colour, alpha=0.5)
+                ax.scatter(xs, ys, s=10, color=style["color"], marker=style["marker"], alpha=0.5)
                 front = frontier(xs, ys)
-                ax.plot([xs[j] for j in front], [ys[j] for j in front], style, color=colour,
-                        label=row if stat == "mean" else None, lw=1.2)
+                ax.plot([xs[j] for j in front], [ys[j] for j in front], ls, color=style["color"], lw=style["lw"],
+                        marker=style["marker"], ms=3, label=row if stat == "mean" else None)
         ax.set_yscale("log")
         decade_limits(ax)
         note_floor(ax, floor, sum(p["error"][stat] <= 0 for p in result["points"] for stat in ("mean", "worst")))
