@@ -124,7 +124,9 @@ def _row(decoder, layer, kappa, regime, name, method):
 
 
 def _headline_row(row, method, ours, r, error, speedups, flop_ratio=1.4):
-    return {"row": row, "method": method, "ours": ours, "knob": {"r": r}, "flop_ratio": flop_ratio,
+    """A row in the group of ToMe's ``r``; ours merges more per block to match ToMe's cost."""
+    knob = {"tome_r": r, "r": r} if method == "tome" else {"tome_r": r, "r": r + 6, "early_merges": False}
+    return {"row": row, "method": method, "ours": ours, "knob": knob, "flop_ratio": flop_ratio,
             "error": {"mean": error, "p95": 2 * error},
             "speedup": {"median": sorted(speedups)[1], "low": min(speedups), "high": max(speedups)}}
 
@@ -147,16 +149,17 @@ def test_the_recommendation_is_the_measured_winner():
 
     ours_better = _headline("cosine_x100", (0.5, (1.3, 1.4, 1.5)), (0.05, (1.2, 1.3, 1.4)))
     assert ours_better["winner"]["method"] == "importance_tome"
-    assert verdict(ours_better).startswith("importance_tome at r=16: cosine_x100 0.050") and "ToMe there: 0.500" in verdict(ours_better)
+    assert verdict(ours_better).startswith("importance_tome at r=22, early_merges=False: cosine_x100 0.050")
+    assert "ToMe at r=16: 0.500" in verdict(ours_better)
     tome_better = _headline("cosine_x100", (0.05, (1.3, 1.4, 1.5)), (0.5, (1.2, 1.3, 1.4)))
-    assert tome_better["winner"]["method"] == "tome" and "ToMe there" not in verdict(tome_better)
+    assert tome_better["winner"]["method"] == "tome" and "ToMe at" not in verdict(tome_better)
     ours_slow = _headline("cosine_x100", (0.5, (1.3, 1.4, 1.5)), (0.05, (0.8, 0.9, 1.2)))
     assert ours_slow["winner"]["method"] == "tome"  # lower error but slower than the unpruned model
     nothing_faster = _headline("cosine_x100", (0.5, (0.8, 0.9, 1.0)), (0.05, (0.8, 0.9, 1.2)))
     assert nothing_faster["winner"] is None and verdict(nothing_faster).startswith("none")
     table = headline_table(ours_better, "CLS")
-    assert "| importance_tome (ours) | r=16 | 1.40 | 1.30× (1.20–1.40) | 0.050 | 0.100 |" in table
-    assert "Measured winner: importance_tome at r=16" in table
+    assert "| r = 16 | importance_tome (ours) | r=22, early_merges=False | 1.40 | 1.30× (1.20–1.40) | 0.050 | 0.100 |" in table
+    assert "Measured winner: importance_tome at r=22" in table
 
 
 def test_the_summary_says_what_was_found_the_measured_winner_and_where_the_files_are(tmp_path):
@@ -176,9 +179,9 @@ def test_the_summary_says_what_was_found_the_measured_winner_and_where_the_files
     assert "recommended" not in embedding  # the recommendation is measured, below
     depth = next(line for line in lines if line.strip().startswith("DPT depth: κ_cap"))
     assert "layer" not in depth.split(". ", 1)[1]  # one regime for both layers: said once
-    cls_line = next(line for line in lines if line.strip().startswith("CLS embedding, cosine_x100 at ToMe r = 16"))
+    cls_line = next(line for line in lines if line.strip().startswith("CLS embedding, cosine_x100 at the cost of ToMe r = 16"))
     assert "tome 0.5 at FLOP ratio 1.40, 1.40× (1.30–1.50)" in cls_line and "importance_tome (ours) 0.05" in cls_line
-    assert "recommended for CLS embedding (measured winner): importance_tome at r=16" in text
+    assert "recommended for CLS embedding (measured winner): importance_tome at r=22" in text
     assert "recommended for DPT depth (measured winner): tome at r=16" in text
     assert f"Files in {tmp_path}:" in text and "pruning/cls/" in text and "results.json" in text
     failed = {"stages": {"diagnostic": {"status": "failed", "error": "RuntimeError: boom"}}}
@@ -226,3 +229,35 @@ def test_a_table_that_repeats_an_earlier_one_is_printed_once():
     assert printed_tables(result) == text
     result["tables"]["no_llf"]["tome_score"]["0.5"]["cosine_x100"]["mean"] = 0.5
     assert printed_tables(result).count("| tome_score |") == 4 and "not repeated" not in printed_tables(result)
+
+
+@pytest.mark.parametrize("task", ["cls", "depth"])
+def test_the_headline_matches_ours_to_tomes_flops_with_the_least_reduction(task):
+    """Each of ours costs at most ToMe's FLOPs at its r, and one merge less per block (or η one step
+    lower) would cost more: the cheapest-to-ToMe setting, not a cheaper one."""
+    from pullback_ext import embedded
+    from pullback_ext.comparison.backbones import demo_backbone
+    from pullback_ext.demo.headline import PAPER_ETAS, Setup, flop_counter, headline_points
+    from pullback_ext.prune.reduction_options import ReductionOptions
+
+    model = embedded.load()
+    backbone = demo_backbone(model)
+    head = torch.nn.Sequential(torch.nn.Linear(192, 1), torch.nn.Flatten(-2))  # F [B, K, D] -> [B, K]
+    setup = Setup(task, head, 1, (2, 4), int(model.backbone.patch_embed.num_patches), True)
+    image = torch.rand(1, 3, model.image_size, model.image_size)
+    flops = flop_counter(backbone, task, image)
+    points = headline_points(backbone, setup, image)
+    tome = next(p for p in points if p.options.strategy == "tome")
+    assert [p.row for p in points] == (["tome", "importance_tome"] if task == "cls" else
+                                       ["tome", "importance_tome (no head)", "importance (paper preset, prune + LLF)"])
+    for p in points[1:]:
+        assert flops(p.options) <= flops(tome.options), p.row
+        o = p.options
+        if o.strategy == "importance_tome":
+            assert (o.head is head) == (task == "cls") and p.knob == {"tome_r": 16, "r": o.r, "early_merges": o.early_merges}
+            less = ReductionOptions(strategy="importance_tome", head=o.head, r=o.r - 1, score_layer=1, early_merges=o.early_merges)
+            assert o.r > 16 and flops(less) > flops(tome.options)  # guarded blocks are fewer: more merges each
+        else:
+            less = ReductionOptions(strategy="importance", head=head, ratio=PAPER_ETAS[PAPER_ETAS.index(o.ratio) - 1],
+                                    layers=(2, 4), mode="prune", preset="paper")
+            assert flops(less) > flops(tome.options)

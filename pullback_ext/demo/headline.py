@@ -1,28 +1,36 @@
 """The demo's headline: our methods against the original ToMe at matched FLOP ratio, per decoder.
 
-At each ToMe ``r`` of :data:`R`, the rows are the original ToMe (``tome``), importance-guarded
-ToMe (``importance_tome``, with the stage's importance head of that decoder; every merged token is
-restored to its sources, so a dense decoder reads full-length features) and, for depth, the
-paper's pipeline (``importance`` in prune mode under ``preset="paper"``, full Last-Layer Fusion)
-at the prune ratio η whose patch-token budget over the blocks is closest to ToMe's. Each row's
-error against the unpruned model comes from every held-out image, its cost from
+At each ToMe ``r`` of :data:`R` (a *group*), the rows are the original ToMe (``tome``) and ours at
+ToMe's cost: importance-guarded ToMe (``importance_tome``; every merged token is restored to its
+sources, so a dense decoder reads full-length features) and, for depth, the paper's pipeline
+(``importance`` in prune mode under ``preset="paper"``, full Last-Layer Fusion). Each of ours is
+the *least reduced setting whose FLOPs (head included) do not exceed ToMe's* in the group
+(:func:`matched_cost`): ``importance_tome`` merges ``r'`` tokens per block after the head's layer,
+with ToMe's rule in the blocks before only where that alone cannot reach ToMe's cost (its two
+``block_range`` settings, docs/importance_tome_findings.md); on the CLS decoder it is guarded by
+the stage's head, on depth it runs without one (the setting chosen for dense decoders there); the
+paper's pipeline takes the prune ratio η of :data:`PAPER_ETAS`. Each row's error against the
+unpruned model comes from every held-out image, its cost from
 :func:`~pullback_ext.comparison.pareto.measure_cost` on the decoder's own forward: FLOPs (head
 included) and wall-clock in interleaved rounds, the speed-up given as the median over the rounds
 and its bootstrap 90% interval (``low``, ``high``).
 
-The *winner* of a decoder is computed, never written: at the largest ``r``, the row of lowest
-mean error among those whose median measured speed-up exceeds 1 (None when no row is faster
-than the unpruned model).
+The *winner* of a decoder is computed, never written: in the largest group (every row at most
+ToMe's FLOPs), the row of lowest mean error among those whose median measured speed-up exceeds 1
+(None when no row is faster than the unpruned model).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 
 from pullback_ext.comparison import pareto
+from pullback_ext.comparison.cost import count_flops
 from pullback_ext.comparison.evaluation import PRIMARY
+from pullback_ext.errors import PullbackError
 from pullback_ext.prune.reduction_options import ReductionOptions
 
 R = {True: (16,), False: (8, 16)}
@@ -44,40 +52,66 @@ class Setup:
     quick: bool
 
 
-def _tokens(backbone, options: ReductionOptions, num_patches: int) -> int:
-    """Patch tokens summed over the blocks under ``options`` (the budget FLOPs follow)."""
-    reduction = pareto.resolve(options, backbone)
-    return sum(reduction.method.patch_tokens_per_block(reduction, num_patches))
+def flop_counter(backbone, task: str, image: torch.Tensor) -> Callable[[ReductionOptions], int]:
+    """FLOPs of ``task``'s reduced forward on ``image [1, 3, H, W]`` under given options."""
+    _, reduced = backbone.forwards(task)
+    return lambda options: count_flops(lambda x: reduced(pareto.resolve(options, backbone), x), image)
 
 
-def paper_options(backbone, setup: Setup, budget: int) -> ReductionOptions:
-    """The paper's prune + LLF setting whose η of :data:`PAPER_ETAS` comes closest to the
-    patch-token ``budget`` (summed over the blocks)."""
-    candidates = [ReductionOptions(strategy="importance", head=setup.head, ratio=eta, layers=setup.prune_layers, mode="prune",
-                                   preset="paper") for eta in PAPER_ETAS]
-    return min(candidates, key=lambda o: abs(_tokens(backbone, o, setup.num_patches) - budget))
+def matched_cost(candidates: Iterable[ReductionOptions], flops: Callable[[ReductionOptions], int], budget: int,
+                 what: str) -> ReductionOptions:
+    """The first of ``candidates`` (ordered from least to most reduced) whose ``flops`` do not
+    exceed ``budget``."""
+    for options in candidates:
+        if flops(options) <= budget:
+            return options
+    raise PullbackError(f"{what} cannot reach ToMe's cost ({budget / 1e9:.3f} GFLOPs per image) on this model")
 
 
-def headline_points(backbone, setup: Setup) -> list:
-    """The :class:`~pullback_ext.comparison.pareto.Point` s of one decoder's headline."""
+def importance_tome_candidates(setup: Setup) -> Iterable[ReductionOptions]:
+    """``importance_tome`` from the fewest merges up: every merge guarded (after the head's layer),
+    then with ToMe's rule in the blocks before (``early_merges``); no head on a dense decoder."""
+    head = setup.head if setup.task == "cls" else None
+    for early in (False, True):
+        for r in range(1, setup.num_patches):
+            yield ReductionOptions(strategy="importance_tome", head=head, r=r, score_layer=setup.score_layer, early_merges=early)
+
+
+def paper_candidates(setup: Setup) -> Iterable[ReductionOptions]:
+    """The paper's prune + full LLF pipeline at each η of :data:`PAPER_ETAS`, least reduced first."""
+    for eta in PAPER_ETAS:
+        yield ReductionOptions(strategy="importance", head=setup.head, ratio=eta, layers=setup.prune_layers, mode="prune",
+                               preset="paper")
+
+
+def _knob(options: ReductionOptions, names: tuple) -> dict:
+    return {name: getattr(options, name) for name in names}
+
+
+def headline_points(backbone, setup: Setup, image: torch.Tensor) -> list:
+    """The :class:`~pullback_ext.comparison.pareto.Point` s of one decoder's headline, ours matched to
+    ToMe's FLOPs on ``image [1, 3, H, W]``; every knob names its group (``tome_r``)."""
+    flops = flop_counter(backbone, setup.task, image)
     points = []
     for r in R[setup.quick]:
         tome = ReductionOptions(strategy="tome", r=r)
-        points.append(pareto.Point(tome, {"r": r}, "tome"))
+        points.append(pareto.Point(tome, {"tome_r": r, "r": r}, "tome"))
         if setup.head is None:
             continue
-        points.append(pareto.Point(ReductionOptions(strategy="importance_tome", head=setup.head, r=r, score_layer=setup.score_layer),
-                                   {"r": r}, "importance_tome"))
+        budget = flops(tome)
+        ours = matched_cost(importance_tome_candidates(setup), flops, budget, "importance_tome")
+        label = "importance_tome" if ours.head is not None else "importance_tome (no head)"
+        points.append(pareto.Point(ours, {"tome_r": r, **_knob(ours, ("r", "early_merges"))}, label))
         if setup.task == "depth":
-            paper = paper_options(backbone, setup, _tokens(backbone, tome, setup.num_patches))
-            points.append(pareto.Point(paper, {"r": r, "eta": paper.ratio}, "importance (paper preset, prune + LLF)"))
+            paper = matched_cost(paper_candidates(setup), flops, budget, "the paper's pipeline")
+            points.append(pareto.Point(paper, {"tome_r": r, "eta": paper.ratio}, "importance (paper preset, prune + LLF)"))
     return points
 
 
 def run_headline(backbone, images: torch.Tensor, setup: Setup, progress: bool = True) -> dict:
     """Errors and cost of :func:`headline_points` on ``images [n, 3, H, W]``; JSON-ready
     ``{"metric", "batch", "repeats", "num_images", "rows": [...], "winner"}``."""
-    points = headline_points(backbone, setup)
+    points = headline_points(backbone, setup, images[:1])
     metric = PRIMARY[setup.task]
     errors = [e[metric] for e in pareto.image_errors(backbone, images, points, setup.task, progress=progress)]
     batch, repeats = SETTINGS[setup.quick]["batch"], SETTINGS[setup.quick]["repeats"]
@@ -93,10 +127,10 @@ def run_headline(backbone, images: torch.Tensor, setup: Setup, progress: bool = 
 
 
 def winner(result: dict) -> dict | None:
-    """The row of lowest mean error among those of the largest ``r`` whose median speed-up
-    exceeds 1; None when none does."""
-    top = max(row["knob"]["r"] for row in result["rows"])
-    faster = [row for row in result["rows"] if row["knob"]["r"] == top and row["speedup"]["median"] > 1]
+    """The row of lowest mean error among those of the largest group (ToMe's largest ``r``, every
+    row at most its FLOPs) whose median speed-up exceeds 1; None when none does."""
+    top = max(row["knob"]["tome_r"] for row in result["rows"])
+    faster = [row for row in result["rows"] if row["knob"]["tome_r"] == top and row["speedup"]["median"] > 1]
     return min(faster, key=lambda row: (row["error"]["mean"], -row["speedup"]["median"]), default=None)
 
 
@@ -104,8 +138,9 @@ def _fmt(value: float) -> str:
     return f"{value:.2e}" if 0 < abs(value) < 0.01 else f"{value:.3f}"
 
 
-def _knob(row: dict) -> str:
-    return ", ".join(f"{k}={v:g}" for k, v in row["knob"].items())
+def setting(row: dict) -> str:
+    """The row's own knobs, e.g. ``r=22, early_merges=False`` (its group, ToMe's r, left out)."""
+    return ", ".join(f"{k}={v}" if isinstance(v, bool) else f"{k}={v:g}" for k, v in row["knob"].items() if k != "tome_r")
 
 
 def speed(row: dict) -> str:
@@ -117,24 +152,25 @@ def speed(row: dict) -> str:
 def headline_table(result: dict, title: str) -> str:
     """The headline as markdown: one row per point, the winner named under it."""
     lines = [f"**{title}**: {result['metric']} (mean / p95 over {result['num_images']} held-out scenes) against cost; "
-             f"speed-up at batch {result['batch']}: median over {result['repeats']} interleaved rounds (bootstrap 90% interval)\n",
-             "| row | setting | FLOP ratio | measured speed-up | mean | p95 |", "|---|---|---|---|---|---|"]
+             f"ours at most ToMe's FLOPs at each ToMe r; speed-up at batch {result['batch']}: median over {result['repeats']} "
+             "interleaved rounds (bootstrap 90% interval)\n",
+             "| at ToMe's cost | row | setting | FLOP ratio | measured speed-up | mean | p95 |", "|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         name = f"{row['row']} (ours)" if row["ours"] else row["row"]
-        lines.append(f"| {name} | {_knob(row)} | {row['flop_ratio']:.2f} | {speed(row)} | "
+        lines.append(f"| r = {row['knob']['tome_r']} | {name} | {setting(row)} | {row['flop_ratio']:.2f} | {speed(row)} | "
                      f"{_fmt(row['error']['mean'])} | {_fmt(row['error']['p95'])} |")
     lines += ["", f"Measured winner: {verdict(result)}", ""]
     return "\n".join(lines)
 
 
 def verdict(result: dict) -> str:
-    """The winner of ``result`` in words, with its numbers and ToMe's at the same ``r``."""
+    """The winner of ``result`` in words, with its numbers and ToMe's at the same cost."""
     best = result["winner"]
     if best is None:
         return "none; no row was faster than the unpruned model on this machine"
-    tome = next(r for r in result["rows"] if r["method"] == "tome" and r["knob"]["r"] == best["knob"]["r"])
-    text = (f"{best['row']} at {_knob(best)}: {result['metric']} {_fmt(best['error']['mean'])}, FLOP ratio "
+    tome = next(r for r in result["rows"] if r["method"] == "tome" and r["knob"]["tome_r"] == best["knob"]["tome_r"])
+    text = (f"{best['row']} at {setting(best)}: {result['metric']} {_fmt(best['error']['mean'])}, FLOP ratio "
             f"{best['flop_ratio']:.2f}, {speed(best)}")
     if best is tome:
         return text
-    return text + f"; ToMe there: {_fmt(tome['error']['mean'])}, FLOP ratio {tome['flop_ratio']:.2f}, {speed(tome)}"
+    return text + f"; ToMe at r={tome['knob']['r']}: {_fmt(tome['error']['mean'])}, FLOP ratio {tome['flop_ratio']:.2f}, {speed(tome)}"

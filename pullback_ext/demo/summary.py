@@ -38,16 +38,16 @@ def diagnostic_lines(rows: list[dict]) -> list[str]:
 
 
 def headline_lines(pruning: dict) -> list[str]:
-    """Per decoder of the pruning stage's result: ours against the original ToMe at the largest
-    ``r`` (error, FLOP ratio, measured speed-up: median and 90% interval), then the measured winner."""
+    """Per decoder of the pruning stage's result: ours against the original ToMe at its largest
+    ``r``'s cost (error, FLOP ratio, measured speed-up: median and 90% interval), then the measured winner."""
     lines = []
     for task, label in (("cls", "CLS embedding"), ("depth", "DPT depth")):
         result = pruning[task]["headline"]
-        top = max(row["knob"]["r"] for row in result["rows"])
+        top = max(row["knob"]["tome_r"] for row in result["rows"])
         cells = [f"{row['row']}{' (ours)' if row['ours'] else ''} {row['error']['mean']:.3g} at FLOP ratio {row['flop_ratio']:.2f}, "
                  f"{speed(row)}"
-                 for row in result["rows"] if row["knob"]["r"] == top]
-        lines.append(f"  {label}, {result['metric']} at ToMe r = {top} (speed-up at batch {result['batch']}: median of "
+                 for row in result["rows"] if row["knob"]["tome_r"] == top]
+        lines.append(f"  {label}, {result['metric']} at the cost of ToMe r = {top} (speed-up at batch {result['batch']}: median of "
                      f"{result['repeats']} rounds (90% interval)): " + "; ".join(cells))
         lines.append(f"    recommended for {label} (measured winner): {verdict(result)}")
     return lines
