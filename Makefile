@@ -4,7 +4,7 @@ VENV ?= .venv
 OUT ?= out/demo
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-quick bench results results-pareto
+.PHONY: setup demo test test-quick bench results results-pareto results-demo
 setup:
 	bash .ci/bootstrap.sh
 
@@ -26,6 +26,10 @@ results: setup
 	$(VENV)/bin/python benchmarks/bench_prune.py --threads 2 --results-page
 	$(VENV)/bin/python benchmarks/bench_metric.py --quick --threads 2 --results-page
 	$(VENV)/bin/python benchmarks/bench_diagnose.py --quick --threads 2 --results-page
+
+# Regenerate docs/results/demo-run.{json,md} from a full demo run (a checkout without local changes).
+results-demo: setup
+	$(VENV)/bin/pullback demo --out out/demo --results-page
 
 # Regenerate the matched-cost photo pages docs/results/pareto-{cls,depth}-photos with the current
 # defaults of `pullback evaluate --pareto` (7 interleaved timing rounds, FLOPs of the task's own

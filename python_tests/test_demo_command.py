@@ -85,7 +85,7 @@ def test_out_must_be_a_folder(tmp_path, capsys):
 def test_quick_demo_end_to_end(tmp_path, capsys):
     from pullback_ext.demo.diagnostic_stage import PROBE_LAYERS
 
-    code = main(["demo", "--quick", "--out", str(tmp_path)])
+    code = main(["demo", "--quick", "--out", str(tmp_path), "--results-page", str(tmp_path / "page" / "demo-run"), "--allow-dirty"])
     printed = capsys.readouterr()
     results = json.loads((tmp_path / "results.json").read_text())
     assert code == 0, results["stages"]
@@ -117,6 +117,15 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     tables = [block for block in printed.out.split("\n\n") if block.startswith("| strategy |")]
     assert len(tables) == len(set(tables)), "a quality table is printed twice"
     assert all(len(line) < 200 for line in printed.err.splitlines()) and "\r" not in printed.err  # plain progress lines
+    # the run as a stamped page: its JSON is the run's results, the page what the run printed
+    page, published = (tmp_path / "page" / "demo-run.md").read_text(), json.loads((tmp_path / "page" / "demo-run.json").read_text())
+    assert published["stages"] == results["stages"] and "pullback demo --quick" in published["stamp"]["command"]
+    for stage in pipeline.STAGES:
+        assert f"| {stage.NAME} | ok | {results['stages'][stage.NAME]['seconds']:.0f} | {stage.EXPECTED_S[True]:.0f} |" in page
+    for task in ("cls", "depth"):
+        winner = summary.split(f"recommended for {'CLS embedding' if task == 'cls' else 'DPT depth'} (measured winner): ")[1].splitlines()[0]
+        assert f"Measured winner: {winner}" in page
+    assert results["stages"]["diagnostic"]["result"]["table_text"].strip() in page
 
 
 def _row(decoder, layer, kappa, regime, name, method):
@@ -145,7 +154,7 @@ def _headline(metric, tome, ours):
 def test_the_recommendation_is_the_measured_winner():
     """The winner is computed from the numbers: the lowest error at the largest r among the rows
     faster than the unpruned model; none when no row is."""
-    from pullback_ext.demo.headline import headline_table, verdict
+    from pullback_ext.demo.headline import UNREACHED, headline_table, verdict, winner
 
     ours_better = _headline("cosine_x100", (0.5, (1.3, 1.4, 1.5)), (0.05, (1.2, 1.3, 1.4)))
     assert ours_better["winner"]["method"] == "importance_tome"
@@ -155,6 +164,9 @@ def test_the_recommendation_is_the_measured_winner():
     assert tome_better["winner"]["method"] == "tome" and "ToMe at" not in verdict(tome_better)
     ours_slow = _headline("cosine_x100", (0.5, (1.3, 1.4, 1.5)), (0.05, (0.8, 0.9, 1.2)))
     assert ours_slow["winner"]["method"] == "tome"  # lower error but slower than the unpruned model
+    short = _headline("cosine_x100", (0.5, (1.3, 1.4, 1.5)), (0.05, (1.2, 1.3, 1.4)))
+    short["rows"][-1]["row"] += UNREACHED  # ours could not reach ToMe's cost: never the winner
+    assert winner(short)["method"] == "tome"
     nothing_faster = _headline("cosine_x100", (0.5, (0.8, 0.9, 1.0)), (0.05, (0.8, 0.9, 1.2)))
     assert nothing_faster["winner"] is None and verdict(nothing_faster).startswith("none")
     table = headline_table(ours_better, "CLS")

@@ -11,10 +11,16 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pullback_ext.results_pages import ALLOW_DIRTY_HELP
+
     parser.add_argument("--out", default="out/demo", metavar="DIR", help="output folder (default: out/demo)")
     parser.add_argument("--quick", action="store_true", help="smaller, faster run (about 2 minutes on 2 cores)")
     parser.add_argument("--weights", default=None, metavar="FILE",
                         help="demo model weights (.safetensors; default: the weights shipped with the package)")
+    parser.add_argument("--results-page", nargs="?", const="demo-run", default=None, metavar="NAME",
+                        help="also publish the run as the stamped page docs/results/NAME.{json,md} (default NAME: demo-run; "
+                             "needs a checkout without local changes)")
+    parser.add_argument("--allow-dirty", action="store_true", help=ALLOW_DIRTY_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,6 +33,21 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise PullbackError(f"--out: expected a folder, got the existing file {out_dir}")
+    if args.results_page:
+        from pullback_ext.results_pages import refuse_dirty
+
+        refuse_dirty(args.allow_dirty)  # before the run, not after it
     out_dir.mkdir(parents=True, exist_ok=True)
     warn_if_busy(args, "its stage times and measured speed-ups")
-    return run_demo(out_dir, bool(args.quick), args.weights)
+    code = run_demo(out_dir, bool(args.quick), args.weights)
+    if args.results_page:
+        import json
+
+        from pullback_ext.demo import page
+        from pullback_ext.progress import info_line
+        from pullback_ext.results_pages import publish_command_results
+
+        results = json.loads((out_dir / "results.json").read_text())
+        info_line("wrote", *publish_command_results(results, args.results_page, page.TITLE, page.render,
+                                                   getattr(args, "command_line", None), args.allow_dirty))
+    return code

@@ -5,7 +5,8 @@ ToMe's cost: importance-guarded ToMe (``importance_tome``; every merged token is
 sources, so a dense decoder reads full-length features) and, for depth, the paper's pipeline
 (``importance`` in prune mode under ``preset="paper"``, full Last-Layer Fusion). Each of ours is
 the *least reduced setting whose FLOPs (head included) do not exceed ToMe's* in the group
-(:func:`matched_cost`): ``importance_tome`` merges ``r'`` tokens per block after the head's layer,
+(:func:`matched_cost`; where no setting reaches that, its most reduced one, labelled so and never
+the winner): ``importance_tome`` merges ``r'`` tokens per block after the head's layer,
 with ToMe's rule in the blocks before only where that alone cannot reach ToMe's cost (its two
 ``block_range`` settings, docs/importance_tome_findings.md); on the CLS decoder it is guarded by
 the stage's head, on depth it runs without one (the setting chosen for dense decoders there); the
@@ -15,9 +16,9 @@ unpruned model comes from every held-out image, its cost from
 included) and wall-clock in interleaved rounds, the speed-up given as the median over the rounds
 and its bootstrap 90% interval (``low``, ``high``).
 
-The *winner* of a decoder is computed, never written: in the largest group (every row at most
-ToMe's FLOPs), the row of lowest mean error among those whose median measured speed-up exceeds 1
-(None when no row is faster than the unpruned model).
+The *winner* of a decoder is computed, never written: in the largest group, the row of lowest mean
+error among those at most ToMe's FLOPs whose median measured speed-up exceeds 1 (None when no row is
+faster than the unpruned model).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pullback_ext.prune.reduction_options import ReductionOptions
 R = {True: (16,), False: (8, 16)}
 SETTINGS = {True: {"batch": 16, "repeats": 5}, False: {"batch": 32, "repeats": pareto.TIME_REPEATS}}
 PAPER_ETAS = tuple(round(0.05 * i, 2) for i in range(1, 19))
+UNREACHED = " (its most reduced setting: short of ToMe's cost)"
 
 
 @dataclass(frozen=True)
@@ -58,14 +60,17 @@ def flop_counter(backbone, task: str, image: torch.Tensor) -> Callable[[Reductio
     return lambda options: count_flops(lambda x: reduced(pareto.resolve(options, backbone), x), image)
 
 
-def matched_cost(candidates: Iterable[ReductionOptions], flops: Callable[[ReductionOptions], int], budget: int,
-                 what: str) -> ReductionOptions:
-    """The first of ``candidates`` (ordered from least to most reduced) whose ``flops`` do not
-    exceed ``budget``."""
+def matched_cost(candidates: Iterable[ReductionOptions], flops: Callable[[ReductionOptions], int],
+                 budget: int) -> tuple[ReductionOptions, bool]:
+    """``(options, reached)``: the first of ``candidates`` (ordered from least to most reduced) whose
+    ``flops`` do not exceed ``budget``; the most reduced one and False when none does."""
+    options = None
     for options in candidates:
         if flops(options) <= budget:
-            return options
-    raise PullbackError(f"{what} cannot reach ToMe's cost ({budget / 1e9:.3f} GFLOPs per image) on this model")
+            return options, True
+    if options is None:
+        raise PullbackError("matched_cost: no candidate settings")
+    return options, False
 
 
 def importance_tome_candidates(setup: Setup) -> Iterable[ReductionOptions]:
@@ -99,12 +104,13 @@ def headline_points(backbone, setup: Setup, image: torch.Tensor) -> list:
         if setup.head is None:
             continue
         budget = flops(tome)
-        ours = matched_cost(importance_tome_candidates(setup), flops, budget, "importance_tome")
+        ours, reached = matched_cost(importance_tome_candidates(setup), flops, budget)
         label = "importance_tome" if ours.head is not None else "importance_tome (no head)"
-        points.append(pareto.Point(ours, {"tome_r": r, **_knob(ours, ("r", "early_merges"))}, label))
+        points.append(pareto.Point(ours, {"tome_r": r, **_knob(ours, ("r", "early_merges"))}, label + ("" if reached else UNREACHED)))
         if setup.task == "depth":
-            paper = matched_cost(paper_candidates(setup), flops, budget, "the paper's pipeline")
-            points.append(pareto.Point(paper, {"tome_r": r, "eta": paper.ratio}, "importance (paper preset, prune + LLF)"))
+            paper, reached = matched_cost(paper_candidates(setup), flops, budget)
+            points.append(pareto.Point(paper, {"tome_r": r, "eta": paper.ratio},
+                                       "importance (paper preset, prune + LLF)" + ("" if reached else UNREACHED)))
     return points
 
 
@@ -127,10 +133,11 @@ def run_headline(backbone, images: torch.Tensor, setup: Setup, progress: bool = 
 
 
 def winner(result: dict) -> dict | None:
-    """The row of lowest mean error among those of the largest group (ToMe's largest ``r``, every
-    row at most its FLOPs) whose median speed-up exceeds 1; None when none does."""
+    """The row of lowest mean error among those of the largest group (ToMe's largest ``r``) that
+    reach ToMe's cost and whose median speed-up exceeds 1; None when none does."""
     top = max(row["knob"]["tome_r"] for row in result["rows"])
-    faster = [row for row in result["rows"] if row["knob"]["tome_r"] == top and row["speedup"]["median"] > 1]
+    faster = [row for row in result["rows"] if row["knob"]["tome_r"] == top and row["speedup"]["median"] > 1
+              and not row["row"].endswith(UNREACHED)]
     return min(faster, key=lambda row: (row["error"]["mean"], -row["speedup"]["median"]), default=None)
 
 
