@@ -140,3 +140,23 @@ def test_benchmark_pages_render_their_json(tmp_path):
 
 def test_current_command_names_the_cli_entry_point():
     assert rp.current_command(["/some/venv/bin/pullback", "bench", "--quick"]) == "pullback bench --quick"
+
+
+def test_a_changed_page_does_not_make_the_checkout_dirty_a_changed_source_does(tmp_path):
+    """``make results-pareto`` writes one page before the next run starts: pages do not count."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "page.md").write_text("old\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    assert not rp.git_commit(tmp_path).endswith(rp.LOCAL_CHANGES)
+    (tmp_path / "docs" / "results" / "page.md").write_text("regenerated\n")
+    assert re.fullmatch(r"[0-9a-f]{40}", rp.git_commit(tmp_path))
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert rp.git_commit(tmp_path).endswith(rp.LOCAL_CHANGES)
