@@ -126,6 +126,8 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
         winner = summary.split(f"recommended for {'CLS embedding' if task == 'cls' else 'DPT depth'} (measured winner): ")[1].splitlines()[0]
         assert f"Measured winner: {winner}" in page
     assert results["stages"]["diagnostic"]["result"]["table_text"].strip() in page
+    rho = results["stages"]["importance_head"]["result"]["cls"]["spearman"]
+    assert f"| CLS embedding | shipped | 1 |" in page and f"{rho['mean']:.3f} ± {rho['std']:.3f}" in page
 
 
 def _row(decoder, layer, kappa, regime, name, method):

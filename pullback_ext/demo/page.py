@@ -1,8 +1,8 @@
 """The generated page of a demo run (``pullback demo --results-page``, ``docs/results/demo-run.md``):
 what the run printed that a reader wants to look up, rendered from its ``results.json`` content.
 
-The page holds the model's held-out quality, each stage's time against the plan, the diagnostic
-table, each decoder's headline (ours against the original ToMe at matched FLOP ratio, with the
+The page holds the model's held-out quality, each stage's time against the plan, the importance
+heads' held-out ρ, the diagnostic table, each decoder's headline (ours against the original ToMe at matched FLOP ratio, with the
 measured speed-up) and the summary's verdicts; the JSON beside it holds every number of the run.
 """
 
@@ -39,6 +39,13 @@ def render(results: dict) -> str:
              "## Stages\n\n" + markdown_table(("stage", "status", "seconds", "expected on an idle 2-core machine (s)"),
                                                _stage_rows(results, expected))]
     stages = results["stages"]
+    if stages.get("importance_head", {}).get("status") == "ok":
+        heads = stages["importance_head"]["result"]
+        parts.append("## Importance heads\n\n" + markdown_table(
+            ("decoder", "head", "block", "parameters", "held-out Spearman ρ against imp* (mean ± std over images)"),
+            [(HEADLINE_TITLES.get(task, task), head["origin"], head["layer"], head["parameters"],
+              f"{head['spearman']['mean']:.3f} ± {head['spearman']['std']:.3f} ({head['spearman']['count']} images)")
+             for task, head in heads.items()]))
     if stages.get("diagnostic", {}).get("status") == "ok":
         parts.append("## Diagnostic\n\n```\n" + stages["diagnostic"]["result"]["table_text"].rstrip() + "\n```\n\n"
                      + "\n".join(line.strip() for line in diagnostic_lines(stages["diagnostic"]["result"]["table"])))
