@@ -43,8 +43,10 @@ def test_sweep_rows_cover_every_method_with_consistent_ratios(tiny):
         assert r["speedup_over_flop_ratio"] == pytest.approx(r["speedup"] / r["flop_ratio"])
         assert r["kernel_share"] is None or 0 < r["kernel_share"] < 1
     checks = prune_report.headline_checks(rows)
-    assert [c["target"] for c in checks] == [0.9, 1.0]
+    assert [c["target"] for c in checks] == [0.9, 1.0, 0.9]
     assert checks[1]["value"] == pytest.approx(matched["images_per_s"] / tome["images_per_s"])
+    every = next(r for r in rows if r["method"].startswith("importance_tome r=2"))
+    assert checks[2]["value"] == every["speedup_over_flop_ratio"] and checks[2]["check"].startswith("importance_tome r=2")
 
 
 def test_flop_ratio_of_a_single_prune_matches_the_token_counts(tiny):

@@ -164,6 +164,7 @@ def test_the_recommendation_is_the_measured_winner():
     assert "ToMe at r=16: 0.500" in verdict(ours_better)
     tome_better = _headline("cosine_x100", (0.05, (1.3, 1.4, 1.5)), (0.5, (1.2, 1.3, 1.4)))
     assert tome_better["winner"]["method"] == "tome" and "ToMe at" not in verdict(tome_better)
+    assert "ToMe at" not in verdict(json.loads(json.dumps(tome_better)))  # as a page renders it, from the JSON
     ours_slow = _headline("cosine_x100", (0.5, (1.3, 1.4, 1.5)), (0.05, (0.8, 0.9, 1.2)))
     assert ours_slow["winner"]["method"] == "tome"  # lower error but slower than the unpruned model
     short = _headline("cosine_x100", (0.5, (1.3, 1.4, 1.5)), (0.05, (1.2, 1.3, 1.4)))
@@ -251,7 +252,9 @@ def test_the_headline_matches_ours_to_tomes_flops_with_the_least_reduction(task)
     lower) would cost more: the cheapest-to-ToMe setting, not a cheaper one."""
     from pullback_ext import embedded
     from pullback_ext.comparison.backbones import demo_backbone
+    from pullback_ext.comparison.cost import count_flops
     from pullback_ext.demo.headline import PAPER_ETAS, Setup, flop_counter, headline_points
+    from pullback_ext.prune.methods.importance_tome import GUARDED_REACH
     from pullback_ext.prune.reduction_options import ReductionOptions
 
     model = embedded.load()
@@ -270,7 +273,9 @@ def test_the_headline_matches_ours_to_tomes_flops_with_the_least_reduction(task)
         if o.strategy == "importance_tome":
             assert (o.head is head) == (task == "cls") and p.knob == {"tome_r": 16, "r": o.r, "early_merges": o.early_merges}
             less = ReductionOptions(strategy="importance_tome", head=o.head, r=o.r - 1, score_layer=1, early_merges=o.early_merges)
-            assert o.r > 16 and flops(less) > flops(tome.options)  # guarded blocks are fewer: more merges each
+            assert o.r >= 16 and flops(less) > flops(tome.options)
+            full = count_flops(backbone.forwards(task)[0], image)
+            assert o.early_merges == (full / flops(tome.options) > GUARDED_REACH)  # the crossover of its two settings
         else:
             less = ReductionOptions(strategy="importance", head=head, ratio=PAPER_ETAS[PAPER_ETAS.index(o.ratio) - 1],
                                     layers=(2, 4), mode="prune", preset="paper")

@@ -31,26 +31,56 @@ def _page(name: str) -> dict:
 
 
 def _row(result: dict, prefix: str) -> str:
-    (row,) = [r for r in result["rows"] if r.startswith(prefix)]
+    (row,) = _rows(result, prefix)
     return row
 
 
+def _rows(result: dict, prefix: str) -> list:
+    return [r for r in result["rows"] if r.startswith(prefix)]
+
+
+def _best(result: dict, axis: str, stat: str, rows: list, target: str):
+    """The lowest matched ``stat`` error among ``rows`` at ``target`` on ``axis`` (a method's
+    frontier over the rows of its settings), or None where none reaches it."""
+    cells = [result["matched"][axis][stat][row][target] for row in rows]
+    return min((c for c in cells if c is not None), key=lambda c: c["value"], default=None)
+
+
+def _at_ratio(result: dict, rows: list, stat: str, target: float) -> float:
+    """The lowest ``stat`` error among ``rows`` at FLOP ratio ``target``, read off the points as the page reads its cells."""
+    from pullback_ext.comparison.pareto import matched_error
+
+    found = []
+    for row in rows:
+        points = [p for p in result["points"] if p["row"] == row]
+        cell = matched_error([p["cost"]["flop_ratio"] for p in points], [p["error"][stat] for p in points], target)
+        found += [cell["value"]] if cell is not None else []
+    return min(found)
+
+
 def pareto_cls_photos() -> tuple[str, ...]:
-    """The photo CLS sentence: importance merge against the original ToMe at matched batch-64 speed-up."""
+    """The photo CLS sentence: importance_tome (its two block_range settings: the lower error at each
+    target) against the original ToMe and PiToMe at matched FLOP ratio, at ToMe's largest ratio,
+    and at matched batch-64 speed-up."""
     result = _page("pareto-cls-photos")
-    axis = "speedup_batch64"
-    ours, tome = _row(result, "importance · bound"), _row(result, "tome · ")
-    matched = result["matched"][axis]
+    ours, tome, pitome = _rows(result, "importance_tome · "), [_row(result, "tome · ")], [_row(result, "pitome · ")]
+    targets = ("1.1", "1.25", "1.5", "2")
 
-    def at(stat: str, row: str) -> str:
-        return " / ".join(figure(matched[stat][row][t]["value"]) for t in ("1.1", "1.25"))
+    def at(axis: str, stat: str, rows: list, keys=targets) -> str:
+        return " / ".join(figure(_best(result, axis, stat, rows, t)["value"]) for t in keys)
 
-    def fastest(row: str) -> str:
-        return speedup(max(p["cost"][axis] for p in result["points"] if p["row"] == row))
-
-    return ("matched batch-64 speed-up 1.1× / 1.25×: importance merge (bound selection",
-            f"{at('mean', ours)} mean and {at('worst', ours)} worst crop against the original ToMe's {at('mean', tome)} and "
-            f"{at('worst', tome)} (100·(1 − cos)); ToMe reaches {fastest(tome)}, ours {fastest(ours)}")
+    top = max(p["cost"]["flop_ratio"] for p in result["points"] if p["row"] == tome[0])
+    noisy = all(_best(result, "speedup_batch64", stat, rows, t)["within_noise"]
+                for rows in (ours, tome) for stat in ("mean", "p95") for t in ("1.1", "1.25"))
+    return ("matched FLOP ratio 1.1× / 1.25× / 1.5× / 2×: importance_tome",
+            f"{at('flop_ratio', 'mean', ours)} mean and {at('flop_ratio', 'p95', ours)} p95 against the original ToMe's "
+            f"{at('flop_ratio', 'mean', tome)} and {at('flop_ratio', 'p95', tome)} and PiToMe's {at('flop_ratio', 'mean', pitome)} and "
+            f"{at('flop_ratio', 'p95', pitome)} (100·(1 − cos))",
+            f"at ToMe's largest FLOP ratio, {speedup(top)}, ours {figure(_at_ratio(result, ours, 'mean', top))} against "
+            f"{figure(_at_ratio(result, tome, 'mean', top))}",
+            f"at matched batch-64 speed-up 1.1× / 1.25× ours {at('speedup_batch64', 'mean', ours, ('1.1', '1.25'))} against ToMe's "
+            f"{at('speedup_batch64', 'mean', tome, ('1.1', '1.25'))}",
+            "every one of these cells within the noise of" if noisy else "not every one of these cells within the noise of")
 
 
 def pareto_depth_photos() -> tuple[str, ...]:

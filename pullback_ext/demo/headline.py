@@ -6,9 +6,10 @@ sources, so a dense decoder reads full-length features) and, for depth, the pape
 (``importance`` in prune mode under ``preset="paper"``, full Last-Layer Fusion). Each of ours is
 the *least reduced setting whose FLOPs (head included) do not exceed ToMe's* in the group
 (:func:`matched_cost`; where no setting reaches that, its most reduced one, labelled so and never
-the winner): ``importance_tome`` merges ``r'`` tokens per block after the head's layer,
-with ToMe's rule in the blocks before only where that alone cannot reach ToMe's cost (its two
-``block_range`` settings, docs/importance_tome_findings.md); on the CLS decoder it is guarded by
+the winner): ``importance_tome`` merges ``r'`` tokens per block after the head's layer up to a
+FLOP ratio of :data:`~pullback_ext.prune.methods.importance_tome.GUARDED_REACH`, and beyond it
+with ToMe's rule in the blocks before too (its two ``block_range`` settings, the crossover chosen
+on held-out photo crops, docs/importance_tome_findings.md); on the CLS decoder it is guarded by
 the stage's head, on depth it runs without one (the setting chosen for dense decoders there); the
 paper's pipeline takes the prune ratio η of :data:`PAPER_ETAS`. Each row's error against the
 unpruned model comes from every held-out image, its cost from
@@ -32,6 +33,7 @@ from pullback_ext.comparison import pareto
 from pullback_ext.comparison.cost import count_flops
 from pullback_ext.comparison.evaluation import PRIMARY
 from pullback_ext.errors import PullbackError
+from pullback_ext.prune.methods.importance_tome import GUARDED_REACH
 from pullback_ext.prune.reduction_options import ReductionOptions
 
 R = {True: (16,), False: (8, 16)}
@@ -73,11 +75,13 @@ def matched_cost(candidates: Iterable[ReductionOptions], flops: Callable[[Reduct
     return options, False
 
 
-def importance_tome_candidates(setup: Setup) -> Iterable[ReductionOptions]:
-    """``importance_tome`` from the fewest merges up: every merge guarded (after the head's layer),
-    then with ToMe's rule in the blocks before (``early_merges``); no head on a dense decoder."""
+def importance_tome_candidates(setup: Setup, ratio: float) -> Iterable[ReductionOptions]:
+    """``importance_tome`` from the fewest merges up, for a FLOP ``ratio`` to match: every merge
+    guarded (after the head's layer) up to :data:`~pullback_ext.prune.methods.importance_tome.GUARDED_REACH`,
+    beyond it with ToMe's rule in the blocks before (``early_merges``), then the other setting;
+    no head on a dense decoder."""
     head = setup.head if setup.task == "cls" else None
-    for early in (False, True):
+    for early in (False, True) if ratio <= GUARDED_REACH else (True, False):
         for r in range(1, setup.num_patches):
             yield ReductionOptions(strategy="importance_tome", head=head, r=r, score_layer=setup.score_layer, early_merges=early)
 
@@ -97,6 +101,7 @@ def headline_points(backbone, setup: Setup, image: torch.Tensor) -> list:
     """The :class:`~pullback_ext.comparison.pareto.Point` s of one decoder's headline, ours matched to
     ToMe's FLOPs on ``image [1, 3, H, W]``; every knob names its group (``tome_r``)."""
     flops = flop_counter(backbone, setup.task, image)
+    unpruned = count_flops(backbone.forwards(setup.task)[0], image)
     points = []
     for r in R[setup.quick]:
         tome = ReductionOptions(strategy="tome", r=r)
@@ -104,7 +109,7 @@ def headline_points(backbone, setup: Setup, image: torch.Tensor) -> list:
         if setup.head is None:
             continue
         budget = flops(tome)
-        ours, reached = matched_cost(importance_tome_candidates(setup), flops, budget)
+        ours, reached = matched_cost(importance_tome_candidates(setup, unpruned / budget), flops, budget)
         label = "importance_tome" if ours.head is not None else "importance_tome (no head)"
         points.append(pareto.Point(ours, {"tome_r": r, **_knob(ours, ("r", "early_merges"))}, label + ("" if reached else UNREACHED)))
         if setup.task == "depth":
@@ -178,6 +183,6 @@ def verdict(result: dict) -> str:
     tome = next(r for r in result["rows"] if r["method"] == "tome" and r["knob"]["tome_r"] == best["knob"]["tome_r"])
     text = (f"{best['row']} at {setting(best)}: {result['metric']} {_fmt(best['error']['mean'])}, FLOP ratio "
             f"{best['flop_ratio']:.2f}, {speed(best)}")
-    if best is tome:
+    if best == tome:
         return text
     return text + f"; ToMe at r={tome['knob']['r']}: {_fmt(tome['error']['mean'])}, FLOP ratio {tome['flop_ratio']:.2f}, {speed(tome)}"

@@ -51,6 +51,10 @@ from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, Needs
 from pullback_ext.prune.option_checks import count, is_real
 
 PARTNERS = ("cosine", "bound")
+# The FLOP ratio up to which every merge guarded (early_merges=False) is the better of the two
+# block_range settings, beyond it ToMe's rule in the blocks before the score (early_merges=True):
+# chosen on held-out photo crops (docs/importance_tome_findings.md, §1-2).
+GUARDED_REACH = 1.5
 
 
 @dataclass(frozen=True)
