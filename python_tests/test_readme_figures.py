@@ -84,21 +84,38 @@ def pareto_cls_photos() -> tuple[str, ...]:
 
 
 def pareto_depth_photos() -> tuple[str, ...]:
-    """The photo depth claim: ToMe (with unmerging) has the lowest mean added SILog of every row at
-    matched batch-64 speed-up 1.1× and 1.25× (the speed-ups the CLS sentence quotes)."""
+    """The photo depth sentence: importance_tome without a head, and with the depth head, against
+    the original ToMe (with unmerging) at matched FLOP ratio 1.1× / 1.25× / 1.5×, mean added SILog."""
     result = _page("pareto-depth-photos")
-    matched, tome = result["matched"]["speedup_batch64"]["mean"], _row(result, "tome · ")
+    ours = _rows(result, "importance_tome · ")
+    free, guided = [r for r in ours if "no head" in r], [r for r in ours if "no head" not in r]
+    tome = [_row(result, "tome · ")]
 
-    def wins(t: str) -> bool:
-        others = [cells[t]["value"] for row, cells in matched.items() if row != tome and cells[t] is not None]
-        return matched[tome][t] is not None and all(matched[tome][t]["value"] < v for v in others)
+    def at(rows: list) -> str:
+        return " / ".join(figure(_best(result, "flop_ratio", "mean", rows, t)["value"]) for t in ("1.1", "1.25", "1.5"))
 
-    return ("for depth ToMe with unmerging wins" if wins("1.1") and wins("1.25") else "for depth ToMe with unmerging does not win",)
+    return ("depth (merge-and-restore) at matched FLOP ratio 1.1× / 1.25× / 1.5×: importance_tome without a head",
+            f"{at(free)} against ToMe's {at(tome)}", f"with the depth head {at(guided)}")
+
+
+def demo_run() -> tuple[str, ...]:
+    """The demo sentence: per decoder, ours against ToMe in the largest cost group of the headline,
+    the measured winners, and the shipped heads' held-out ρ."""
+    stages = _page("demo-run")["stages"]
+    fragments = []
+    for task, ours_row, name in (("cls", "importance_tome", "CLS"), ("depth", "importance_tome (no head)", "depth")):
+        headline = stages["pruning"]["result"][task]["headline"]
+        top = max(row["knob"]["tome_r"] for row in headline["rows"])
+        group = {row["row"]: row for row in headline["rows"] if row["knob"]["tome_r"] == top}
+        fragments.append(f"{name}: {ours_row} {figure(group[ours_row]['error']['mean'])} against ToMe's "
+                         f"{figure(group['tome']['error']['mean'])}, the winner {headline['winner']['row']}")
+    rho = {task: head["spearman"]["mean"] for task, head in stages["importance_head"]["result"].items()}
+    return (f"at the cost of ToMe r = {top}", *fragments, f"held-out Spearman ρ against imp* {rho['cls']:.2f} (CLS) and {rho['depth']:.2f} (depth)")
 
 
 # generated page -> the README text it backs: fragments that appear in this order (the README may
 # say more between them: which run, which head)
-QUOTED = {"pareto-cls-photos": pareto_cls_photos, "pareto-depth-photos": pareto_depth_photos}
+QUOTED = {"pareto-cls-photos": pareto_cls_photos, "pareto-depth-photos": pareto_depth_photos, "demo-run": demo_run}
 
 
 def _readme_glance() -> str:

@@ -198,7 +198,7 @@ class ImportanceToMe(tome.MergingMethod):
     options_type = ImportanceToMeOptions
     takes = ("prop_attn", "head")
     needs = Needs(split_blocks="it merges between attention and MLP")
-    sweep = {"r": (2, 4, 8, 12, 16, 20, 24, 32), "schedule": ("constant", "decreasing"), "early_merges": (False, True)}
+    sweep = {"r": (2, 4, 8, 12, 16, 20, 24, 28, 32), "schedule": ("constant", "decreasing"), "early_merges": (False, True)}
 
     def checked_head(self, head, layers: tuple):
         if head is not None and (isinstance(head, (list, tuple)) or not callable(head)):
