@@ -11,14 +11,15 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pullback_ext.demo.page import PAGE
     from pullback_ext.results_pages import ALLOW_DIRTY_HELP
 
     parser.add_argument("--out", default="out/demo", metavar="DIR", help="output folder (default: out/demo)")
     parser.add_argument("--quick", action="store_true", help="smaller, faster run (about 2 minutes on 2 cores)")
     parser.add_argument("--weights", default=None, metavar="FILE",
                         help="demo model weights (.safetensors; default: the weights shipped with the package)")
-    parser.add_argument("--results-page", nargs="?", const="demo-run", default=None, metavar="NAME",
-                        help="also publish the run as the stamped page docs/results/NAME.{json,md} (default NAME: demo-run; "
+    parser.add_argument("--results-page", nargs="?", const=PAGE, default=None, metavar="NAME",
+                        help=f"also publish the run as the stamped page docs/results/NAME.{{json,md}} (default NAME: {PAGE}; "
                              "needs a checkout without local changes)")
     parser.add_argument("--allow-dirty", action="store_true", help=ALLOW_DIRTY_HELP)
 

@@ -285,11 +285,11 @@ def run_flop_ratios(backbone: Backbone, image: torch.Tensor, plan: Plan) -> dict
     out: dict = {}
     for llf in plan.llf:
         for row in plan.rows(backbone):
+            prepare = _prepare_scorers(plan, row.strategy)
+            if prepare is not None:
+                prepare(image)  # per-image state of the scorer, the same for every ratio
             for ratio in plan.ratios:
                 reduction = plan.row_reduction(backbone, row, ratio, llf, 0)
-                prepare = _prepare_scorers(plan, row.strategy)
-                if prepare is not None:
-                    prepare(image)
                 flops = count_flops(lambda x: reduced(reduction, x), image)
                 out.setdefault(table_key(plan.mode, llf), {}).setdefault(row.key, {})[f"{ratio:g}"] = base / flops
     return out

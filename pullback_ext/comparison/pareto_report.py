@@ -100,18 +100,16 @@ ROW_MARKERS = ("o", "s", "^", "v", "D", "P")  # the 1st, 2nd, … row of one met
 
 
 def row_styles(result: dict) -> dict:
-    """``{row: Line2D keywords}``: the colour of the row's method in the one colour table
-    (:func:`~pullback_ext.comparison.report.method_colours`, by the points' ``strategy``), a
-    thicker line for a method of ours, and a marker telling rows of one method apart."""
-    from pullback_ext.comparison.report import method_colours
-    from pullback_ext.prune.methods import get
+    """``{row: Line2D keywords}``: its method's style in every figure
+    (:func:`~pullback_ext.comparison.report.method_style`, by the points' ``strategy``: the one
+    colour table, ours thicker), with a marker telling rows of one method apart."""
+    from pullback_ext.comparison.report import method_style
 
-    colours, seen, styles = method_colours(), {}, {}
+    seen, styles = {}, {}
     for row in result["rows"]:
         strategy = next(p["options"]["strategy"] for p in result["points"] if p["row"] == row)
         k = seen[strategy] = seen.get(strategy, -1) + 1
-        styles[row] = {"color": colours[strategy], "lw": 2.0 if get(strategy).ours else 1.2,
-                       "marker": ROW_MARKERS[k % len(ROW_MARKERS)]}
+        styles[row] = method_style(strategy) | {"marker": ROW_MARKERS[k % len(ROW_MARKERS)], "ms": 3}
     return styles
 
 
@@ -134,8 +132,7 @@ def figure(result: dict):
                 xs, ys = [p["cost"][axis] for p in mine], [max(p["error"][stat], floor) for p in mine]
                 ax.scatter(xs, ys, s=10, color=style["color"], marker=style["marker"], alpha=0.5)
                 front = frontier(xs, ys)
-                ax.plot([xs[j] for j in front], [ys[j] for j in front], ls, color=style["color"], lw=style["lw"],
-                        marker=style["marker"], ms=3, label=row if stat == "mean" else None)
+                ax.plot([xs[j] for j in front], [ys[j] for j in front], ls, label=row if stat == "mean" else None, **style)
         ax.set_yscale("log")
         decade_limits(ax)
         note_floor(ax, floor, sum(p["error"][stat] <= 0 for p in result["points"] for stat in ("mean", "worst")))

@@ -40,6 +40,7 @@ R = {True: (16,), False: (8, 16)}
 SETTINGS = {True: {"batch": 16, "repeats": 5}, False: {"batch": 32, "repeats": pareto.TIME_REPEATS}}
 PAPER_ETAS = tuple(round(0.05 * i, 2) for i in range(1, 19))
 UNREACHED = " (its most reduced setting: short of ToMe's cost)"
+TASK_LABELS = {"cls": "CLS embedding", "depth": "DPT depth"}  # the decoders of a headline, as printed
 
 
 @dataclass(frozen=True)
@@ -75,14 +76,15 @@ def matched_cost(candidates: Iterable[ReductionOptions], flops: Callable[[Reduct
     return options, False
 
 
-def importance_tome_candidates(setup: Setup, ratio: float) -> Iterable[ReductionOptions]:
-    """``importance_tome`` from the fewest merges up, for a FLOP ``ratio`` to match: every merge
-    guarded (after the head's layer) up to :data:`~pullback_ext.prune.methods.importance_tome.GUARDED_REACH`,
-    beyond it with ToMe's rule in the blocks before (``early_merges``), then the other setting;
-    no head on a dense decoder."""
+def importance_tome_candidates(setup: Setup, tome_r: int, ratio: float) -> Iterable[ReductionOptions]:
+    """``importance_tome`` from the fewest merges up, to match ToMe ``tome_r``'s FLOP ``ratio``: every
+    merge guarded (after the head's layer) up to :data:`~pullback_ext.prune.methods.importance_tome.GUARDED_REACH`,
+    beyond it with ToMe's rule in the blocks before (``early_merges``), then the other setting; no
+    head on a dense decoder. It starts at ``r = tome_r``: with fewer merges per block, in no more
+    blocks than ToMe's and a head besides, no setting can cost less than ToMe's."""
     head = setup.head if setup.task == "cls" else None
     for early in (False, True) if ratio <= GUARDED_REACH else (True, False):
-        for r in range(1, setup.num_patches):
+        for r in range(tome_r, setup.num_patches):
             yield ReductionOptions(strategy="importance_tome", head=head, r=r, score_layer=setup.score_layer, early_merges=early)
 
 
@@ -109,7 +111,7 @@ def headline_points(backbone, setup: Setup, image: torch.Tensor) -> list:
         if setup.head is None:
             continue
         budget = flops(tome)
-        ours, reached = matched_cost(importance_tome_candidates(setup, unpruned / budget), flops, budget)
+        ours, reached = matched_cost(importance_tome_candidates(setup, r, unpruned / budget), flops, budget)
         label = "importance_tome" if ours.head is not None else "importance_tome (no head)"
         points.append(pareto.Point(ours, {"tome_r": r, **_knob(ours, ("r", "early_merges"))}, label + ("" if reached else UNREACHED)))
         if setup.task == "depth":

@@ -8,13 +8,12 @@ measured speed-up) and the summary's verdicts; the JSON beside it holds every nu
 
 from __future__ import annotations
 
-from pullback_ext.demo.headline import headline_table
+from pullback_ext.demo.headline import TASK_LABELS, headline_table
 from pullback_ext.demo.summary import diagnostic_lines, headline_lines
 from pullback_ext.results_pages import markdown_table
 
 PAGE = "demo-run"
 TITLE = "The demo model: `pullback demo`"
-HEADLINE_TITLES = {"cls": "CLS embedding", "depth": "DPT depth"}
 
 
 def _stage_rows(results: dict, expected: dict) -> list:
@@ -43,7 +42,7 @@ def render(results: dict) -> str:
         heads = stages["importance_head"]["result"]
         parts.append("## Importance heads\n\n" + markdown_table(
             ("decoder", "head", "block", "parameters", "held-out Spearman ρ against imp* (mean ± std over images)"),
-            [(HEADLINE_TITLES.get(task, task), head["origin"], head["layer"], head["parameters"],
+            [(TASK_LABELS.get(task, task), head["origin"], head["layer"], head["parameters"],
               f"{head['spearman']['mean']:.3f} ± {head['spearman']['std']:.3f} ({head['spearman']['count']} images)")
              for task, head in heads.items()]))
     if stages.get("diagnostic", {}).get("status") == "ok":
@@ -52,7 +51,7 @@ def render(results: dict) -> str:
     if stages.get("pruning", {}).get("status") == "ok":
         pruning = stages["pruning"]["result"]
         parts.append("## Ours against the original ToMe at matched FLOP ratio\n\n"
-                     + "\n".join(headline_table(pruning[task]["headline"], title) for task, title in HEADLINE_TITLES.items()
+                     + "\n".join(headline_table(pruning[task]["headline"], title) for task, title in TASK_LABELS.items()
                                  if task in pruning)
                      + "\nAs the run's summary says it:\n\n```\n" + "\n".join(headline_lines(pruning)) + "\n```")
     return "\n\n".join(parts)

@@ -13,7 +13,7 @@ from pathlib import Path
 from pullback_ext.comparison.backbones import demo_backbone
 from pullback_ext.comparison.evaluation import METRICS, Plan, check_plan, markdown_table, run_flop_ratios, run_quality
 from pullback_ext.comparison.report import plot_quality, write_json, write_text
-from pullback_ext.demo.headline import R, Setup, headline_table, run_headline
+from pullback_ext.demo.headline import R, TASK_LABELS, Setup, headline_table, run_headline
 from pullback_ext.demo.stages import DemoInputs, StageResult
 from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.strategies import TRAINING_FREE
@@ -28,8 +28,7 @@ PLAN = {quick: f"per decoder: ours against ToMe at matched FLOP ratio (r = {', '
                f"then the η sweep of {s['seeds']} × {s['images']} scenes; the subspace probe"
         for quick, s in ((True, QUICK), (False, FULL))}
 EXPECTED_S = {True: 30, False: 115}
-HEADLINE_TITLES = {"cls": "CLS embedding: ours against the original ToMe at matched FLOP ratio",
-                   "depth": "DPT depth: ours against the original ToMe at matched FLOP ratio"}
+HEADLINE_TITLES = {task: f"{label}: ours against the original ToMe at matched FLOP ratio" for task, label in TASK_LABELS.items()}
 
 
 def _plan(backbone, task: str, spec: dict, head, results: dict) -> Plan:

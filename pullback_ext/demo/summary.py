@@ -9,7 +9,7 @@ from itertools import groupby
 from pathlib import Path
 
 from pullback_ext.demo.diagnostic_stage import DECODER_LABELS
-from pullback_ext.demo.headline import speed, verdict
+from pullback_ext.demo.headline import TASK_LABELS, speed, verdict
 
 FILES = (("results.json", "every number of this run"), ("spectra.png, importance.png", "the diagnostic's spectra and imp* maps"),
          ("importance_head/", "importance heads trained in this run (none when the shipped ones fit)"),
@@ -41,7 +41,7 @@ def headline_lines(pruning: dict) -> list[str]:
     """Per decoder of the pruning stage's result: ours against the original ToMe at its largest
     ``r``'s cost (error, FLOP ratio, measured speed-up: median and 90% interval), then the measured winner."""
     lines = []
-    for task, label in (("cls", "CLS embedding"), ("depth", "DPT depth")):
+    for task, label in TASK_LABELS.items():
         result = pruning[task]["headline"]
         top = max(row["knob"]["tome_r"] for row in result["rows"])
         cells = [f"{row['row']}{' (ours)' if row['ours'] else ''} {row['error']['mean']:.3g} at FLOP ratio {row['flop_ratio']:.2f}, "
