@@ -17,7 +17,9 @@ from helpers.prune import images, tiny_vit
 from pullback_ext.errors import PullbackError
 import pullback_ext.patch as patch
 from pullback_ext.prune import timm_vit
+from pullback_ext.prune.merged_tokens import MergedTokens
 from pullback_ext.prune.methods import importance_tome, tome
+from pullback_ext.prune.methods.base import BlockLoop
 from pullback_ext.prune.reduction_options import ReductionOptions
 
 
@@ -44,8 +46,12 @@ def embed(model, x: torch.Tensor) -> torch.Tensor:
 
 
 def run_guarded(model, x: torch.Tensor, red, take=()):
-    """``(final [B, N, D], {i: [B, N, D]})`` of ``importance_tome.run`` on a timm ViT's blocks."""
-    return importance_tome.run(red, embed(model, x), model.blocks, timm_vit.call_block, timm_vit.SPLIT, take)
+    """``(final [B, N, D], {i: [B, N, D]})`` of the reduction's method run on a timm ViT's blocks."""
+    return red.method.run(red, embed(model, x), loop(model), take)
+
+
+def loop(model) -> BlockLoop:
+    return BlockLoop(model.blocks, timm_vit.call_block, None, timm_vit.SPLIT)
 
 
 CASES = {
@@ -102,7 +108,7 @@ def test_guard_zero_is_tome(partner):
     red = reduction(model, Head(32, torch.float32), 3, "decreasing", guard=0.0, partner=partner, score_layer=0, block_range=(1, 4))
     with torch.no_grad():
         ours = run_guarded(model, x, red)[0]
-        plain = tome.run(red, embed(model, x), model.blocks, timm_vit.call_block, timm_vit.SPLIT)[0]
+        plain = tome.ToMe().run(red, embed(model, x), loop(model))[0]
     torch.testing.assert_close(ours, plain, rtol=1e-6, atol=1e-6)
 
 
@@ -126,7 +132,7 @@ def test_merge_and_restore_gives_every_position_its_merged_token():
 def test_merged_energies_add():
     """Energy ``[B, K]`` of a merged token = the sum of its sources' (total energy kept)."""
     head = Head(32, torch.float32)
-    state = tome.MergedTokens(x=torch.randn(2, 17, 32, dtype=torch.float64), num_prefix=1)
+    state = MergedTokens(x=torch.randn(2, 17, 32, dtype=torch.float64), num_prefix=1)
     energy = torch.rand(2, 17, dtype=torch.float64)
     keys = torch.randn(2, 2, 17, 16, dtype=torch.float64)
     guard = importance_tome.Guard(head, 1, 1.0, "bound")

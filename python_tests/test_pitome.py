@@ -16,27 +16,27 @@ from helpers.prune import images, tiny_vit
 from helpers.broken_merges import merges_everywhere, no_proportional_attention, unweighted_averages
 from helpers.originals_reference import pitome_reference
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.methods import pitome, tome
+from pullback_ext.prune.methods import merging, pitome
 from pullback_ext.comparison.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.reduction_options import ReductionOptions
 
 
 def _features_as_keys(monkeypatch):
-    merge = pitome.energy_merge
-    monkeypatch.setattr(pitome, "energy_merge", lambda state, keys, *args: merge(state, state.x[:, None], *args))
+    rank = pitome.PiToMe.rank
+    monkeypatch.setattr(pitome.PiToMe, "rank", lambda self, step: rank(self, step._replace(attended=step.attended._replace(k=step.state.x[:, None]))))
 
 
 def _energy_of_the_features(monkeypatch):
     """Energy from the tokens' features (matching still on the keys)."""
-    merge, energy = pitome.energy_merge, pitome.energy
+    rank, energy = pitome.PiToMe.rank, pitome.energy
 
-    def merge_scoring_features(state, keys, *args):
-        unit = torch.nn.functional.normalize(state.x[:, state.num_prefix:], dim=-1)
+    def rank_scoring_features(self, step):
+        unit = torch.nn.functional.normalize(step.state.x[:, step.state.num_prefix:], dim=-1)
         monkeypatch.setattr(pitome, "energy", lambda metric, margin, alpha: energy(unit, margin, alpha))
-        return merge(state, keys, *args)
+        return rank(self, step)
 
-    monkeypatch.setattr(pitome, "energy_merge", merge_scoring_features)
+    monkeypatch.setattr(pitome.PiToMe, "rank", rank_scoring_features)
 
 
 def _no_margin(monkeypatch):
@@ -53,8 +53,8 @@ def _lowest_energy_merged(monkeypatch):
 
 
 def _prefix_tokens_merged(monkeypatch):
-    merge = pitome.energy_merge
-    monkeypatch.setattr(pitome, "energy_merge", lambda state, *args: merge(dataclasses.replace(state, num_prefix=0), *args))
+    rank = pitome.PiToMe.rank
+    monkeypatch.setattr(pitome.PiToMe, "rank", lambda self, step: rank(self, step._replace(state=dataclasses.replace(step.state, num_prefix=0))))
 
 
 def _sets_as_halves(monkeypatch):
@@ -115,7 +115,7 @@ def test_layer_scale_and_register_models(name, size):
     x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     plain = assert_zero_reduction_is_unpatched(model, x, patch.timm, strategy="pitome", r=0)
     patch.timm(model, strategy="pitome", r=4, schedule="decreasing")
-    expected, blocks = pitome_reference(model, x, merges=tome.merges_per_block(4, "decreasing", 3))
+    expected, blocks = pitome_reference(model, x, merges=merging.merges_per_block(4, "decreasing", 3))
     assert _matches(model, x, expected, blocks)
     patch.unpatch(model)
     assert torch.equal(model.forward_features(x), plain)

@@ -16,7 +16,7 @@ from helpers.broken_merges import merges_everywhere, no_proportional_attention, 
 from helpers.originals_reference import tome_reference
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import timm_vit
-from pullback_ext.prune.methods import tome
+from pullback_ext.prune.methods import merging, tome
 from pullback_ext.comparison.cost import count_flops
 from pullback_ext.prune.eta import eta, patch_tokens_per_block
 from pullback_ext.prune.pipeline import run_blocks
@@ -25,8 +25,8 @@ from pullback_ext.prune.split_block import SplitBlock
 
 
 def _features_as_keys(monkeypatch):
-    merge = tome.bipartite_merge
-    monkeypatch.setattr(tome, "bipartite_merge", lambda state, keys, r: merge(state, state.x[:, None], r))
+    rank = tome.ToMe.rank
+    monkeypatch.setattr(tome.ToMe, "rank", lambda self, step: rank(self, step._replace(attended=step.attended._replace(k=step.state.x[:, None]))))
 
 
 BROKEN = {"features_as_keys": _features_as_keys, "merges_outside_the_range": merges_everywhere,
@@ -66,7 +66,7 @@ def test_layer_scale_and_register_models(name, size, monkeypatch):
     x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     assert_zero_reduction_is_unpatched(model, x, patch.timm, strategy="tome", r=0)
     patch.timm(model, strategy="tome", r=4, schedule="decreasing")
-    expected, _ = tome_reference(model, x, merges=tome.merges_per_block(4, "decreasing", 3))
+    expected, _ = tome_reference(model, x, merges=merging.merges_per_block(4, "decreasing", 3))
     torch.testing.assert_close(model.forward_features(x), expected, rtol=1e-9, atol=1e-9)
     monkeypatch.setattr(timm_vit, "SPLIT", halves_without_layer_scale())
     assert not torch.allclose(model.forward_features(x), expected, rtol=1e-6, atol=1e-6)
@@ -99,12 +99,12 @@ def test_unpatch_restores_bit_identical_outputs():
 
 
 def test_schedules():
-    assert tome.merges_per_block(8, "constant", 4) == [8, 8, 8, 8]
-    assert tome.merges_per_block(8, "decreasing", 5) == [16, 12, 8, 4, 0]
-    assert tome.merges_per_block(16, "decreasing", 12) == [32, 29, 26, 23, 20, 17, 14, 11, 8, 5, 2, 0]
-    assert tome.merges_per_block(5, "decreasing", 1) == [5]
+    assert merging.merges_per_block(8, "constant", 4) == [8, 8, 8, 8]
+    assert merging.merges_per_block(8, "decreasing", 5) == [16, 12, 8, 4, 0]
+    assert merging.merges_per_block(16, "decreasing", 12) == [32, 29, 26, 23, 20, 17, 14, 11, 8, 5, 2, 0]
+    assert merging.merges_per_block(5, "decreasing", 1) == [5]
     options = ReductionOptions(strategy="tome", r=2, schedule="decreasing", block_range=(1, 4))
-    assert tome.block_merges(options, 6) == [0, 4, 2, 0, 0, 0]
+    assert merging.block_merges(options, 6) == [0, 4, 2, 0, 0, 0]
 
 
 

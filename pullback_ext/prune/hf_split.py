@@ -1,12 +1,11 @@
-"""The original methods (ToMe, PiToMe, EViT, Expedite, ASAP) on the Hugging Face layer loops of
-:mod:`pullback_ext.families`.
+"""The methods that reduce inside a layer on the Hugging Face layer loops of :mod:`pullback_ext.families`.
 
-ToMe, PiToMe and EViT reduce between a layer's attention and its MLP: :func:`split` runs a layer
-of any family in those two halves, from the family's :class:`~pullback_ext.families.adapter.AttentionLayout`
+The per-block methods (ToMe and every method of :mod:`pullback_ext.prune.methods.merging`'s loop,
+EViT) reduce between a layer's attention and its MLP: :func:`split` runs a layer of any family in
+those two halves, from the family's :class:`~pullback_ext.families.adapter.AttentionLayout`
 (norm, projections, head width, logit scale) and :class:`~pullback_ext.families.adapter.Branches`
 (output projection, LayerScale, MLP), as the :class:`~pullback_ext.prune.split_block.SplitBlock`
-that :func:`pullback_ext.prune.methods.tome.run`, :func:`pullback_ext.prune.methods.evit.run` and
-:func:`pullback_ext.prune.methods.pitome.run` take for timm blocks. The attention half runs
+that their loops take for timm blocks. The attention half runs
 ``scaled_dot_product_attention`` with the additive bias (ToMe's proportional attention) on every
 family alike, DPT included; Expedite and ASAP run whole layers and read attention probabilities
 between them, as every family gives them.

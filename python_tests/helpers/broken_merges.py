@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 
 from pullback_ext import ops
-from pullback_ext.prune.methods import tome
+from pullback_ext.prune.methods import merging
 from pullback_ext.prune.merged_tokens import MergedTokens
 
 
 def merges_everywhere(monkeypatch):
     """Merge in every block, ignoring ``block_range`` and the schedule."""
-    monkeypatch.setattr(tome, "block_merges", lambda options, depth: [options.r] * depth)
+    monkeypatch.setattr(merging, "block_merges", lambda options, depth: [options.r] * depth)
 
 
 def unweighted_averages(monkeypatch):

@@ -1,5 +1,6 @@
-"""The registry of token-reduction methods: every module of this package but :mod:`.base` is one
-method family and exports ``METHODS``, a tuple of :class:`~pullback_ext.prune.methods.base.Method`
+"""The registry of token-reduction methods: every module of this package but :mod:`.base` (what a
+method is) and :mod:`.merging` (the contract of the per-block merging methods) is one method
+family and exports ``METHODS``, a tuple of :class:`~pullback_ext.prune.methods.base.Method`
 objects (one per ``strategy`` name it provides) and may set ``ORDER`` (an int, default 100), where
 its methods stand in every listing.
 
@@ -17,7 +18,7 @@ import pkgutil
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.methods.base import Method, Traits, refusal
 
-_SKIP = ("base",)
+_SKIP = ("base", "merging")
 _cache: dict = {}
 
 
@@ -67,7 +68,7 @@ def check_supported(name: str, traits: Traits, model: str) -> None:
     if reason is not None:
         runs = [get(m) for m in supported(traits)]
         originals = ", ".join(m.name for m in runs if m.kind == "original")
-        others = "".join(f", and {m.name}" for m in runs if m.kind == "ours")
+        others = "".join(f", and {m.name}" for m in runs if m.ours and not m.single_stage)
         hint = f" (e.g. '{name}_score')" if f"{name}_score" in names() else ""
         raise PullbackError(f"strategy {name!r} on {model}: it {reason}; this model runs the originals {originals} "
                             f"and the single-stage strategies{hint}{others}")
@@ -79,8 +80,8 @@ def support_table() -> str:
     (a timm family's class token depends on the model: its cells assume one)."""
     from pullback_ext.families import TimmFamily, table
 
-    shown = [m for m in all_methods() if m.kind != "criterion"]
-    criteria = [m for m in all_methods() if m.kind == "criterion"]
+    shown = [m for m in all_methods() if not m.single_stage]
+    criteria = [m for m in all_methods() if m.single_stage]
     lines = ["| family | " + " | ".join(m.name for m in shown) + " | single-stage criteria |",
              "|---" * (len(shown) + 2) + "|"]
     for family in table().values():

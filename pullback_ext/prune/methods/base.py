@@ -113,8 +113,8 @@ class Method:
     name: str = ""
     short: str = ""  # the name in prose ("ToMe")
     title: str = ""
-    kind: str = "original"  # "original" (as its authors define it), "ours" (the library's own), "criterion" (single-stage)
-    ours: bool = False  # the library's own method (marked in tables and plots)
+    kind: str = "original"  # "original" (as its authors define it), "ours" (the library's own), "criterion" (a plain score)
+    single_stage: bool = False  # a scorer of the staged single-stage pipeline (one column of the support table)
     options_type: Optional[type] = None  # frozen dataclass of the method's own fields
     takes: tuple = ()  # common ReductionOptions fields it accepts besides strategy and seed
     needs: Needs = Needs()
@@ -125,6 +125,11 @@ class Method:
     sweep: dict = {}  # default --pareto sweep: {field: values}
     head_from: Optional[str] = None  # the scorer its head= is ("importance": a trained head, "oracle": imp*)
     head_optional: bool = False  # runs without a head too
+
+    @property
+    def ours(self) -> bool:
+        """The library's own method (marked in tables and plots): ``kind == "ours"``."""
+        return self.kind == "ours"
 
     def sweep_grid(self, mode: str, ratios: tuple) -> dict:
         """``{field: values}`` swept by default in a matched-cost comparison (``mode``: the task's,
@@ -194,9 +199,11 @@ class Method:
 
 
 class BlockLoopMethod(Method):
-    """An original method that reduces in its own block loop with its own knobs: it takes only its
-    own fields (and ``prop_attn`` where ``prop_attn_applies``), has no prune mode, and its rows
-    are labelled by the authors' rules ``rules = (selection, averaging)``."""
+    """A method that reduces in its own block loop with its own knobs: it takes only its own fields
+    (and ``prop_attn`` where ``prop_attn_applies``), has no prune mode, and its rows are labelled by
+    the authors' rules ``rules = (selection, averaging)``. Like every method it overrides
+    :meth:`run` and :meth:`patch_tokens_per_block`; the per-block merging methods get both from
+    :class:`~pullback_ext.prune.methods.merging.MergingMethod` and supply their ranking."""
 
     own_loop = True
     prop_attn_applies = False
@@ -228,13 +235,3 @@ class BlockLoopMethod(Method):
         selection, averaging = self.rules
         return {"method": self.name, "selection": selection, "averaging": averaging}
 
-    # the module's loop ``block_loop(reduction, x, blocks, call_block, split, take)`` and its count
-    # ``token_counts(options, num_patch, depth)``, set by each subclass as staticmethods
-    block_loop: Callable = None
-    token_counts: Callable = None
-
-    def run(self, reduction: Reduction, x: torch.Tensor, loop: BlockLoop, take=()):
-        return self.block_loop(reduction, x, loop.blocks, loop.call_block, loop.split, take)
-
-    def patch_tokens_per_block(self, reduction: Reduction, num_patch: int) -> list:
-        return self.token_counts(reduction.options, num_patch, reduction.backbone.depth)

@@ -34,7 +34,7 @@ import torch
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.merged_tokens import MergedTokens, run_tracked
-from pullback_ext.prune.methods.base import BackboneShape, BlockLoopMethod, Needs
+from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, BlockLoopMethod, Needs
 from pullback_ext.prune.option_checks import check_layer_range, is_real, layer_list
 from pullback_ext.prune.schedules import scale_layers
 from pullback_ext.prune.split_block import Attended
@@ -148,7 +148,11 @@ class EViT(BlockLoopMethod):
         check_layer_range(layers, backbone.depth, False, "evit_layers")
         return dict(super().resolve(options, backbone), evit_layers=layers)
 
-    block_loop, token_counts = staticmethod(run), staticmethod(patch_tokens_per_block)
+    def run(self, reduction, x: torch.Tensor, loop: BlockLoop, take=()):
+        return run(reduction, x, loop.blocks, loop.call_block, loop.split, take)
+
+    def patch_tokens_per_block(self, reduction, num_patch: int) -> list:
+        return patch_tokens_per_block(reduction.options, num_patch, reduction.backbone.depth)
 
 
 ORDER = 2

@@ -53,7 +53,7 @@ import torch
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import working_precision
 from pullback_ext.prune.merged_tokens import MergedTokens
-from pullback_ext.prune.methods.base import BackboneShape, BlockLoopMethod, Needs
+from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, BlockLoopMethod, Needs
 from pullback_ext.prune.option_checks import check_layer_range, count, is_int, is_real
 
 REFERENCE_LAYER, REFERENCE_DEPTH = 10, 24  # the paper's α for a 24-layer ViT-L
@@ -236,7 +236,11 @@ class Expedite(BlockLoopMethod):
         check_layer_range((layer,), backbone.depth, False, "cluster_layer")
         return dict(super().resolve(options, backbone), cluster_layer=layer)
 
-    block_loop, token_counts = staticmethod(run), staticmethod(patch_tokens_per_block)
+    def run(self, reduction, x: torch.Tensor, loop: BlockLoop, take=()):
+        return run(reduction, x, loop.blocks, loop.call_block, loop.split, take)
+
+    def patch_tokens_per_block(self, reduction, num_patch: int) -> list:
+        return patch_tokens_per_block(reduction.options, num_patch, reduction.backbone.depth)
 
 
 ORDER = 5

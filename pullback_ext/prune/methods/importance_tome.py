@@ -10,7 +10,7 @@ learned per-token importance decides which tokens may be merged away, in every b
    score: it reaches further, at a cost, see the findings; a token that then already stands for
    ``s`` originals is scored ``e = s · imp²``); in each, between attention and MLP, ``r``
    tokens merge (ToMe's ``r`` and ``schedule`` over the range, see
-   :func:`~pullback_ext.prune.methods.tome.block_merges`, clipped as ToMe clips them), size-weighted, with
+   :func:`~pullback_ext.prune.methods.merging.block_merges`, clipped as ToMe clips them), size-weighted, with
    proportional attention from the first merge on (``prop_attn``);
 3. the current patch tokens alternate between sets A (even positions) and B (odd positions) as in
    ToMe; prefix tokens (CLS, registers) are never merged away nor into;
@@ -42,12 +42,14 @@ from typing import Literal, NamedTuple, Optional
 
 import torch
 
-from pullback_ext import ops
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import working_precision
 from pullback_ext.prune.merged_tokens import MergedTokens
 from pullback_ext.prune.methods import tome
-from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, Needs
+from pullback_ext.prune.methods.base import BackboneShape, Needs
+from pullback_ext.prune.methods.merging import (Matching, MergeStep, MergingMethod, ToMeOptions, alternating_order,
+                                                apply_matching, bipartite_count, key_metric, matching_from_scores,
+                                                merge_values)
 from pullback_ext.prune.option_checks import count, is_real
 
 PARTNERS = ("cosine", "bound")
@@ -58,7 +60,7 @@ GUARDED_REACH = 1.5
 
 
 @dataclass(frozen=True)
-class ImportanceToMeOptions:
+class ImportanceToMeOptions(ToMeOptions):
     """ToMe's ``r`` (required) and ``schedule``; ``block_range``: the blocks that merge (None: every
     block after ``score_layer``, or every block with ``early_merges``); ``score_layer``: the block
     whose output the head scores (the layer it was trained on); ``guard``: the exponent of the
@@ -67,16 +69,13 @@ class ImportanceToMeOptions:
     ``block_range=None``, the blocks up to ``score_layer`` merge too, by ToMe's rule (further
     reach, at a cost)."""
 
-    r: Optional[int] = None
-    schedule: Literal["constant", "decreasing"] = "constant"
-    block_range: Optional[tuple[int, int]] = None
     score_layer: int = 1
     guard: float = 1.0
     partner: Literal["bound", "cosine"] = "bound"
     early_merges: bool = False
 
     def __post_init__(self):
-        tome.ToMeOptions.__post_init__(self)
+        super().__post_init__()
         if not is_real(self.guard) or not 0.0 <= float(self.guard) <= 8.0:
             raise PullbackError(f"guard must be a number in [0, 8] (the energies' exponent in the merge cost); got {self.guard!r}")
         if self.partner not in PARTNERS:
@@ -128,73 +127,41 @@ def pair_costs(metric_a: torch.Tensor, metric_b: torch.Tensor, e_a: torch.Tensor
     return (moved.pow(guard / 2) * dist).min(dim=-1)
 
 
+def guarded_matching(state: MergedTokens, energy: torch.Tensor, keys: torch.Tensor, r: int,
+                     guard: Guard) -> Optional[Matching]:
+    """The guarded matching of ``r`` merges (clipped as ToMe's, :func:`~pullback_ext.prune.methods.merging.bipartite_count`)
+    of ``state.x [B, K, D]`` with energies ``energy [B, K]``, matched on ``keys [B, H, K, hd]``: the
+    order ``[prefix, A, B]``, the ``r`` A tokens of the lowest cost into their partner. None when nothing merges."""
+    p, (b, k, _) = state.num_prefix, state.x.shape
+    count = bipartite_count(r, p, k - p)
+    if count == 0:
+        return None
+    order, size_a = alternating_order(p, k, b, state.x.device)
+    metric = torch.gather(key_metric(keys), 1, order[..., None].expand(-1, -1, keys.shape[-1]))
+    sizes = torch.ones(b, k, dtype=state.x.dtype, device=state.x.device) if state.sizes is None else state.sizes
+    sizes, energy = torch.gather(sizes, 1, order).to(metric.dtype), torch.gather(energy, 1, order)
+    a, bb = slice(p, p + size_a), slice(p + size_a, k)
+    cost, match = pair_costs(metric[:, a], metric[:, bb], energy[:, a], energy[:, bb], sizes[:, a], sizes[:, bb],
+                             guard.guard, guard.partner)
+    return matching_from_scores(order, p, size_a, cost, match, count, descending=False)
+
+
 def guarded_merge(state: MergedTokens, energy: torch.Tensor, keys: torch.Tensor, r: int,
                   guard: Guard) -> tuple[MergedTokens, torch.Tensor]:
-    """One guarded merge of ``r`` tokens (clipped as ToMe, :func:`~pullback_ext.prune.methods.tome.merge_count`)
-    of ``state.x [B, K, D]`` with energies ``energy [B, K]``, matched on ``keys [B, H, K, hd]``;
-    returns the state with ``K - r`` tokens ``[prefix, A, B]`` and their energies ``[B, K - r]``."""
-    p, (b, k, _) = state.num_prefix, state.x.shape
-    count = tome.merge_count(r, p, k - p)
-    if count == 0:
+    """One guarded merge (:func:`guarded_matching`): the state with ``K - r`` tokens ``[prefix, A, B]``
+    and their energies ``[B, K - r]`` (each merged token's the sum of its sources')."""
+    matching = guarded_matching(state, energy, keys, r, guard)
+    if matching is None:
         return state, energy
-    a_pos, b_pos = tome.set_positions(p, k, state.x.device)
-    size_a = a_pos.numel()
-    order = torch.cat([torch.arange(p, device=state.x.device), a_pos, b_pos]).expand(b, k)
-    metric = torch.gather(tome.key_metric(keys), 1, order[..., None].expand(-1, -1, keys.shape[-1]))
-    sizes = torch.ones(b, k, dtype=state.x.dtype, device=state.x.device) if state.sizes is None else state.sizes
-    sizes, energy = torch.gather(sizes, 1, order), torch.gather(energy, 1, order)
-    work_sizes = sizes.to(metric.dtype)
-    a, bb = slice(p, p + size_a), slice(p + size_a, k)
-    cost, match = pair_costs(metric[:, a], metric[:, bb], energy[:, a], energy[:, bb], work_sizes[:, a], work_sizes[:, bb],
-                             guard.guard, guard.partner)
-    src = torch.argsort(cost, dim=1, stable=True)[:, :count]  # into A, cheapest first
-    dst = torch.gather(match, 1, src) + p + size_a
-    src = src + p
-    # index sets built from arange/argsort: valid by construction
-    grouped = ops.gather_tokens(state.x, order, check_values=False)
-    x, merged_sizes = ops.merge_tokens(grouped, sizes, src, dst, check_values=False)
-    _, merged_energy = ops.merge_tokens(torch.ones_like(energy[..., None]), energy, src, dst, check_values=False)
-    merged = state.regroup(x, tome.positions_after_merge(order, src, dst), tome.places_after_merge(order, src),
-                           sizes=merged_sizes)
-    return merged, merged_energy
+    return apply_matching(state, matching), merge_values(energy, matching)
 
 
-def run(reduction, x: torch.Tensor, blocks, call_block, split, take=()):
-    """Run ``blocks`` on ``x [B, N, D]`` merging tokens under the importance guard (``reduction``:
-    resolved options with ``strategy="importance_tome"``, ``block_range`` chosen; ``split``: a
-    :class:`~pullback_ext.prune.split_block.SplitBlock`). Returns ``(final [B, N, D], {i: features
-    after block i [B, N, D] for i in take})``, every original token restored from the token that
-    holds it."""
-    o = reduction.options
-    guard = Guard(o.head, o.score_layer, o.guard, o.partner)
-    merges = tome.block_merges(o, reduction.backbone.depth)
-    scored = any(merges)  # without merges the head is not run
-    state, energy, taken = MergedTokens(x=x, num_prefix=reduction.backbone.num_prefix), None, {}
-    for i, block in enumerate(blocks):
-        bias = state.size_bias() if o.prop_attn else None
-        if merges[i]:
-            attended = split.attend(block, state, bias)
-            state = state.with_x(attended.x)
-            if energy is None:  # a block_range that starts at or before score_layer: ToMe's own rule there
-                state = tome.bipartite_merge(state, attended.k, merges[i])
-            else:
-                state, energy = guarded_merge(state, energy, attended.k, merges[i], guard)
-            state = state.with_x(split.feed_forward(block, state.x))
-        else:
-            state = state.with_x(call_block(block, state, bias))
-        if scored and i == guard.score_layer:
-            energy = token_energy(guard.head, state.x, state.sizes)
-        if i in take:
-            taken[i] = state.full()
-    return state.full(), taken
-
-
-class ImportanceToMe(tome.MergingMethod):
+class ImportanceToMe(MergingMethod):
     """The library's merge for every speed-up: ToMe's loop, the learned importance guarding the tokens."""
 
     name, short = "importance_tome", "importance-guarded ToMe"
     title = "importance-guarded ToMe (r tokens merged in every block; the learned importance decides which may go)"
-    kind, ours, head_from, head_optional = "ours", True, "importance", True
+    kind, head_from, head_optional = "ours", "importance", True
     options_type = ImportanceToMeOptions
     takes = ("prop_attn", "head")
     needs = Needs(split_blocks="it merges between attention and MLP")
@@ -221,12 +188,24 @@ class ImportanceToMe(tome.MergingMethod):
         return {"method": self.name, "selection": f"lowest {cost} (g = {o.guard:g}, {scored}), r per block {o.block_range}",
                 "averaging": "size-weighted, proportional attention; merged tokens restored to their sources"}
 
-    def run(self, reduction, x: torch.Tensor, loop: BlockLoop, take=()):
-        return run(reduction, x, loop.blocks, loop.call_block, loop.split, take)
+    def begin(self, reduction, merges: list[int]) -> dict:
+        o = reduction.options
+        return {"guard": Guard(o.head, o.score_layer, o.guard, o.partner), "scored": any(merges), "energy": None}
 
-    def patch_tokens_per_block(self, reduction, num_patch: int) -> list:
-        o, shape = reduction.options, reduction.backbone
-        return tome.patch_tokens_per_block(o, shape.num_prefix, num_patch, shape.depth)
+    def rank(self, step: MergeStep) -> Optional[Matching]:
+        energy = step.carry["energy"]
+        if energy is None:  # a block_range that starts at or before score_layer: ToMe's own rule there
+            return tome.bipartite_matching(step.attended.k, step.state.num_prefix, step.r)
+        return guarded_matching(step.state, energy, step.attended.k, step.r, step.carry["guard"])
+
+    def apply(self, step: MergeStep, matching: Matching) -> MergedTokens:
+        if step.carry["energy"] is not None:
+            step.carry["energy"] = merge_values(step.carry["energy"], matching)
+        return super().apply(step, matching)
+
+    def after_block(self, reduction, block: int, state: MergedTokens, carry: dict) -> None:
+        if carry["scored"] and block == carry["guard"].score_layer:  # without merges the head is not run
+            carry["energy"] = token_energy(carry["guard"].head, state.x, state.sizes)
 
 
 ORDER = 7

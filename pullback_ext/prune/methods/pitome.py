@@ -38,14 +38,14 @@ module does not follow: it uses ``ELU(x − m)`` (``x − m`` above the margin) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.merged_tokens import MergedTokens
-from pullback_ext.prune.methods import tome
 from pullback_ext.prune.methods.base import Needs
+from pullback_ext.prune.methods.merging import (Matching, MergeStep, MergingMethod, ToMeOptions, best_match, key_metric,
+                                                matching_from_scores)
 from pullback_ext.prune.option_checks import is_real
 
 
@@ -70,17 +70,19 @@ def energy(metric: torch.Tensor, margin: float, alpha: float) -> torch.Tensor:
     return torch.where(cos >= margin, cos, alpha * torch.expm1(cos - margin)).mean(dim=-1)
 
 
-def energy_merge(state: MergedTokens, keys: torch.Tensor, r: int, margin: float, alpha: float) -> MergedTokens:
-    """One PiToMe merge of ``r`` tokens (clipped, see :func:`merge_count`) of ``state.x [B, K, D]``,
-    scored and matched on ``keys [B, H, K, hd]``; returns the state with ``K - r`` tokens
-    ``[prefix, protected, B]``."""
-    p, k = state.num_prefix, state.x.shape[1]
+def energy_matching(keys: torch.Tensor, num_prefix: int, r: int, margin: float, alpha: float) -> Optional[Matching]:
+    """PiToMe's matching of ``r`` merges (clipped, see :func:`merge_count`) among the tokens whose keys
+    are ``keys [B, H, K, hd]``: the order ``[prefix, protected, A, B]``, every A token into its most
+    similar B token. None when nothing merges."""
+    p, k = num_prefix, keys.shape[2]
     count = merge_count(r, k - p)
     if count == 0:
-        return state
-    metric = tome.key_metric(keys)
+        return None
+    metric = key_metric(keys)
     ranked = torch.argsort(energy(metric[:, p:], margin, alpha), dim=1, descending=True, stable=True) + p
-    return tome.merge_matched(state, metric, merge_order(ranked, p, count), k - 2 * count, count, count)
+    order, a_start = merge_order(ranked, p, count), k - 2 * count
+    best, match = best_match(metric, order, a_start, count)
+    return matching_from_scores(order, a_start, count, best, match, count)
 
 
 def merge_order(ranked: torch.Tensor, num_prefix: int, count: int) -> torch.Tensor:
@@ -92,38 +94,17 @@ def merge_order(ranked: torch.Tensor, num_prefix: int, count: int) -> torch.Tens
     return torch.cat([prefix, ranked[:, 2 * count:], candidates[:, 0::2], candidates[:, 1::2]], dim=1)
 
 
-def run(reduction, x: torch.Tensor, blocks, call_block, split, take=()):
-    """Run ``blocks`` on ``x [B, N, D]`` merging tokens as PiToMe does (``reduction``: resolved
-    options with ``strategy="pitome"``; ``split``: a :class:`~pullback_ext.prune.split_block.SplitBlock`).
-    Returns ``(final [B, N, D], {i: features after block i [B, N, D] for i in take})``, unmerged."""
-    o = reduction.options
-    margins = block_margins(o.margin, reduction.backbone.depth)
-
-    def merge(i: int, state: MergedTokens, keys: torch.Tensor, r: int) -> MergedTokens:
-        return energy_merge(state, keys, r, margins[i], o.energy_alpha)
-
-    return tome.run_merges(reduction, x, blocks, call_block, split, take, merge)
-
-
-def patch_tokens_per_block(options, num_patch: int, depth: int) -> list[int]:
-    """Patch tokens after each block when PiToMe runs with ``options`` on ``num_patch`` patch tokens."""
-    return tome.tokens_left(tome.block_merges(options, depth), num_patch, merge_count)
-
-
 @dataclass(frozen=True)
-class PiToMeOptions:
+class PiToMeOptions(ToMeOptions):
     """ToMe's ``r`` (required), ``schedule`` and ``block_range``, and ``margin``: the energy margin
     of the first block, in [0, 1] (block ``i`` of ``L`` uses ``margin · (1 − i/L)``);
     ``energy_alpha``: ``α >= 0`` of the energy below the margin."""
 
-    r: Optional[int] = None
-    schedule: Literal["constant", "decreasing"] = "constant"
-    block_range: Optional[tuple[int, int]] = None
     margin: float = 0.9
     energy_alpha: float = 1.0
 
     def __post_init__(self):
-        tome.ToMeOptions.__post_init__(self)
+        super().__post_init__()
         if not is_real(self.margin) or not 0.0 <= float(self.margin) <= 1.0:
             raise PullbackError(f"margin must be a float in [0, 1] (PiToMe's energy margin of the first block); got {self.margin!r}")
         if not is_real(self.energy_alpha) or not 0.0 <= float(self.energy_alpha) < float("inf"):
@@ -132,7 +113,7 @@ class PiToMeOptions:
         object.__setattr__(self, "energy_alpha", float(self.energy_alpha))
 
 
-class PiToMe(tome.MergingMethod):
+class PiToMe(MergingMethod):
     name, short, title = "pitome", "PiToMe", "PiToMe (r high-energy tokens merged in every block)"
     options_type = PiToMeOptions
     needs = Needs(split_blocks="PiToMe merges between attention and MLP")
@@ -140,7 +121,13 @@ class PiToMe(tome.MergingMethod):
              "size-weighted, proportional attention")
     sweep = {"r": (1, 2, 4, 6, 8, 12, 16, 20, 24)}
 
-    block_loop, token_counts = staticmethod(run), staticmethod(patch_tokens_per_block)
+    def merge_count(self, reduction, r: int, num_prefix: int, num_patch: int) -> int:
+        return merge_count(r, num_patch)
+
+    def rank(self, step: MergeStep) -> Optional[Matching]:
+        o = step.reduction.options
+        margin = block_margins(o.margin, step.reduction.backbone.depth)[step.block]
+        return energy_matching(step.attended.k, step.state.num_prefix, step.r, margin, o.energy_alpha)
 
 
 ORDER = 4

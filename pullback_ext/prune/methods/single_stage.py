@@ -85,7 +85,7 @@ class SingleStage(Method):
 
     takes = ("ratio", "layers", "head", "spn", "matching", "eps", "weights", "selection", "llf", "preset", "recovery",
              "mode", "prop_attn")
-    kind = "criterion"
+    single_stage = True
     folds_attention = True
     staged = True
 
@@ -94,7 +94,7 @@ class SingleStage(Method):
         self.title = scorer_class.title
         self.scorer_class = scorer_class
         self.attention = scorer_class.attention
-        self.ours = name in NEEDS_SCORER
+        self.kind = "ours" if name in NEEDS_SCORER else "criterion"
         self.head_from = name if name in NEEDS_SCORER else None
         self.needs = Needs(class_token=scorer_class.reads_cls)
 
