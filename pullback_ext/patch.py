@@ -49,11 +49,13 @@ The gather, merge and re-insert steps run through the ``pullback_ext.ops`` kerne
 forward but ``strategy="random"`` (its generator) compiles whole (``torch.compile(..., fullgraph=True)``)
 and reads no tensor value on the host: every shape follows from the ratio, never from the values.
 
-The methods as their authors define them (``tome``, ``pitome``, ``evit``, ``expedite``, ``asap``,
-``tap``; one module each in :mod:`pullback_ext.prune.methods`) and the library's every-block merge
-``importance_tome`` take their own options (ToMe's ``r``, ``schedule``, ``block_range``; EViT's
-``keep_rate``; …) instead of ``ratio`` / ``layers`` / ``mode``; each module documents them, and
-:func:`pullback_ext.prune.eta.eta` gives the η a setting produces.
+Besides the single-stage criteria, the methods of the registry
+(:func:`pullback_ext.prune.methods.all_methods`, one module per family in
+:mod:`pullback_ext.prune.methods`: the methods as their authors define them, and the library's own
+such as the every-block merge ``importance_tome``) take their own options (ToMe's ``r``,
+``schedule``, ``block_range``; EViT's ``keep_rate``; …), in place of ``ratio`` / ``layers`` /
+``mode`` or besides them; each module documents them, and :func:`pullback_ext.prune.eta.eta` gives
+the η a setting produces.
 
 Every option is a field of :class:`~pullback_ext.prune.reduction_options.ReductionOptions`, which
 documents and validates them once. Each patch function is ``fn(model, options=None, /, **overrides)``

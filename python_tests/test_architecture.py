@@ -18,6 +18,12 @@
     ``pullback_ext.plots`` is its own node) and whose edges are the imports between them (in
     function bodies and relative ones included, as in (a)), no two nodes reach each other. Each
     cycle is reported with one example import (module:line) per edge.
+(e) No import cycle between the modules of one subpackage: the same rule, in the graph whose nodes
+    are the modules of one first-level subpackage (its face ``__init__`` and the modules of the
+    packages nested in it included) and whose edges are the imports between them, counted as in
+    (d). An import counts for the module it names (``from a import b``: ``a.b`` when that is a
+    module, else ``a``), not for the packages above it that Python initialises first. A shared
+    piece that two modules need lives in a module below both, not behind an import in a function.
 
 Each checker is a plain function returning its findings, and is tested on small bad examples.
 """
@@ -197,6 +203,47 @@ def import_edges(package: Path = PACKAGE) -> dict[tuple[str, str], str]:
     return {edge: f"{module}:{line}" for edge, (module, line) in sorted(edges.items())}
 
 
+def _owner(name: str, modules: set[str]) -> str | None:
+    """The module of ``modules`` that ``name`` (a module, or a name inside one) belongs to: its
+    longest dotted prefix among them; None for a name outside them."""
+    parts = name.split(".")
+    return next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules), None)
+
+
+def _named_modules(node: ast.AST, module: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` an import statement (or a dotted-name string) names: ``import
+    a.b`` names ``a.b``; ``from a import b`` names ``a.b`` when that is a module, else ``a``."""
+    names = _imported_names(node, module, is_package)
+    if isinstance(node, ast.ImportFrom):
+        names = names[1:]  # ``a.b`` for each imported ``b``: the module itself only through a name inside it
+    return {owner for owner in (_owner(name, modules) for name in names) if owner is not None}
+
+
+def module_import_edges(package: Path = PACKAGE) -> dict[tuple[str, str], str]:
+    """``{(a, b): "a:line"}``: for each pair of distinct modules ``a``, ``b`` of one first-level
+    subpackage of ``package`` (a top-level module is a subpackage of its own) where ``a`` imports
+    ``b`` (in a function body, relatively or as a dotted-name string too, as in (a)), the first
+    such import of ``a`` (by line). An import names the module it loads (:func:`_named_modules`),
+    not the packages above it, which Python initialises first: counted, they would close a cycle
+    between every package face that imports its own modules and each of those modules. The face
+    of ``package`` belongs to no subpackage."""
+    files = {p: module_name(p, package) for p in python_files(package)}
+    modules = set(files.values())
+
+    def subpackage(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    edges: dict[tuple[str, str], int] = {}
+    for path, module in files.items():
+        if "." not in module:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in _named_modules(node, module, path.name == "__init__.py", modules):
+                if target != module and subpackage(target) == subpackage(module):
+                    edges[module, target] = min(edges.get((module, target), node.lineno), node.lineno)
+    return {edge: f"{edge[0]}:{line}" for edge, line in sorted(edges.items())}
+
+
 def _shortest_path(successors: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
     """The shortest path ``[start, …, goal]`` (breadth first, neighbours in name order); None if none."""
     before: dict[str, str | None] = {start: None}
@@ -262,6 +309,11 @@ def test_no_duplicated_blocks_of_six_same_shape_lines():
 def test_no_import_cycle_between_subpackages():
     found = import_cycles(import_edges())
     assert not found, "import cycles between subpackages:\n" + "\n".join(found)
+
+
+def test_no_import_cycle_inside_a_subpackage():
+    found = import_cycles(module_import_edges())
+    assert not found, "import cycles between the modules of a subpackage:\n" + "\n".join(found)
 
 
 def test_the_tree_is_scanned():
@@ -402,3 +454,44 @@ def test_cycle_checker_reports_each_cycle_once_with_an_example_import_per_edge()
         "a -> b (a.x:1) -> c (b:2) -> a (c.y:3)",
         "e -> f (e:5) -> e (f:6)",
     ]
+
+
+_LAYERED_MODULES = {
+    "low/__init__.py": "from pkg.low.core import norm\nfrom pkg.low import table\n",
+    "low/core.py": "import math\n\n\ndef norm(x):\n    return math.sqrt(x)\n",
+    "low/table.py": "import pkg.low.core\n",
+    "low/nested/__init__.py": "",
+    "low/nested/deep.py": "from ..core import norm\nfrom pkg.low import nested\n",
+    "high/__init__.py": "",
+    "high/run.py": "from pkg.low import core\n",
+}
+
+
+def test_module_cycle_checker_finds_cycles_through_function_bodies_relative_imports_and_faces(tmp_path):
+    package = _package(tmp_path, _LAYERED_MODULES | {
+        "low/core.py": "import math\n\n\ndef norm(x):\n    from .nested import deep\n    return math.sqrt(x)\n",
+        "low/table.py": "def walk():\n    from pkg.low import norm\n    return norm\n",
+    })
+    edges = module_import_edges(package)
+    assert edges[("pkg.low.core", "pkg.low.nested.deep")] == "pkg.low.core:5"  # relative, in a function body
+    assert edges[("pkg.low.nested.deep", "pkg.low.core")] == "pkg.low.nested.deep:1"  # relative, two levels up
+    assert edges[("pkg.low.table", "pkg.low")] == "pkg.low.table:2"  # a name of the face, in a function body
+    assert import_cycles(edges) == [
+        "pkg.low -> pkg.low.table (pkg.low:2) -> pkg.low (pkg.low.table:2)",
+        "pkg.low.core -> pkg.low.nested.deep (pkg.low.core:5) -> pkg.low.core (pkg.low.nested.deep:1)",
+    ]
+
+
+def test_module_cycle_checker_accepts_a_layered_subpackage(tmp_path):
+    package = _package(tmp_path, _LAYERED_MODULES | {
+        "__init__.py": "from pkg.high import run\n",
+        "low/core.py": "import math\n\n\ndef late():\n    from pkg.high import run\n    return run\n",
+    })
+    edges = module_import_edges(package)
+    # a submodule imported from a face names the submodule; the packages above a module are not
+    # counted; imports between subpackages (pkg.low.core <-> pkg.high.run) are check (d)'s
+    assert edges == {("pkg.low", "pkg.low.core"): "pkg.low:1", ("pkg.low", "pkg.low.table"): "pkg.low:2",
+                     ("pkg.low.nested.deep", "pkg.low.core"): "pkg.low.nested.deep:1",
+                     ("pkg.low.nested.deep", "pkg.low.nested"): "pkg.low.nested.deep:2",
+                     ("pkg.low.table", "pkg.low.core"): "pkg.low.table:1"}
+    assert import_cycles(edges) == []

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     """Train the heads of ``--stages`` one after the other, then write ``OUT/schedule.json``."""
     from pullback_ext import distributed
     from pullback_ext.commands.arguments import probe_decoder
-    from pullback_ext.commands.train import print_results, run_config
+    from pullback_ext.commands.train_config import print_results, run_config
     from pullback_ext.metric.checkpoint import STATE_FILE
     from pullback_ext.metric.schedule import stage_folder, write_schedule
     from pullback_ext.metric.training_run import TrainingRun

@@ -5,7 +5,7 @@ Every adapter answers the same questions, which the patches, probes, model sourc
 training ask instead of testing classes themselves:
 
 - ``name``, ``title`` (in messages), ``priority`` (lower: tried first by
-  :func:`~pullback_ext.families.registry.detect`), ``listing`` (how it reads in the list of
+  :func:`~pullback_ext.families.detect`), ``listing`` (how it reads in the list of
   supported families; empty: covered by another's);
 - ``matches(model)``, ``layers(model)`` (the block list), ``num_prefix(model)`` (CLS and register
   tokens), ``feeds_dense_neck(model)``;

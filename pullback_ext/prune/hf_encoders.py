@@ -16,9 +16,9 @@ the logits), so the bias is passed as that; DPT's attention takes no mask, so th
 computes the same operations itself with the bias added to the logits (:func:`biased_layer_forward`).
 DINOv3 layers get the rotary rows of their current tokens (:mod:`pullback_ext.prune.rope`).
 
-The original methods (ToMe, PiToMe, EViT, Expedite, ASAP) run their own loops on the layers
-(:mod:`pullback_ext.prune.hf_split`); the layers are called once more afterwards with their
-full-length outputs, which transformers' hooks then record.
+The methods with a block loop of their own (``Method.own_loop``: ToMe, EViT, ASAP, …) run it on
+the layers (:mod:`pullback_ext.prune.hf_split`); the layers are called once more afterwards with
+their full-length outputs, which transformers' hooks then record.
 
 TAP (``strategy="tap"``) runs with its task register in the sequence, after the prefix tokens: what
 a layer returns (and transformers records) is the full-length sequence without it, while the loop

@@ -1,4 +1,4 @@
-"""Token state of the methods that reduce inside every block (ToMe, EViT): the current tokens and
+"""Token state of the methods that reduce inside every block (ToMe, EViT, …): the current tokens and
 where every original token went, so that full-length features can be read at any block.
 
 Unlike :class:`~pullback_ext.prune.tokens.TokenState` (the single-stage pipeline, which keeps the

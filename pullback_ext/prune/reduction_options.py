@@ -71,16 +71,15 @@ class ReductionOptions:
       averages (the default ``recommended`` averages by size: see docs/prune.md, "Defaults"), pullback (Eq. 19) matching when an SPN is given (``spn=``), full LLF in prune mode.
       Values given explicitly always win over the preset.
 
-    Every other field belongs to one method (:mod:`pullback_ext.prune.methods`): it is given as a
-    keyword like the fields above (ToMe's ``r=8``), held in
-    ``method_options`` (the method's own frozen options dataclass, None when it has none) and read
-    as an attribute (``options.r``); a field of another method is refused with the names of the
-    methods that take it. The methods and their fields: ToMe ``r``, ``schedule``,
-    ``block_range``; PiToMe those and ``margin``, ``energy_alpha``; EViT ``keep_rate``,
-    ``evit_layers``; Expedite ``cluster_grid``, ``cluster_layer``, ``cluster_iters``,
-    ``cluster_window``, ``cluster_tau``, ``reconstruct_k``; ASAP ``rings`` (with ``ratio``,
-    ``layers``, ``mode``, ``llf``, ``prop_attn``); TAP none (``head``, ``ratio``); each module
-    documents its own (e.g. :class:`pullback_ext.prune.methods.tome.ToMeOptions`).
+    Every other field belongs to one method of the registry
+    (:func:`pullback_ext.prune.methods.all_methods`): it is given as a keyword like the fields above
+    (ToMe's ``r=8``), held in ``method_options`` (the method's own frozen options dataclass, its
+    ``options_type``; None when it has none) and read as an attribute (``options.r``); a field of
+    another method is refused with the names of the methods that take it
+    (:func:`pullback_ext.prune.methods.option_owners`). Each method's module documents its own
+    fields (its options dataclass) and which common ones it takes (``Method.takes``);
+    ``{m.name: m.option_names() for m in all_methods()}`` maps every method to its own fields and
+    :func:`option_names` lists every option.
     """
 
     head: Optional[Callable | tuple[Callable, ...]] = None

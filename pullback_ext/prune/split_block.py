@@ -1,5 +1,5 @@
 """How a backbone adapter runs one transformer block in two halves, for the methods that reduce
-tokens between a block's attention and its MLP (ToMe, EViT)."""
+tokens between a block's attention and its MLP (``needs.split_blocks``: ToMe, EViT, …)."""
 
 from __future__ import annotations
 

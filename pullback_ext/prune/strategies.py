@@ -22,8 +22,8 @@ import torch
 
 from pullback_ext import ops
 from pullback_ext.errors import PullbackError
+from pullback_ext.prune.attention_sink import ALPHA, lazy_walk, sink_distances
 from pullback_ext.prune.matching import working_precision
-from pullback_ext.prune.methods import asap
 
 NEEDS_SCORER = ("importance", "oracle")
 
@@ -196,11 +196,11 @@ class ASAPScoreStrategy(Strategy):
     title = "ASAP's diffusion distance to the attention sink, once per stage"
     attention = "all"
 
-    def __init__(self, alpha: float = asap.ALPHA):
+    def __init__(self, alpha: float = ALPHA):
         self.alpha = alpha
 
     def keep_scores(self, ctx: StageContext) -> torch.Tensor:
-        sink, d = asap.sink_distances(asap.lazy_walk(ctx.attentions, self.alpha))
+        sink, d = sink_distances(lazy_walk(ctx.attentions, self.alpha))
         d = d.scatter(1, sink[:, None], float("inf"))
         return d[:, ctx.num_prefix:].to(ctx.x.dtype)
 

@@ -6,10 +6,10 @@ An ``Eva`` differs from a ``VisionTransformer`` in two places the patched forwar
 tokens but the prefix. Each current token is given the row of its own original position
 (:mod:`pullback_ext.prune.rope`). LayerScale (``gamma_1``, ``gamma_2``) runs inside the block.
 
-The originals ToMe, PiToMe and EViT run an ``EvaBlock`` in two halves (:func:`attend`,
-:func:`feed_forward`), the attention half with the rotary rows of the current tokens' original
-positions (a merged token at its destination's; EViT's fused token not rotated); ASAP runs whole
-blocks. Methods whose tokens have no rotary position (Expedite's clusters) or that add a prefix token
+The methods that reduce between attention and MLP (``needs.split_blocks``: ToMe, PiToMe, EViT,
+…) run an ``EvaBlock`` in two halves (:func:`attend`, :func:`feed_forward`), the attention half
+with the rotary rows of the current tokens' original positions (a merged token at its
+destination's; EViT's fused token not rotated); ASAP runs whole blocks. Methods whose tokens have no rotary position (Expedite's clusters) or that add a prefix token
 (TAP's register) are refused (:func:`pullback_ext.prune.timm_vit.traits`).
 """
 
@@ -22,7 +22,7 @@ import torch
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.rope import DeferredAttention, RotaryRows, still_sin_cos_cat
 from pullback_ext.prune.split_block import Attended, SplitBlock
-from pullback_ext.prune.timm_vit import BlockRunner, attention_with_qk
+from pullback_ext.prune.timm_blocks import BlockRunner, attention_with_qk, splitting_methods
 
 
 def _rotate(t: torch.Tensor, rope: torch.Tensor, attn) -> torch.Tensor:
@@ -62,7 +62,7 @@ def _check_splittable(block) -> None:
     attn = getattr(block, "attn", None)
     if not (isinstance(block, EvaBlock) and type(block).forward is EvaBlock.forward
             and all(hasattr(attn, a) for a in ("q_norm", "k_norm", "scale", "num_prefix_tokens"))):
-        raise PullbackError(f"ToMe, PiToMe and EViT run timm's pre-norm EvaBlock in two halves (attention, then MLP); "
+        raise PullbackError(f"{splitting_methods()} run timm's pre-norm EvaBlock in two halves (attention, then MLP); "
                             f"got {type(block).__name__} with {type(attn).__name__}")
 
 

@@ -2,39 +2,32 @@
 
 They follow timm's own forward (patch embedding, position embedding, blocks, final norm) and only
 swap the plain block loop for :func:`pullback_ext.prune.pipeline.run_blocks`; with nothing to
-remove they perform exactly the same operations, so the output is bit-identical. ToMe and EViT run
-a timm ``Block`` in its two halves (:data:`SPLIT`), with LayerScale (``ls1``, ``ls2``) and drop
-path applied as the block applies them. A timm ``Eva`` (EVA-02, RoPE ViTs) embeds and runs its
+remove they perform exactly the same operations, so the output is bit-identical. The methods that
+reduce between attention and MLP (``needs.split_blocks``: ToMe, EViT, …) run a timm ``Block`` in
+its two halves (:data:`SPLIT`), with LayerScale (``ls1``, ``ls2``) and drop path applied as the
+block applies them. A timm ``Eva`` (EVA-02, RoPE ViTs) embeds and runs its
 blocks with rotary positions: :mod:`pullback_ext.prune.timm_eva` gives its :class:`BlockRunner`
 (and the halves of its blocks).
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional, Union
+from typing import List, Optional, Union
 
 import torch
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.families.timm_eva import ADAPTER as EVA
 from pullback_ext.families.timm_vit import ADAPTER as VIT
+from pullback_ext.prune import timm_eva
 from pullback_ext.prune.folded_attention import FoldedSizes, StaleKeys, folded_block
 from pullback_ext.prune.methods import check_supported
 from pullback_ext.prune.methods.base import BackboneShape, Reduction, Traits
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.split_block import Attended, SplitBlock
+from pullback_ext.prune.timm_blocks import BlockRunner, attention_with_qk, splitting_methods
 
 REQUIRED = ("patch_embed", "_pos_embed", "blocks", "norm", "num_prefix_tokens", "forward_features")
-
-
-class BlockRunner(NamedTuple):
-    """How the block loop runs a model's blocks: ``call_block(block, state, bias)``,
-    ``attention_probs(block, x, bias)`` (see :func:`~pullback_ext.prune.pipeline.run_blocks`) and the
-    :class:`SplitBlock` of the originals (None: the blocks cannot be split)."""
-
-    call_block: Callable
-    attention_probs: Callable
-    split: Optional[SplitBlock]
 
 
 def check_model(model) -> None:
@@ -92,7 +85,7 @@ def _check_splittable(block) -> None:
     attn = getattr(block, "attn", None)
     if not (isinstance(block, Block) and type(block).forward is Block.forward
             and all(hasattr(attn, a) for a in ("q_norm", "k_norm", "scale"))):
-        raise PullbackError(f"ToMe and EViT run timm's standard Block in two halves (attention, then MLP); "
+        raise PullbackError(f"{splitting_methods()} run timm's standard Block in two halves (attention, then MLP); "
                             f"got {type(block).__name__} with {type(attn).__name__}")
 
 
@@ -107,36 +100,6 @@ def attend(block, state, bias: Optional[torch.Tensor]) -> Attended:
     return Attended(x + block.drop_path1(block.ls1(out)), q, k, float(block.attn.scale))
 
 
-def attention_with_qk(attn, *args, **kwargs):
-    """``attn(*args, **kwargs)`` and the queries and keys ``[B, H, K, hd]`` it computed, caught at
-    its ``q_norm`` / ``k_norm`` (before any rotary embedding).
-
-    The attention's own ``forward`` runs on a stand-in that records what the two norms return
-    (rather than forward hooks, whose registration ``torch.compile`` cannot trace)."""
-    recorder = _QKRecorder(attn)
-    out = type(attn).forward(recorder, *args, **kwargs)
-    return out, recorder.seen["q"], recorder.seen["k"]
-
-
-class _QKRecorder:
-    """``attn`` with its ``q_norm`` / ``k_norm`` outputs recorded in ``seen``; every other attribute is ``attn``'s."""
-
-    def __init__(self, attn):
-        self._attn = attn
-        self.seen = {}
-
-    def __getattr__(self, name):
-        return getattr(self._attn, name)
-
-    def q_norm(self, q: torch.Tensor) -> torch.Tensor:
-        self.seen["q"] = self._attn.q_norm(q)
-        return self.seen["q"]
-
-    def k_norm(self, k: torch.Tensor) -> torch.Tensor:
-        self.seen["k"] = self._attn.k_norm(k)
-        return self.seen["k"]
-
-
 def feed_forward(block, x: torch.Tensor) -> torch.Tensor:
     """The MLP half of a timm ``Block``: ``x + drop_path2(ls2(mlp(norm2(x))))``."""
     return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
@@ -147,8 +110,6 @@ SPLIT = SplitBlock(attend=attend, feed_forward=feed_forward)
 
 def _embed(model, x: torch.Tensor) -> tuple[torch.Tensor, BlockRunner]:
     """The input of the first block ``[B, N, D]`` and the runner of the blocks."""
-    from pullback_ext.prune import timm_eva
-
     if EVA.matches(model):
         return timm_eva.embed(model, x)
     x = model.patch_embed(x)

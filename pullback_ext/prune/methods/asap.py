@@ -12,7 +12,8 @@ The reduction, at the input of block ``ℓ = layers[0]`` (a single stage, like t
 stages), on the ``K`` tokens there (prefix first, then ``n`` patch tokens), removing ``R`` of them:
 
 1. ``A_l [K, K]``: the attention probabilities of block ``l < ℓ``, averaged over heads; the lazy
-   walk ``P_l = α I + (1 − α) A_l`` with ``α = ½`` (:data:`ALPHA`); ``T = P_{ℓ−1} ⋯ P_0``;
+   walk ``P_l = α I + (1 − α) A_l`` with ``α = ½`` (:data:`~pullback_ext.prune.attention_sink.ALPHA`);
+   ``T = P_{ℓ−1} ⋯ P_0``;
 2. the sink ``s = argmax_j Σ_i T_ij`` (over every token, prefix included: a CLS or register sink
    is kept anyway), ``π = Σ_i T_i· / K`` and ``d_i = ‖(T_i· − T_s·) / sqrt(π)‖`` (``π`` floored at
    1e-12);
@@ -53,33 +54,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from pullback_ext.errors import PullbackError
+from pullback_ext.prune.attention_sink import ALPHA, lazy_walk, sink_distances
 from pullback_ext.prune.merged_tokens import run_tracked
 from pullback_ext.prune.methods.base import PRUNED, BackboneShape, BlockLoop, Method
 from pullback_ext.prune.option_checks import check_layer_range
+from pullback_ext.prune.stages import stage_budgets, tokens_after_stages
 from pullback_ext.prune.tokens import TokenState
-
-ALPHA = 0.5  # laziness of the walk (the reconstruction's α = ½)
-
-
-def lazy_walk(attentions: list, alpha: float) -> torch.Tensor:
-    """``T = P_last ⋯ P_first`` ``[B, K, K]`` (float64) with ``P = α I + (1 − α) A`` for each
-    head-averaged attention ``A [B, K, K]`` of ``attentions`` (oldest first)."""
-    a0 = attentions[0].double()
-    eye = torch.eye(a0.shape[-1], dtype=a0.dtype, device=a0.device)
-    t = eye.expand_as(a0)
-    for a in attentions:
-        t = (alpha * eye + (1.0 - alpha) * a.double()) @ t
-    return t
-
-
-def sink_distances(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sink ``[B]`` (the token with the largest column mass of ``t [B, K, K]``) and every
-    token's diffusion distance to it ``[B, K]``."""
-    mass = t.sum(dim=1)  # [B, K]
-    sink = mass.argmax(dim=1)
-    pi = (mass / t.shape[-1]).clamp_min(1e-12)
-    t_sink = t[torch.arange(t.shape[0], device=t.device), sink]  # [B, K]
-    return sink, ((t - t_sink[:, None, :]) / pi.sqrt()[:, None, :]).norm(dim=-1)
 
 
 def pooling_weights(t: torch.Tensor, sink: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -198,21 +178,15 @@ class ASAP(Method):
                 "llf": "masked" if options.llf == "auto" else options.llf}
 
     def run(self, reduction, x: torch.Tensor, loop: BlockLoop, take=()):
-        from pullback_ext.prune.methods.single_stage import stage_budgets
-
         budgets = stage_budgets(reduction, x.shape[1] - reduction.backbone.num_prefix, keep_one=True)
         return run(reduction, x, loop.blocks, loop.call_block, loop.attention_probs, take,
                    budgets.get(reduction.options.layers[0], 0))
 
     def patch_tokens_per_block(self, reduction, num_patch: int) -> list:
         """The single-stage count (pooled ring tokens count as kept)."""
-        from pullback_ext.prune.methods.single_stage import stage_budgets, tokens_after_stages
-
         return tokens_after_stages(reduction, stage_budgets(reduction, num_patch, keep_one=True), num_patch)
 
     def eta(self, reduction, num_patch: int) -> float:
-        from pullback_ext.prune.methods.single_stage import stage_budgets
-
         return sum(stage_budgets(reduction, num_patch, keep_one=True).values()) / num_patch
 
     def describe(self, reduction) -> dict:

@@ -21,28 +21,9 @@ from pullback_ext.prune.matching import merge_drift, nearest_destinations, patch
 from pullback_ext.prune.methods.base import PRUNED, BackboneShape, BlockLoop, Method, Needs, Reduction
 from pullback_ext.prune.option_checks import check_layer_range
 from pullback_ext.prune.recovery import recover_pruned
+from pullback_ext.prune.stages import stage_budgets, tokens_after_stages
 from pullback_ext.prune.strategies import NEEDS_SCORER, StageContext, lowest
-from pullback_ext.prune.tokens import TokenState, split_budget
-
-
-def stage_budgets(reduction: Reduction, num_patch: int, keep_one: bool = False) -> dict:
-    """``{layer: tokens to remove}`` for a sequence with ``num_patch`` patch tokens (``keep_one``:
-    one more token must stay, as ASAP's sink does)."""
-    o = reduction.options
-    budget = split_budget(num_patch, o.ratio, len(o.layers))
-    room = (num_patch - 1 if o.mode == "merge" else num_patch) - int(keep_one)
-    if sum(budget) > room:
-        raise PullbackError(f"ratio {o.ratio} removes {sum(budget)} of {num_patch} patch tokens; at most {room} can go")
-    return {layer: r for layer, r in zip(o.layers, budget) if r > 0}
-
-
-def tokens_after_stages(reduction: Reduction, budgets: dict, num_patch: int) -> list:
-    """Patch tokens each block processes when the stages remove ``budgets`` (``{layer: count}``)
-    of ``num_patch``; with prune-mode LLF the last block runs on all of them again."""
-    counts = [num_patch - sum(r for layer, r in budgets.items() if layer <= i) for i in range(reduction.backbone.depth)]
-    if reduction.options.mode == "prune" and reduction.options.llf and budgets:
-        counts[-1] = num_patch
-    return counts
+from pullback_ext.prune.tokens import TokenState
 
 
 def attention_blocks(attention: str, budgets: dict) -> set:

@@ -1,0 +1,62 @@
+"""What the block loops of the two timm families (:mod:`pullback_ext.prune.timm_vit`,
+:mod:`pullback_ext.prune.timm_eva`) share: the :class:`BlockRunner` an adapter hands the loop, the
+queries and keys a timm attention computed (:func:`attention_with_qk`), which the attention halves
+of their split blocks return, and the methods that split blocks, named in a refusal
+(:func:`splitting_methods`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from pullback_ext.prune.methods import all_methods
+from pullback_ext.prune.split_block import SplitBlock
+
+
+class BlockRunner(NamedTuple):
+    """How the block loop runs a model's blocks: ``call_block(block, state, bias)``,
+    ``attention_probs(block, x, bias)`` (see :func:`~pullback_ext.prune.pipeline.run_blocks`) and the
+    :class:`SplitBlock` of the originals (None: the blocks cannot be split)."""
+
+    call_block: Callable
+    attention_probs: Callable
+    split: Optional[SplitBlock]
+
+
+def attention_with_qk(attn, *args, **kwargs):
+    """``attn(*args, **kwargs)`` and the queries and keys ``[B, H, K, hd]`` it computed, caught at
+    its ``q_norm`` / ``k_norm`` (before any rotary embedding).
+
+    The attention's own ``forward`` runs on a stand-in that records what the two norms return
+    (rather than forward hooks, whose registration ``torch.compile`` cannot trace)."""
+    recorder = _QKRecorder(attn)
+    out = type(attn).forward(recorder, *args, **kwargs)
+    return out, recorder.seen["q"], recorder.seen["k"]
+
+
+class _QKRecorder:
+    """``attn`` with its ``q_norm`` / ``k_norm`` outputs recorded in ``seen``; every other attribute is ``attn``'s."""
+
+    def __init__(self, attn):
+        self._attn = attn
+        self.seen = {}
+
+    def __getattr__(self, name):
+        return getattr(self._attn, name)
+
+    def q_norm(self, q: torch.Tensor) -> torch.Tensor:
+        self.seen["q"] = self._attn.q_norm(q)
+        return self.seen["q"]
+
+    def k_norm(self, k: torch.Tensor) -> torch.Tensor:
+        self.seen["k"] = self._attn.k_norm(k)
+        return self.seen["k"]
+
+
+def splitting_methods() -> str:
+    """The methods of the registry that run a block in two halves (``needs.split_blocks``), in
+    words: ``"ToMe, EViT and PiToMe"``."""
+    names = [m.short for m in all_methods() if m.needs.split_blocks]
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
