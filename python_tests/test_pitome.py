@@ -13,7 +13,7 @@ import torch
 import pullback_ext.patch as patch
 from helpers.blocks import assert_zero_reduction_is_unpatched, small_timm, tokens_after_each_block
 from helpers.prune import images, tiny_vit
-from helpers.broken_merges import merges_everywhere, no_proportional_attention, unweighted_averages
+from helpers.broken_merges import merges_everywhere, unweighted_averages
 from helpers.originals_reference import pitome_reference
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.methods import merging, pitome
@@ -58,21 +58,45 @@ def _prefix_tokens_merged(monkeypatch):
 
 
 def _sets_as_halves(monkeypatch):
-    """A: the ``count`` highest energies, B: the next ``count`` (instead of alternating by rank)."""
+    """A: the first half of the candidates by energy, B: the second (instead of alternating by rank)."""
 
-    def halves(ranked, num_prefix, count):
+    def halves(ranked, num_prefix, candidates):
         prefix = torch.arange(num_prefix).expand(ranked.shape[0], num_prefix)
-        return torch.cat([prefix, ranked[:, 2 * count:], ranked[:, :2 * count]], dim=1)
+        order = torch.cat([prefix, ranked[:, candidates:], ranked[:, :candidates]], dim=1)
+        return order, num_prefix + ranked.shape[1] - candidates, (candidates + 1) // 2
 
     monkeypatch.setattr(pitome, "merge_order", halves)
+
+
+def _protected_in_every_block(monkeypatch):
+    monkeypatch.setattr(pitome, "bipartite_blocks", lambda depth: 0)
+
+
+def _never_protected(monkeypatch):
+    monkeypatch.setattr(pitome, "bipartite_blocks", lambda depth: depth)
+
+
+def _energy_x_above_the_margin(monkeypatch):
+    """The paper's ``f_m(x) = x`` above the margin instead of the code's ``x − m``."""
+
+    def paper_energy(metric, margin, alpha):
+        cos = metric @ metric.transpose(1, 2)
+        return torch.where(cos >= margin, cos, alpha * torch.expm1(cos - margin)).mean(dim=-1)
+
+    monkeypatch.setattr(pitome, "energy", paper_energy)
+
+
+def _proportional_attention(monkeypatch):
+    monkeypatch.setattr(pitome.PiToMe, "prop_attn_default", True)
 
 
 BROKEN = {
     "features_as_keys": _features_as_keys, "energy_of_the_features": _energy_of_the_features, "no_margin": _no_margin,
     "margin_constant_over_depth": _margin_constant_over_depth, "lowest_energy_merged": _lowest_energy_merged,
     "prefix_tokens_merged": _prefix_tokens_merged, "sets_as_halves": _sets_as_halves,
+    "protected_in_every_block": _protected_in_every_block, "never_protected": _never_protected,
+    "energy_x_above_the_margin": _energy_x_above_the_margin, "proportional_attention": _proportional_attention,
     "merges_outside_the_range": merges_everywhere, "no_size_weights": unweighted_averages,
-    "no_proportional_attention": no_proportional_attention,
 }
 
 
@@ -94,14 +118,15 @@ def test_pitome_matches_the_reference_and_the_check_catches_broken_variants(brok
     assert _matches(model, x, expected, expected_blocks) == (broken is None)
 
 
-def test_the_paper_margin_alpha_andno_proportional_attention_match_the_reference():
+def test_the_authors_defaults_and_other_margin_alpha_and_proportional_attention_match_the_reference():
     model = tiny_vit(depth=4).double()
     x = images(2).double()
     patch.timm(model, strategy="pitome", r=4)
+    assert patch.config(model).margin == 0.75 and patch.config(model).prop_attn is False
     expected, blocks = pitome_reference(model, x, merges=[4, 4, 4, 4])
     assert _matches(model, x, expected, blocks)
-    patch.timm(model, strategy="pitome", r=4, energy_alpha=0.25, margin=0.3, prop_attn=False)
-    expected, blocks = pitome_reference(model, x, merges=[4, 4, 4, 4], margin=0.3, alpha=0.25, prop_attn=False)
+    patch.timm(model, strategy="pitome", r=4, energy_alpha=0.25, margin=0.3, prop_attn=True)
+    expected, blocks = pitome_reference(model, x, merges=[4, 4, 4, 4], margin=0.3, alpha=0.25, prop_attn=True)
     assert _matches(model, x, expected, blocks)
 
 
@@ -158,8 +183,9 @@ def test_batch_rows_are_independent_and_dense_readers_get_unmerged_tokens():
 
 
 def test_block_margins_fall_linearly_from_the_first_block():
-    assert pitome.block_margins(0.9, 3) == pytest.approx([0.9, 0.6, 0.3], abs=1e-15)
-    assert pitome.block_margins(0.9, 12)[0] == 0.9 and pitome.block_margins(0.9, 12)[-1] == pytest.approx(0.075, abs=1e-15)
+    assert pitome.block_margins(0.75, 3) == pytest.approx([0.75, 0.5, 0.25], abs=1e-15)
+    assert pitome.block_margins(0.75, 12)[0] == 0.75 and pitome.block_margins(0.75, 12)[-1] == pytest.approx(0.0625, abs=1e-15)
+    assert [pitome.bipartite_blocks(d) for d in (1, 4, 5, 12)] == [1, 2, 3, 6]
     assert pitome.merge_count(8, 17) == 8 and pitome.merge_count(9, 17) == 8 and pitome.merge_count(3, 1) == 0
 
 
@@ -190,7 +216,7 @@ def test_pitome_fields_need_pitome_and_the_shared_ones_name_both_methods():
         ReductionOptions(strategy="tome", r=2, margin=0.5)
     with pytest.raises(PullbackError, match="energy_alpha is an option of strategy 'pitome'; got strategy 'norm'"):
         ReductionOptions(strategy="norm", energy_alpha=0.5)
-    with pytest.raises(PullbackError, match="r is an option of strategy 'tome' or 'pitome' or 'importance_tome'; got strategy 'evit'"):
+    with pytest.raises(PullbackError, match="r is an option of strategy 'tome' or 'pitome' or .*'importance_tome'.*; got strategy 'evit'"):
         ReductionOptions(strategy="evit", keep_rate=0.5, r=2)
 
 
@@ -205,6 +231,6 @@ def test_options_round_trip_no_renaming_note_and_the_hugging_face_backbones_take
     assert ReductionOptions.from_dict(options.to_dict()) == options
     resolved = patch.config(patch.timm(tiny_vit(), strategy="pitome", r=3))
     assert (resolved.block_range, resolved.prop_attn, resolved.mode, resolved.margin, resolved.energy_alpha) == (
-        (0, 4), True, "merge", 0.9, 1.0)
+        (0, 4), False, "merge", 0.75, 1.0)
     assert patch.config(patch.hf_dinov2(tiny_dinov2(), strategy="pitome", r=2)).r == 2
     assert patch.config(patch.hf_dinov3(tiny_hf("dinov3"), strategy="pitome", r=2)).r == 2  # RoPE: see test_rope_originals

@@ -44,9 +44,13 @@ def tome_reference(model, images_, merges, prop_attn=True, halves=PLAIN):
 
 # pitome
 
-def _energy_merge_reference(x, keys, sizes, sources, p, r, margin, alpha):
-    """One PiToMe step on one image, with Python lists: energy over the patch tokens, the 2r
-    highest alternate between A and B, every A token merges into its most similar B token."""
+def _energy_merge_reference(x, keys, sizes, sources, p, r, margin, alpha, protect):
+    """One PiToMe step of its authors' code (hchautran/PiToMe, ``algo/pitome/merge.py``) on one
+    image, with Python lists: the energy ``mean_j ELU(cos_ij − margin, alpha)`` over the patch
+    tokens ranks them; with ``protect`` (``pitome``, the later blocks) the 2r highest alternate
+    between A and B and every A token merges into its most similar B token, the rest untouched;
+    without (``pitome_bsm``, the first half) all of them alternate and ToMe's r most similar A
+    tokens merge."""
     k = x.shape[0]
     patch_tokens = list(range(p, k))
     r = min(r, len(patch_tokens) // 2)
@@ -58,17 +62,20 @@ def _energy_merge_reference(x, keys, sizes, sources, p, r, margin, alpha):
     def cos(i, j):
         return float(unit[i] @ unit[j])
 
-    def f(c):
-        return c if c >= margin else alpha * (math.exp(c - margin) - 1.0)
+    def elu(v):
+        return v if v > 0 else alpha * (math.exp(v) - 1.0)
 
-    energy = {i: sum(f(cos(i, j)) for j in patch_tokens) / len(patch_tokens) for i in patch_tokens}
+    energy = {i: sum(elu(cos(i, j) - margin) for j in patch_tokens) / len(patch_tokens) for i in patch_tokens}
     ranked = sorted(patch_tokens, key=lambda i: -energy[i])
-    set_a, set_b, protected = ranked[0:2 * r:2], ranked[1:2 * r:2], ranked[2 * r:]
+    candidates = ranked[:2 * r] if protect else ranked
+    set_a, set_b, protected = candidates[0::2], candidates[1::2], ranked[len(candidates):]
+    match = {a: max(set_b, key=lambda b: cos(a, b)) for a in set_a}
+    gone = sorted(set_a, key=lambda a: -cos(a, match[a]))[:r]
     members = {j: [j] for j in range(k)}
-    for a in set_a:
-        members[max(set_b, key=lambda b: cos(a, b))].append(a)
+    for a in gone:
+        members[match[a]].append(a)
     rows, new_sizes, new_sources = [], [], []
-    for j in list(range(p)) + protected + set_b:
+    for j in list(range(p)) + protected + [a for a in set_a if a not in gone] + set_b:
         total = sum(sizes[m] for m in members[j])
         rows.append(sum(sizes[m] * x[m] for m in members[j]) / total)
         new_sizes.append(total)
@@ -76,13 +83,16 @@ def _energy_merge_reference(x, keys, sizes, sources, p, r, margin, alpha):
     return torch.stack(rows), new_sizes, new_sources
 
 
-def pitome_reference(model, images_, merges, margin=0.9, alpha=1.0, prop_attn=True, halves=PLAIN):
-    """PiToMe on each image: ``(final [B, N, D] normed, [after block i [B, N, D] for every block])``;
-    block ``i`` of ``L`` uses the margin ``margin · (1 − i/L)``."""
+def pitome_reference(model, images_, merges, margin=0.75, alpha=1.0, prop_attn=False, halves=PLAIN):
+    """PiToMe as its authors' timm / DeiT patch runs it, on each image: ``(final [B, N, D] normed,
+    [after block i [B, N, D] for every block])``; block ``i`` of ``L`` uses the margin
+    ``margin · (1 − i/L)`` (``deit.py:98``) and protects low-energy tokens from block ``⌈L/2⌉`` on
+    (``deit.py:33-34``)."""
     depth = len(model.blocks)
 
     def step(i, x, keys, sizes, sources, p, r):
-        return _energy_merge_reference(x, keys, sizes, sources, p, r, margin * (1 - i / depth), alpha)
+        protect = i >= math.ceil(depth * 0.5)
+        return _energy_merge_reference(x, keys, sizes, sources, p, r, margin * (1 - i / depth), alpha, protect)
 
     return per_block_merge_reference(model, images_, merges, step, prop_attn, halves)
 

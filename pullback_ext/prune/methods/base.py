@@ -207,6 +207,7 @@ class BlockLoopMethod(Method):
 
     own_loop = True
     prop_attn_applies = False
+    prop_attn_default = True  # what prop_attn="auto" chooses where it applies
     rules: tuple = ("", "")
     required: tuple = ()  # (field, what it is) that must be given
 
@@ -228,7 +229,8 @@ class BlockLoopMethod(Method):
             raise PullbackError(f"strategy {self.name!r} needs {self.required[0]}= ({self.required[1]})")
 
     def resolve(self, options, backbone: BackboneShape) -> dict:
-        prop_attn = (options.prop_attn if isinstance(options.prop_attn, bool) else True) if self.prop_attn_applies else False
+        chosen = options.prop_attn if isinstance(options.prop_attn, bool) else self.prop_attn_default
+        prop_attn = chosen if self.prop_attn_applies else False
         return {"mode": "merge", "prop_attn": prop_attn}
 
     def describe(self, reduction: Reduction) -> dict:
