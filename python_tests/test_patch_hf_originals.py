@@ -43,6 +43,18 @@ def test_split_halves_equal_the_layer_forward_with_and_without_a_bias(family):
                               split.feed_forward(layer, split.attend(layer, state, None).x), atol=1e-4)
 
 
+@pytest.mark.parametrize("family", SPLIT_FAMILIES)
+def test_the_attention_half_with_its_own_probabilities_given_is_the_attention_half(family):
+    """``attend_with(layer, x, softmax(scale q kᵀ))`` is ``attend(layer, state, None).x`` (LayerScale,
+    DPT's layer, CLIP's and SigLIP's layers)."""
+    layer = layers_of(tiny(family), family)[1]
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    split = hf_split.split(family_named(family))
+    attended = split.attend(layer, MergedTokens(x, PREFIX[family]), None)
+    probs = ((attended.q * attended.scale) @ attended.k.transpose(-2, -1)).softmax(dim=-1)
+    torch.testing.assert_close(split.attend_with(layer, x, probs), attended.x, rtol=1e-12, atol=1e-12)
+
+
 def _reference(model, family, strategy, h):
     """``(final [B, N, D], [after layer i [B, N, D]])`` of the timm reference of ``strategy`` on the
     layer-0 input ``h``, with the options the patched model resolved."""

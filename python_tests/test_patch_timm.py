@@ -290,3 +290,59 @@ def test_pullback_matching_with_an_spn_differs_from_cosine_and_keeps_rows_indepe
     torch.testing.assert_close(pulled, torch.cat([model.forward_features(x[i:i + 1]) for i in range(3)]), rtol=1e-4, atol=1e-5)
     patch.timm(model, head=spn, ratio=0.5, layers=(1,), mode="merge", strategy="importance", matching="cosine")
     assert not torch.allclose(model.forward_features(x), pulled)
+
+
+
+def _random_biases(model):
+    """``model`` with Eva's separate query and value biases (zeros at timm's init) random."""
+    with torch.no_grad():
+        for block in model.blocks:
+            for name in ("q_bias", "v_bias"):
+                if getattr(block.attn, name, None) is not None:
+                    getattr(block.attn, name).normal_(0.0, 0.5)
+    return model
+
+
+def _gated(model):
+    """``model`` with a sigmoid gate and a norm on every attention output."""
+    for block in model.blocks:
+        block.attn.gate = torch.nn.Linear(32, 32).double()
+        block.attn.norm = torch.nn.LayerNorm(32).double()
+    return model
+
+
+def _timm_split_model(name: str, size: int):
+    from helpers.blocks import small_timm
+    from helpers.prune import tiny_eva
+
+    if name == "tiny_vit":
+        return tiny_vit().double()
+    if name == "gated_vit":
+        return _gated(tiny_vit().double())
+    if name == "eva_gqa":
+        from timm.models.eva import Eva
+
+        torch.manual_seed(0)
+        return _gated(Eva(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_kv_heads=2, qkv_fused=False,
+                          attn_type="rope", use_rot_pos_emb=True, init_values=0.5, num_classes=0).double().eval())
+    return _random_biases((tiny_eva if "eva" in name or "rope" in name or "dinov3" in name else small_timm)(name, size))
+
+
+@pytest.mark.parametrize("name,size", [("tiny_vit", 32), ("gated_vit", 32), ("deit3_small_patch16_224", 64),
+                                       ("eva02_tiny_patch14_224", 56), ("vit_small_patch16_rope_mixed_224", 64),
+                                       ("vit_small_patch16_dinov3", 64), ("eva_gqa", 32)])
+def test_the_attention_half_with_its_own_probabilities_given_is_the_attention_half(name, size):
+    """``attend_with(block, x, softmax(scale q kᵀ))`` is ``attend(block, state, None).x``: LayerScale,
+    gated and normed attention outputs, Eva's fused (with separate biases) or separate projections,
+    grouped-query attention, rotated queries and keys (whose rotation the given probabilities carry)."""
+    from pullback_ext.prune import timm_vit
+    from pullback_ext.prune.merged_tokens import MergedTokens
+
+    model = _timm_split_model(name, size)
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tokens, runner = timm_vit._embed(model, x)
+    for block in model.blocks[:2]:
+        attended = runner.split.attend(block, MergedTokens(tokens, int(model.num_prefix_tokens)), None)
+        probs = ((attended.q * attended.scale) @ attended.k.transpose(-2, -1)).softmax(dim=-1)
+        torch.testing.assert_close(runner.split.attend_with(block, tokens, probs), attended.x, rtol=1e-12, atol=1e-12)
+        tokens = runner.split.feed_forward(block, attended.x)

@@ -58,8 +58,25 @@ def attend(layer, state, bias: Optional[torch.Tensor], family: HFFamily, rows: O
     scale = float(getattr(attn, family.attention.scaling))
     mask = None if bias is None else bias.to(q.dtype)
     context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return Attended(_attention_out(layer, x, context, family), q, k, scale)
+
+
+def _attention_out(layer, x: torch.Tensor, context: torch.Tensor, family: HFFamily) -> torch.Tensor:
+    """``x + branch(heads merged)`` ``[B, K, D]`` from the attention's ``context [B, H, K, d]``."""
     merged = context.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
-    return Attended(x + _apply(layer, family.branches.attention_out, merged), q, k, scale)
+    return x + _apply(layer, family.branches.attention_out, merged)
+
+
+def attend_with(layer, x: torch.Tensor, probs: torch.Tensor, family: HFFamily) -> torch.Tensor:
+    """The attention half of a layer of ``family`` on ``x [B, K, D]`` with the attention probabilities
+    ``probs [B, H, K, K]`` in place of its own: ``x + branch(probs @ V(norm(x)))`` (no queries or
+    keys, so no rotation on a RoPE family)."""
+    layout = family.attention
+    attn = family.attention_module(layer)
+    h = getattr(layer, layout.norm)(x)
+    b, k, _ = h.shape
+    v = getattr(attn, layout.projections[2])(h).view(b, k, -1, getattr(attn, layout.head_size)).transpose(1, 2)
+    return _attention_out(layer, x, probs.to(v.dtype) @ v, family)
 
 
 def feed_forward(layer, x: torch.Tensor, family: HFFamily) -> torch.Tensor:
@@ -71,7 +88,8 @@ def feed_forward(layer, x: torch.Tensor, family: HFFamily) -> torch.Tensor:
 def split(family: HFFamily, rows: Optional[Callable] = None) -> SplitBlock:
     """The layers of ``family`` in two halves, for the originals that reduce between them
     (``rows(state)``: the rotary rows of the current tokens, RoPE families)."""
-    return SplitBlock(attend=partial(attend, family=family, rows=rows), feed_forward=partial(feed_forward, family=family))
+    return SplitBlock(attend=partial(attend, family=family, rows=rows), feed_forward=partial(feed_forward, family=family),
+                      attend_with=partial(attend_with, family=family))
 
 
 def run(family: HFFamily, reduction, x: torch.Tensor, layers, call_layer, attention_probs, rows: Optional[Callable] = None):

@@ -4,7 +4,7 @@ tokens between a block's attention and its MLP (``needs.split_blocks``: ToMe, EV
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -28,7 +28,10 @@ class SplitBlock:
     :class:`~pullback_ext.prune.merged_tokens.MergedTokens` (whose positions give a RoPE block its
     rotary rows; ``bias``: additive attention mask or None) and ``feed_forward(block, x [B, K, D])
     -> [B, K, D]`` (input + layer-scaled MLP output); the two in turn compute exactly what the
-    block computes."""
+    block computes. ``attend_with(block, x [B, K, D], probs [B, H, K, K]) -> [B, K, D]``: the
+    attention half with the given probabilities in place of its own, ``x + branch(proj(probs @
+    V(norm(x))))`` (no queries or keys, hence no rotary rows); None where the adapter has none."""
 
     attend: Callable
     feed_forward: Callable
+    attend_with: Optional[Callable] = None

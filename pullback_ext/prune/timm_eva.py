@@ -22,7 +22,7 @@ import torch
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.rope import DeferredAttention, RotaryRows, still_sin_cos_cat
 from pullback_ext.prune.split_block import Attended, SplitBlock
-from pullback_ext.prune.timm_blocks import BlockRunner, attention_with_qk, splitting_methods
+from pullback_ext.prune.timm_blocks import BlockRunner, attention_given, attention_with_qk, splitting_methods
 
 
 def _rotate(t: torch.Tensor, rope: torch.Tensor, attn) -> torch.Tensor:
@@ -78,6 +78,17 @@ def attend(block, state, bias: Optional[torch.Tensor], rope: Optional[torch.Tens
     return Attended(x + block.drop_path1(out), q, k, float(attn.scale))
 
 
+def attend_with(block, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """The attention half of an ``EvaBlock`` on ``x [B, K, D]`` with the attention probabilities
+    ``probs [B, H, K, K]`` in place of its own (no queries or keys, so no rotation): ``x +
+    drop_path1(gamma_1 · proj(probs @ V(norm1(x))))``."""
+    _check_splittable(block)
+    out = attention_given(block.attn, block.norm1(x), probs)
+    if block.gamma_1 is not None:
+        out = block.gamma_1 * out
+    return x + block.drop_path1(out)
+
+
 def feed_forward(block, x: torch.Tensor) -> torch.Tensor:
     """The MLP half of an ``EvaBlock``: ``x + drop_path2(gamma_2 · mlp(norm2(x)))``."""
     out = block.mlp(block.norm2(x))
@@ -108,5 +119,5 @@ def embed(model, x: torch.Tensor) -> tuple[torch.Tensor, BlockRunner]:
         return block(state.x, rope=block_rows, attn_mask=bias)
 
     split = SplitBlock(attend=lambda block, state, bias: attend(block, state, bias, block_rope(block, state)),
-                       feed_forward=feed_forward)
+                       feed_forward=feed_forward, attend_with=attend_with)
     return tokens, BlockRunner(call_block, deferred.request, split)

@@ -25,7 +25,7 @@ from pullback_ext.prune.methods import check_supported
 from pullback_ext.prune.methods.base import BackboneShape, Reduction, Traits
 from pullback_ext.prune.pipeline import run_blocks
 from pullback_ext.prune.split_block import Attended, SplitBlock
-from pullback_ext.prune.timm_blocks import BlockRunner, attention_with_qk, splitting_methods
+from pullback_ext.prune.timm_blocks import BlockRunner, attention_given, attention_with_qk, splitting_methods
 
 REQUIRED = ("patch_embed", "_pos_embed", "blocks", "norm", "num_prefix_tokens", "forward_features")
 
@@ -105,7 +105,14 @@ def feed_forward(block, x: torch.Tensor) -> torch.Tensor:
     return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
 
 
-SPLIT = SplitBlock(attend=attend, feed_forward=feed_forward)
+def attend_with(block, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """The attention half of a timm ``Block`` on ``x [B, K, D]`` with the attention probabilities
+    ``probs [B, H, K, K]`` in place of its own: ``x + drop_path1(ls1(proj(probs @ V(norm1(x)))))``."""
+    _check_splittable(block)
+    return x + block.drop_path1(block.ls1(attention_given(block.attn, block.norm1(x), probs)))
+
+
+SPLIT = SplitBlock(attend=attend, feed_forward=feed_forward, attend_with=attend_with)
 
 
 def _embed(model, x: torch.Tensor) -> tuple[torch.Tensor, BlockRunner]:
