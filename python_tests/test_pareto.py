@@ -303,3 +303,37 @@ def test_within_noise_is_an_overlap_of_the_rows_error_bands():
 
     assert _cell(at["a"]) == "≈ 0.032" and _cell(at["b"]) == "3.162" and _cell({"value": 5.0, "bound": True}) == "≤ 5.000"
     assert speedup_text(points[0]["cost"], "speedup_batch4") == "1.00× [0.90, 1.10]"
+
+
+def test_a_method_trained_by_its_own_command_gets_its_rows_from_trained(tmp_path, capsys):
+    """``--trained dtem=DIR`` gives DTEM's rows the module of that folder: its errors equal the
+    reduced model's with that module, computed here; without it, or with a bad value, one clear line."""
+    from pullback_ext.comparison import quality
+    from pullback_ext.comparison.backbones import demo_backbone
+    from pullback_ext.metric import checkpoint
+    from pullback_ext.prune.methods import dtem
+    from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
+    from pullback_ext.sources.images import open_images
+    from pullback_ext.sources.models import load_model, parse_model
+
+    model = load_model(parse_model("demo"), headless=True)[0]
+    torch.manual_seed(3)
+    checkpoint.save_model(tmp_path / "dtem", "dtem", dtem.embedding_for(model.backbone), classes=dtem.CHECKPOINT_KINDS)
+    base = ["evaluate", "--model", "demo", "--pareto", "--methods", "tome,dtem", "--num-images", "2",
+            *[f for m in ("tome", "dtem") for f in ("--sweep", f"{m}:r=8", "--sweep", f"{m}:schedule=constant")], "--seeds", "1", "--no-timing", "--quiet", "--out", str(tmp_path / "out")]
+    assert main(base + ["--trained", f"dtem={tmp_path / 'dtem'}"]) == 0
+    points = json.loads((tmp_path / "out" / "pareto.json").read_text())["points"]
+    got = {p["row"].split(" · ")[0]: p["error"]["mean"] for p in points}
+    backbone = demo_backbone(model)
+    full, reduced = backbone.forwards("cls")
+    images = open_images("builtin:scenes", "--images").seed_sets(backbone.preprocess, 2, 1)[0].load()["images"]
+    shape = BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=True)
+    with torch.no_grad():
+        want = reduced(ReductionOptions(strategy="dtem", head=tmp_path / "dtem", r=8).resolve(shape), images)["embedding"]
+        want = float(quality.cosine_x100(want, full(images)["embedding"]).mean())
+    assert got["dtem"] == pytest.approx(want, rel=1e-6, abs=1e-12) and got["dtem"] != got["tome"]
+    for flags, message in [([], "'dtem' needs --trained dtem=DIR (a folder of pullback train dtem)"),
+                           (["--trained", "tome=x"], "--trained: expected METHOD=DIR with METHOD one of dtem"),
+                           (["--trained", f"dtem={tmp_path / 'missing'}"], "missing")]:
+        assert main(base + flags) == 2, flags
+        assert message in capsys.readouterr().err, flags

@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pareto.add_argument("--tap", default=None, metavar="DIR[,DIR]",
                         help="with --pareto: TAP checkpoint folders (pullback train tap), one row each swept over the keep "
                              "rate ρ = 0.9..0.3 (η = 1 − ρ), plus its quality with nothing removed (ρ = 1)")
+    pareto.add_argument("--trained", action="append", metavar="METHOD=DIR",
+                        help="with --pareto: the learned module of a method trained by a command of its own, e.g. "
+                             "dtem=runs/dtem (pullback train dtem); repeatable, one per method")
     run = parser.add_argument_group("run")
     run.add_argument("--seeds", type=int, default=3, help="image sets (folder splits or scene seeds; random-strategy seeds)")
     run.add_argument("--batch-size", type=int, default=16)
@@ -104,8 +107,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_pareto(args, backbone, model, images)
     if args.methods is not None or args.sweep or args.device != "cpu":
         raise PullbackError("--methods, --sweep and --device need --pareto")
-    if args.tap is not None:
-        raise PullbackError("--tap needs --pareto (TAP rows are part of the matched-cost comparison)")
+    for flag, given in (("--tap", args.tap is not None), ("--trained", bool(args.trained))):
+        if given:
+            raise PullbackError(f"{flag} needs --pareto (its rows are part of the matched-cost comparison)")
     layers = evaluate_plan.reduction_layers(args, backbone.depth)
     mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
     scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)

@@ -82,7 +82,9 @@ def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ra
     for method in methods:
         m = registry.get(method)
         if m.head_from is not None and m.head_from not in scorers and not m.head_optional:
-            raise PullbackError(f"--methods: {method!r} needs {'--oracle' if m.head_from == 'oracle' else '--head CKPT'}")
+            needed = (f"--trained {method}=DIR (a folder of {m.trained_by})" if m.trained_by else
+                      "--oracle" if m.head_from == "oracle" else "--head CKPT")
+            raise PullbackError(f"--methods: {method!r} needs {needed}")
         grid = method_grid(method, base["mode"], ratios, given)
         fixed = m.sweep_base(base)
         if m.head_from in scorers:
@@ -186,6 +188,7 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     scorers = {name: _on(s, images.device) for name, s in scorers.items()}
     spn = None if spn is None else spn.to(images.device)
     methods = tuple(m.strip() for m in (args.methods or _default_methods(scorers)).split(",") if m.strip())
+    scorers |= {name: module.to(images.device) for name, module in load_trained(args.trained, methods).items()}
     given = parse_sweeps(args.sweep)
     tap_ratios = _tap_ratios(given)
     if tap_ratios is not None and args.tap is None:
@@ -208,6 +211,27 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
         p["error"]["worst_image_name"] = names[p["error"]["worst_image"]]
     return result | {"metric": metric, "task": args.task, "mode": mode, "layers": list(layers), "preset": args.preset,
                      "num_images": int(images.shape[0])}
+
+
+def load_trained(texts, methods: tuple) -> dict:
+    """``{head_from: module}`` of the ``METHOD=DIR`` of ``texts`` (``--trained``): each folder loaded
+    as its method's ``head=`` (one row per method); the method must be among ``methods`` and trained
+    by a command of its own."""
+    from pullback_ext.prune import methods as registry
+
+    loaded = {}
+    for text in texts or ():
+        method, sep, folder = text.partition("=")
+        if not sep or not folder or method not in registry.names() or not registry.get(method).trained_by:
+            trained = [m.name for m in registry.all_methods() if m.trained_by]
+            raise PullbackError(f"--trained: expected METHOD=DIR with METHOD one of {', '.join(trained)}; got {text!r}")
+        if method not in methods:
+            raise PullbackError(f"--trained {method}: --methods does not include {method!r}")
+        m = registry.get(method)
+        if m.head_from in loaded:
+            raise PullbackError(f"--trained {method}: given twice")
+        loaded[m.head_from] = m.checked_head(folder, ())
+    return loaded
 
 
 def _default_methods(scorers: dict) -> str:

@@ -125,6 +125,7 @@ class Method:
     sweep: dict = {}  # default --pareto sweep: {field: values}
     head_from: Optional[str] = None  # the scorer its head= is ("importance": a trained head, "oracle": imp*)
     head_optional: bool = False  # runs without a head too
+    trained_by: Optional[str] = None  # the command whose output folder its head= is (a learned module of its own)
 
     @property
     def ours(self) -> bool:

@@ -166,6 +166,7 @@ class DTEM(MergingMethod):
     name, short, title = "dtem", "DTEM", "DTEM (ToMe's r per block, matched on a learned decoupled embedding)"
     options_type = DTEMOptions
     takes = ("prop_attn", "head")
+    head_from, trained_by = "dtem", "pullback train dtem"
     needs = Needs(split_blocks="it merges between attention and MLP")
     rules = ("ToMe bipartite matching on the learned decoupled embedding of each block's input, r per block (authors' rule)",
              "size-weighted, proportional attention")
