@@ -14,8 +14,9 @@ Presets (each value can be overridden by its flag):
   518; batch 1, 64, 256; fp16 and bf16; eager and compiled; every method.
 
 Every method of a cell runs in one interleaved timing run (``pullback_ext.comparison.cost``, the
-harness of ``pullback evaluate``); the JSON records what ran, with the machine, versions and
-command (``pullback_ext.results_pages.stamp``).
+harness of ``pullback evaluate``); every row also gives the operators one eager forward
+dispatches (``aten ops per forward``, :func:`pullback_ext.bench.dispatch.count_aten_ops`). The JSON
+records what ran, with the machine, versions and command (``pullback_ext.results_pages.stamp``).
 """
 
 from __future__ import annotations

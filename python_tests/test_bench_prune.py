@@ -42,6 +42,7 @@ def test_sweep_rows_cover_every_method_with_consistent_ratios(tiny):
         assert r["flop_ratio"] > 1.0 and r["speedup"] > 0 and r["images_per_s"] == pytest.approx(2 / r["median_s"])
         assert r["speedup_over_flop_ratio"] == pytest.approx(r["speedup"] / r["flop_ratio"])
         assert r["kernel_share"] is None or 0 < r["kernel_share"] < 1
+    assert all(isinstance(r["aten_ops"], int) and r["aten_ops"] > 0 for r in rows)  # every row, the unpruned one too
     checks = prune_report.headline_checks(rows)
     assert [c["target"] for c in checks] == [0.9, 1.0, 0.9]
     assert checks[1]["value"] == pytest.approx(matched["images_per_s"] / tome["images_per_s"])
@@ -112,3 +113,24 @@ def test_the_page_renders_its_json(tiny, tmp_path):
     assert "| unpruned | " in page and " | 1.00× [1.00, 1.00] | " in page  # every speed-up with its interval
     assert "## Headline checks" in page and "≥ 0.9" in page
     assert "importance prune+LLF η=0.5 @2" in prune_report.format_rows(rows)
+    header = next(line for line in page.splitlines() if line.startswith("| method |"))
+    assert header.endswith("| our ops | aten ops per forward |")
+    assert all(line.split("|")[-2].strip().replace(",", "").isdigit() for line in page.splitlines()
+               if line.startswith("| unpruned |") or line.startswith("| importance prune+LLF"))
+    older = prune_report.render(dict(result, rows=[{k: v for k, v in r.items() if k != "aten_ops"} for r in rows]))
+    assert "| importance prune+LLF η=0.5 @2 |" in older  # rows recorded before the column render with a dash there
+    assert all(line.endswith("| – |") for line in older.splitlines() if line.startswith("| importance prune+LLF"))
+
+
+def test_the_aten_op_column_counts_the_eager_forward(tiny):
+    """The column is the count of :func:`count_aten_ops` at the cell's batch, positive, and the
+    single-stage merge dispatches more than the unpruned forward (its scoring and matching)."""
+    from pullback_ext.bench.dispatch import count_aten_ops
+
+    rows = run_sweep(Sweep("tiny", sizes=(64,), batches=(2,), dtypes=("float32",), methods=("importance merge η=0.5 @",),
+                           matched_r=None), etas=(0.5,), tome_rs=(2,), device=torch.device("cpu"), repeats=1, progress=False)
+    by_name = {r["method"]: r for r in rows}
+    model = tiny.build(64)
+    assert by_name["unpruned"]["aten_ops"] == count_aten_ops(model, torch.rand(2, 3, 64, 64))
+    assert by_name["importance merge η=0.5 @2"]["aten_ops"] > by_name["unpruned"]["aten_ops"] > 0
+

@@ -6,8 +6,11 @@ the one harness of ``pullback evaluate`` (:func:`~pullback_ext.comparison.cost.i
 medians of interleaved rounds, CUDA events on a GPU, wall clock on the CPU). Each row reports
 images/s, the speed-up over the unpruned model of the same cell, the FLOP ratio (torch's flop
 counter at batch 1, the reduced forward's scoring and matching included), speed-up ÷ FLOP ratio,
-and the share of the eager forward's time spent in this library's ops (``torch.profiler``: the
-``pullback_ext::`` ops' time, their kernels included, over the whole forward's).
+the share of the eager forward's time spent in this library's ops (``torch.profiler``: the
+``pullback_ext::`` ops' time, their kernels included, over the whole forward's), and the operators
+one eager forward at the cell's batch dispatches (:func:`pullback_ext.bench.dispatch.count_aten_ops`:
+what a launch-bound forward pays per call, which FLOPs do not show; a compiled row repeats its
+eager count).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from prune_bench.models import MODELS, Method, ModelCase, find_method, matched_merge, method_grid
+from pullback_ext.bench.dispatch import count_aten_ops
 from pullback_ext.comparison.cost import count_flops, interleaved_wall_clock, speedup_interval
 from pullback_ext.errors import PullbackError
 
@@ -64,12 +68,13 @@ def run_sweep(sweep: Sweep, etas: Sequence[float], tome_rs: Sequence[int], devic
         for batch in sweep.batches:
             x = torch.rand(batch, 3, size, size, device=device, dtype=DTYPES[dtype])
             shares = {name: kernel_share(fn, x, device) for name, fn in patched.items()}
+            dispatched = {name: count_aten_ops(fn, x) for name, fn in patched.items()}
             for compiled in sweep.compiled:
                 fns = {name: (torch.compile(fn) if compiled else fn) for name, fn in patched.items()}
                 times = interleaved_wall_clock({n: (lambda f=f: f(x)) for n, f in fns.items()}, repeats=repeats,
                                                warmup=2 if compiled else 1, device=device)
                 cell = dict(model=case.key, title=case.title, size=size, batch=batch, dtype=dtype, compiled=compiled)
-                rows += _rows(cell, times, flops, shares)
+                rows += _rows(cell, times, flops, shares, dispatched)
         del patched, model
     return rows
 
@@ -88,9 +93,10 @@ def _methods(case: ModelCase, model, sweep: Sweep, etas, tome_rs, image) -> list
     return kept
 
 
-def _rows(cell: dict, times: dict, flops: dict, shares: dict) -> list[dict]:
+def _rows(cell: dict, times: dict, flops: dict, shares: dict, dispatched: dict) -> list[dict]:
     """One row per method of a cell; ``speedup``: the median over rounds of the round's unpruned /
-    method time, ``speedup_ci90``: its bootstrap 90% interval (:func:`speedup_interval`)."""
+    method time, ``speedup_ci90``: its bootstrap 90% interval (:func:`speedup_interval`),
+    ``aten_ops``: the operators one eager forward dispatches."""
     base_f = flops["unpruned"]
     out = []
     for name, t in times.items():
@@ -99,7 +105,8 @@ def _rows(cell: dict, times: dict, flops: dict, shares: dict) -> list[dict]:
         out.append(dict(cell, method=name, median_s=t["median_s"], images_per_s=cell["batch"] / t["median_s"],
                         speedup=speedup, speedup_ci90=[spread["low"], spread["high"]], gflops_per_image=flops[name] / 1e9,
                         flop_ratio=flop_ratio,
-                        speedup_over_flop_ratio=speedup / flop_ratio, kernel_share=shares[name], times_s=t["times_s"]))
+                        speedup_over_flop_ratio=speedup / flop_ratio, kernel_share=shares[name], aten_ops=dispatched[name],
+                        times_s=t["times_s"]))
     return out
 
 

@@ -52,7 +52,8 @@ def format_rows(rows: list[dict]) -> str:
         for r in group:
             share = "-" if r["kernel_share"] is None else f"{100 * r['kernel_share']:.1f}%"
             lines.append(f"  {r['method']:<58} {r['images_per_s']:10.1f} img/s  ×{r['speedup']:5.2f}  "
-                         f"FLOPs ×{r['flop_ratio']:5.2f}  ÷ {r['speedup_over_flop_ratio']:5.2f}  ours {share}")
+                         f"FLOPs ×{r['flop_ratio']:5.2f}  ÷ {r['speedup_over_flop_ratio']:5.2f}  ours {share:>6}  "
+                         f"ops {_aten_ops(r)}")
     return "\n".join(lines)
 
 
@@ -62,13 +63,20 @@ def _speedup(row: dict) -> str:
     return f"{row['speedup']:.2f}×" + ("" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]")
 
 
+def _aten_ops(row: dict) -> str:
+    """The operators one eager forward dispatches (rows from before that column: –)."""
+    return "–" if row.get("aten_ops") is None else f"{row['aten_ops']:,}"
+
+
 def render(result: dict) -> str:
     """Markdown body of the results page."""
     parts = [f"Device: {result['device']}. {result['settings']['repeats']} interleaved rounds (CUDA events on a GPU, wall "
              "clock on the CPU): images/s from the median time, speed-up the median over rounds of the round's unpruned ÷ "
              "method time with the bootstrap 90% interval of that median in brackets; FLOP ratio = unpruned FLOPs ÷ the "
              "method's (torch's flop counter over the whole forward at batch 1); "
-             "*our ops* = share of the eager forward's time in `pullback_ext::` ops."]
+             "*our ops* = share of the eager forward's time in `pullback_ext::` ops; *aten ops per forward* = operators one "
+             "eager forward at the cell's batch dispatches (ATen's and this library's, counted by a `TorchDispatchMode`; a "
+             "compiled row repeats its eager count)."]
     checks = result.get("checks", [])
     if checks:
         parts += ["## Headline checks", markdown_table(
@@ -76,9 +84,10 @@ def render(result: dict) -> str:
             [(_cell_title(c), c["check"], c["value"], f"≥ {c['target']}", "yes" if c["value"] >= c["target"] else "no") for c in checks])]
     for cell, group in cells(result["rows"]):
         parts += [f"## {_cell_title(cell)}", markdown_table(
-            ["method", "images/s", "speed-up", "GFLOPs/image", "FLOP ratio", "speed-up ÷ FLOP ratio", "our ops"],
+            ["method", "images/s", "speed-up", "GFLOPs/image", "FLOP ratio", "speed-up ÷ FLOP ratio", "our ops",
+             "aten ops per forward"],
             [(r["method"], r["images_per_s"], _speedup(r), r["gflops_per_image"], r["flop_ratio"], r["speedup_over_flop_ratio"],
-              "–" if r["kernel_share"] is None else f"{100 * r['kernel_share']:.1f}%") for r in group])]
+              "–" if r["kernel_share"] is None else f"{100 * r['kernel_share']:.1f}%", _aten_ops(r)) for r in group])]
     if "overhead" in result:
         o = result["overhead"]
         parts += [f"## Overhead of one stage: {o['model']}, {o['image_size']} px, batch {o['batch']}, block {o['layer']}",
