@@ -89,4 +89,13 @@ inline void expect_reinsert_operands(const at::Tensor& kept, const at::Tensor& k
   expect_tensor(op, pruned_idx, "pruned_idx", {B, pruned.size(1)}, kept.device(), at::kLong);
 }
 
+// select_with_partners: order and partner [B,n] int64 on one device, 0 <= count <= n <= 2^31-1.
+inline void expect_selection_operands(const at::Tensor& order, const at::Tensor& partner, int64_t count) {
+  constexpr const char* op = "select_with_partners";
+  expect_tensor(op, order, "order", {-1, -1}, order.device(), at::kLong);
+  expect_tensor(op, partner, "partner", {order.size(0), order.size(1)}, order.device(), at::kLong);
+  expect_that(count >= 0 && count <= order.size(1) && order.size(1) <= INT_MAX, op,
+              "the kernels need 0 <= count <= n <= 2^31-1, got count = ", count, ", n = ", order.size(1));
+}
+
 }  // namespace pullback

@@ -257,3 +257,21 @@ def reinsert_tokens(kept: Tensor, kept_idx: Tensor, pruned: Tensor, pruned_idx: 
                                              f"once per image: image {b} has {t} twice")])
     if finite:
         _finite(kept=kept, pruned=pruned)
+
+
+def select_with_partners(order: Tensor, partner: Tensor, count: int, *, values: bool = False) -> None:
+    """order [B,n] int64 with every row a permutation of 0..n-1, partner [B,n] int64 on order's device
+    with every partner in [0, n), count an int with 0 <= count <= n."""
+    _require(order.dtype == torch.int64, TypeError, lambda: f"order must be an int64 index tensor, got {order.dtype}")
+    _dims(order, "order", 2, "[B, n]")
+    n = order.shape[1]
+    _index(partner, "partner", order, "order")
+    _shape(partner, "partner", (order.shape[0], n), "[B, n] (the shape of order)")
+    _require(isinstance(count, int) and not isinstance(count, bool), TypeError,
+             lambda: f"count must be an int, got {type(count).__name__}")
+    _require(count >= 0, PullbackError, lambda: f"count must be >= 0, got {count}")
+    _require(count <= n, PullbackError, lambda: f"count must be <= n = {n} (order has shape [B, n]), got {count}")
+    if values:
+        _raise_first([_out_of_range(order, "order", n), _out_of_range(partner, "partner", n)])
+        _raise_first([_repeated(order, lambda b, t: f"order must be a permutation of 0..{n - 1} in every row: "
+                                                    f"row {b} holds {t} twice")])

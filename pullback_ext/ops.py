@@ -4,7 +4,8 @@ This module is the ops' one Python surface. Each function validates its argument
 (:mod:`pullback_ext._op_checks`), then runs the compiled op ``torch.ops.pullback_ext.<name>`` (from
 ``pullback_ext._C``) for CPU float32/float64 and, in CUDA builds, CUDA float32/float16/bfloat16/
 float64, and the pure-torch :mod:`pullback_ext.reference` for everything else (e.g. CPU float16,
-or a source checkout that was never compiled). Wrong shapes or values raise
+or a source checkout that was never compiled); ``select_with_partners``, on integer indices, runs
+compiled on every device the build covers. Wrong shapes or values raise
 :class:`~pullback_ext.errors.PullbackError` (a ``ValueError``), wrong dtypes ``TypeError``,
 out-of-range indices ``IndexError``, on both paths alike.
 
@@ -24,6 +25,8 @@ Shapes: B batch, N tokens, D channels, P = N·D ambient dimension, r rank, k vec
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -38,6 +41,7 @@ __all__ = [
     "gather_tokens",
     "merge_tokens",
     "reinsert_tokens",
+    "select_with_partners",
     "uses_compiled",
 ]
 
@@ -152,6 +156,25 @@ def reinsert_tokens(
     return _run("reinsert_tokens", kept, kept, kept_idx, pruned, pruned_idx)
 
 
+def select_with_partners(order: Tensor, partner: Tensor, count: int, *, check_values: bool = True) -> Tensor:
+    """``count`` tokens per image taken greedily in ``order``, each unless it is the partner of a
+    token taken before it; should the spared partners leave the budget short, the first tokens of
+    ``order`` not yet taken fill it (the merge sources of ``pullback_ext.prune.matching``).
+
+    order [B,n] int64 (every row a permutation of 0..n-1: the candidates, e.g. cheapest first),
+    partner [B,n] int64 in [0, n) (the partner of token t), 0 <= count <= n -> [B,count] int64, the
+    selected tokens in increasing order. One sequential pass per image in the compiled kernels (each
+    step depends on the earlier ones); the reference is a loop of tensor ops. Integer-valued: every
+    device the kernels are built for runs them, and there is no gradient.
+    """
+    count = operator.index(count)
+    _op_checks.select_with_partners(order, partner, count, values=check_values)
+    device = order.device.type
+    if _C is not None and (device in ("cpu", "meta") or (device == "cuda" and _CUDA_BUILT)):
+        return torch.ops.pullback_ext.select_with_partners(order, partner, count)
+    return reference.select_with_partners(order, partner, count)
+
+
 # --- dispatcher registrations: fake (meta) kernels for torch.compile, autograd formulas ---------
 
 
@@ -197,6 +220,11 @@ def _register_fake_kernels() -> None:
     def _(kept, kept_idx, pruned, pruned_idx):
         _op_checks.reinsert_tokens(kept, kept_idx, pruned, pruned_idx)
         return kept.new_empty((kept.shape[0], kept.shape[1] + pruned.shape[1], kept.shape[2]))
+
+    @fake("select_with_partners")
+    def _(order, partner, count):
+        _op_checks.select_with_partners(order, partner, count)
+        return order.new_empty((order.shape[0], count))
 
 
 def _save_inputs(ctx, inputs, output) -> None:

@@ -20,6 +20,7 @@ __all__ = [
     "gather_tokens",
     "merge_tokens",
     "reinsert_tokens",
+    "select_with_partners",
 ]
 
 
@@ -90,3 +91,28 @@ def reinsert_tokens(kept: Tensor, kept_idx: Tensor, pruned: Tensor, pruned_idx: 
     positions = torch.cat([kept_idx, pruned_idx], dim=1)
     order = torch.argsort(positions, dim=1)
     return torch.gather(tokens, 1, order.unsqueeze(-1).expand(-1, -1, kept.shape[-1]))
+
+
+def select_with_partners(order: Tensor, partner: Tensor, count: int) -> Tensor:
+    """The greedy of ``ops.select_with_partners`` as a loop of tensor ops, one step per candidate:
+    order [B,n], partner [B,n] -> [B,count], the selected tokens in increasing order.
+
+    Each taken source spares one partner, so at most as many candidates are skipped as are taken:
+    the first 2·count candidates always fill the budget unless n < 2·count (then the fill-up does).
+    """
+    b, n = order.shape
+    partner_of_candidate = torch.gather(partner, 1, order)
+    chosen = torch.zeros(b, n, dtype=torch.bool, device=order.device)
+    spared = torch.zeros_like(chosen)
+    taken = torch.zeros(b, dtype=torch.long, device=order.device)
+    rows = torch.arange(b, device=order.device)
+    for j in range(min(n, 2 * count)):
+        candidate = order[:, j]
+        ok = ~spared[rows, candidate] & (taken < count)
+        chosen[rows, candidate] |= ok
+        spared[rows, partner_of_candidate[:, j]] |= ok
+        taken += ok.long()
+    left = (~torch.gather(chosen, 1, order)).long()
+    fill = left.bool() & (left.cumsum(1) <= (count - taken)[:, None])
+    chosen |= torch.zeros_like(chosen).scatter(1, order, fill)
+    return torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)[:, :count]

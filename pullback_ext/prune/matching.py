@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from pullback_ext import ops
 from pullback_ext.errors import PullbackError
 
 MATCHINGS = ("pullback", "cosine")
@@ -125,34 +126,19 @@ def merge_drift(
 
 
 def select_with_partners(cost: torch.Tensor, nearest: torch.Tensor, count: int, num_prefix: int) -> torch.Tensor:
-    """``count`` merge sources per image ``[B, count]`` (indices into the sequence): greedily in
-    order of increasing ``cost [B, n]``, skipping any token that is the ``nearest`` partner
-    ``[B, n]`` (indices into the sequence) of an already selected source, so that groups of
-    near-duplicates lose about half their members per stage instead of all of them. A selected
-    token's own partner may have been selected before it; it then merges into its nearest remaining
-    token. (Also skipping those tokens was tried: on the demo CLS merge it pushed the budget into
-    the unguarded fill-up and raised the error at η = 0.5 from 2.5e-5 to 0.09.) Should the partners
-    block the budget, the cheapest remaining tokens fill it.
+    """``count`` merge sources per image ``[B, count]`` (indices into the sequence, increasing): greedily
+    in order of increasing ``cost [B, n]`` (ties: the lower index first), skipping any token that is
+    the ``nearest`` partner ``[B, n]`` (indices into the sequence, each a patch token) of an already
+    selected source, so that groups of near-duplicates lose about half their members per stage
+    instead of all of them. A selected token's own partner may have been selected before it; it then
+    merges into its nearest remaining token. (Also skipping those tokens was tried: on the demo CLS
+    merge it pushed the budget into the unguarded fill-up and raised the error at η = 0.5 from
+    2.5e-5 to 0.09.) Should the partners block the budget, the cheapest remaining tokens fill it.
+    ``0 <= count <= n``.
+
+    The greedy is sequential (a chain of partners in cost order alternates between selected and
+    spared along its whole length): it runs as one op, :func:`pullback_ext.ops.select_with_partners`,
+    instead of a loop of small tensor ops per candidate.
     """
-    b, n = cost.shape
     order = torch.argsort(cost, dim=1, stable=True)
-    partner = torch.gather(nearest - num_prefix, 1, order)  # partner of the j-th cheapest token
-    chosen = torch.zeros(b, n, dtype=torch.bool, device=cost.device)
-    protected = torch.zeros_like(chosen)
-    taken = torch.zeros(b, dtype=torch.long, device=cost.device)
-    rows = torch.arange(b, device=cost.device)
-    # Each selected token protects one partner, so at most as many candidates are skipped as are
-    # selected: 2·count candidates always fill the budget. A loop bounded by the shapes (no early
-    # exit on the values, which would wait on the device) gives the same selection.
-    for j in range(min(n, 2 * count)):
-        candidate = order[:, j]
-        ok = ~protected[rows, candidate] & (taken < count)
-        chosen[rows, candidate] |= ok
-        protected[rows, partner[:, j]] |= ok
-        taken += ok.long()
-    missing = count - taken  # [B], 0 unless the candidates ran out (2·count > n)
-    spare = (~torch.gather(chosen, 1, order)).long()
-    fill = spare.bool() & (spare.cumsum(1) <= missing[:, None])
-    chosen |= torch.zeros_like(chosen).scatter(1, order, fill)
-    # exactly count per row: their indices in increasing order
-    return torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)[:, :count] + num_prefix
+    return ops.select_with_partners(order, nearest - num_prefix, count, check_values=False) + num_prefix
