@@ -33,14 +33,24 @@ results-demo: setup
 
 # Regenerate the matched-cost photo pages docs/results/pareto-{cls,depth}-photos with the current
 # defaults of `pullback evaluate --pareto` (7 interleaved timing rounds, FLOPs of the task's own
-# forward) and every method, importance_tome included; a page needs a clean checkout. The importance
-# heads they use are trained first, each step skipped when its output exists. Hours on a 2-core machine;
+# forward) and every method, importance_tome and DTEM included; a page needs a clean checkout. The
+# importance heads and DTEM's embeddings they use are trained first, each step skipped when its output exists. Hours on a 2-core machine;
 # the depth page times batch 16 rather than 64 (its targets are FLOP ratios; a quarter of the time).
 PARETO_PHOTOS = $(VENV)/bin/pullback evaluate --model demo --images builtin:photos --pareto --layers 2 --num-images 63 --seeds 1 --threads 1
-PARETO_CLS_METHODS ?= importance,importance_tome,tome,pitome,evit,asap,random
-PARETO_DEPTH_METHODS ?= importance,importance_tome,tome,pitome,evit,expedite,asap,random
+PARETO_CLS_METHODS ?= importance,importance_tome,tome,pitome,mctf,tofu,atc,dtem,evit,asap,random
+PARETO_DEPTH_METHODS ?= importance,importance_tome,tome,pitome,mctf,tofu,atc,dtem,evit,expedite,asap,random
 # The small head docs/importance_tome_findings.md chose (38k parameters, ~1.6% of the backbone's FLOPs).
 TRAIN_HEAD = $(VENV)/bin/pullback train head --model demo --layer 1 --targets randnla --steps 400 --mlp-hidden 64 --hidden 64 --heads 2
+
+# DTEM's per-block embeddings, trained on the same scenes as the heads with the same steps and batch
+# (a step here is a relaxed forward and backward through the frozen model: ~1.5 s on 2 cores).
+TRAIN_DTEM = $(VENV)/bin/pullback train dtem --model demo --steps 400 --batch-size 16
+
+runs/dtem_cls/results.json: | setup
+	$(TRAIN_DTEM) --task cls --num-images 96 --out runs/dtem_cls
+
+runs/dtem_depth/results.json: | setup
+	$(TRAIN_DTEM) --task depth --num-images 64 --out runs/dtem_depth
 
 runs/head_cls/results.json: | setup
 	$(TRAIN_HEAD) --task cls --num-images 96 --out runs/head_cls
@@ -48,9 +58,9 @@ runs/head_cls/results.json: | setup
 runs/head_depth/results.json: | setup
 	$(TRAIN_HEAD) --task depth --num-images 64 --out runs/head_depth
 
-results-pareto: setup runs/head_cls/results.json runs/head_depth/results.json
-	$(PARETO_PHOTOS) --task cls --head runs/head_cls --methods $(PARETO_CLS_METHODS) --ratios 0.1,0.2,0.3,0.4,0.5,0.6,0.7 \
+results-pareto: setup runs/head_cls/results.json runs/head_depth/results.json runs/dtem_cls/results.json runs/dtem_depth/results.json
+	$(PARETO_PHOTOS) --task cls --head runs/head_cls --trained dtem=runs/dtem_cls --methods $(PARETO_CLS_METHODS) --ratios 0.1,0.2,0.3,0.4,0.5,0.6,0.7 \
 		--results-page pareto-cls-photos --out out/pareto_cls_photos
-	$(PARETO_PHOTOS) --task depth --head runs/head_depth --methods $(PARETO_DEPTH_METHODS) --ratios 0.1,0.2,0.3,0.5,0.7 \
+	$(PARETO_PHOTOS) --task depth --head runs/head_depth --trained dtem=runs/dtem_depth --methods $(PARETO_DEPTH_METHODS) --ratios 0.1,0.2,0.3,0.5,0.7 \
 		--sweep importance_tome:head=trained,none --time-batches 1,16 \
 		--results-page pareto-depth-photos --out out/pareto_depth_photos
