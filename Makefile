@@ -9,7 +9,7 @@ setup:
 	bash .ci/bootstrap.sh
 
 demo: setup
-	$(VENV)/bin/pullback demo --out $(OUT)
+	$(VENV)/bin/pullback demo --overwrite --out $(OUT)
 
 test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
@@ -29,14 +29,14 @@ results: setup
 
 # Regenerate docs/results/demo-run.{json,md} from a full demo run (a checkout without local changes).
 results-demo: setup
-	$(VENV)/bin/pullback demo --out out/demo --results-page
+	$(VENV)/bin/pullback demo --overwrite --out out/demo --results-page
 
 # Regenerate the matched-cost photo pages docs/results/pareto-{cls,depth}-photos with the current
 # defaults of `pullback evaluate --pareto` (7 interleaved timing rounds, FLOPs of the task's own
 # forward) and every method, importance_tome and DTEM included; a page needs a clean checkout. The
 # importance heads and DTEM's embeddings they use are trained first, each step skipped when its output exists. Hours on a 2-core machine;
 # the depth page times batch 16 rather than 64 (its targets are FLOP ratios; a quarter of the time).
-PARETO_PHOTOS = $(VENV)/bin/pullback evaluate --model demo --images builtin:photos --pareto --layers 2 --num-images 63 --seeds 1 --threads 1
+PARETO_PHOTOS = $(VENV)/bin/pullback evaluate --model demo --images builtin:photos --pareto --layers 2 --num-images 63 --seeds 1 --threads 1 --overwrite
 PARETO_CLS_METHODS ?= importance,importance_tome,tome,pitome,mctf,tofu,atc,dtem,evit,asap,random
 PARETO_DEPTH_METHODS ?= importance,importance_tome,tome,pitome,mctf,tofu,atc,dtem,evit,expedite,asap,random
 # The small head docs/importance_tome_findings.md chose (38k parameters, ~1.6% of the backbone's FLOPs).

@@ -218,7 +218,7 @@ def _patch_hf(model, families: tuple, options: Optional[ReductionOptions], overr
     as the family finds). Returns the model."""
     from pullback_ext.families import check_transformers, family
     from pullback_ext.prune.methods.base import Traits
-    from pullback_ext.prune.hf_encoders import find_encoder, install
+    from pullback_ext.prune.hf_encoders import configured_patches, find_encoder, install
 
     for name in families:
         check_transformers(family(name))
@@ -226,7 +226,8 @@ def _patch_hf(model, families: tuple, options: Optional[ReductionOptions], overr
     if _is_patched(encoder.module):
         unpatch(model)
     dense = encoder.feeds_dense_neck if dense_neck is None else dense_neck
-    shape = BackboneShape(depth=len(encoder.layers), num_prefix=encoder.num_prefix, has_cls=encoder.has_cls, dense_neck=dense)
+    shape = BackboneShape(depth=len(encoder.layers), num_prefix=encoder.num_prefix, has_cls=encoder.has_cls, dense_neck=dense,
+                          num_patch=configured_patches(model))
     options = with_overrides(options, **overrides)
     check_supported(options.strategy, Traits.of(encoder.family), encoder.family.title)  # before resolve: the family's own reason
     reduction = options.resolve(shape)

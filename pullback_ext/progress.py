@@ -3,9 +3,12 @@
 On a terminal, :func:`progress_bar` is tqdm's redrawn bar. Anywhere else (a log file, a pipe, a
 CI job) it writes one plain line per stage: when the bar starts, each time another tenth of the
 total is done, and when it ends, instead of tqdm's carriage-return redraws, which a log file
-fills with hundreds of partial lines. :func:`info_line` prints a line about the run (what was written
-where, which stage runs); results (tables, figures) are printed with ``print``. Inside
-:func:`silenced` (``--quiet``) neither progress nor info lines are shown; warnings and errors are.
+fills with hundreds of partial lines; a bar given a ``heartbeat`` also writes a line when that
+many seconds have passed since its last one and it was updated (or its postfix changed), so that
+a stage whose steps take minutes still shows that it moves. :func:`info_line` prints a line about
+the run (what was written where, which stage runs); results (tables, figures) are printed with
+``print``. Inside :func:`silenced` (``--quiet``) neither progress nor info lines are shown;
+warnings and errors are.
 """
 
 from __future__ import annotations
@@ -37,11 +40,13 @@ def info_line(*parts) -> None:
 
 
 def progress_bar(iterable: Optional[Iterable] = None, *, desc: str, total: Optional[int] = None, unit: str = "it",
-                 initial: int = 0, enabled: bool = True, stream: Optional[TextIO] = None):
+                 initial: int = 0, enabled: bool = True, stream: Optional[TextIO] = None, heartbeat: Optional[float] = None):
     """A progress display over ``iterable`` (or updated by hand with ``update(n)``) for ``total``
     items (default ``len(iterable)``): tqdm when ``stream`` (default stderr) is a terminal,
-    else :class:`LineProgress`; nothing when not ``enabled`` or inside :func:`silenced`. The
-    result iterates, and has ``update``, ``set_postfix`` and ``close`` and is a context manager."""
+    else :class:`LineProgress` (with ``heartbeat``: also a line at the first update or postfix
+    change once that many seconds have passed since the last line); nothing when not ``enabled``
+    or inside :func:`silenced`. The result iterates, and has ``update``, ``set_postfix`` and
+    ``close`` and is a context manager."""
     from tqdm import tqdm
 
     stream = sys.stderr if stream is None else stream
@@ -51,7 +56,7 @@ def progress_bar(iterable: Optional[Iterable] = None, *, desc: str, total: Optio
         total = len(iterable)
     if _is_terminal(stream):
         return tqdm(iterable, desc=desc, total=total, unit=unit, initial=initial, file=stream)
-    return LineProgress(iterable, desc=desc, total=total, unit=unit, initial=initial, stream=stream)
+    return LineProgress(iterable, desc=desc, total=total, unit=unit, initial=initial, stream=stream, heartbeat=heartbeat)
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -63,13 +68,19 @@ def _is_terminal(stream: TextIO) -> bool:
 
 class LineProgress:
     """Plain-line progress for a log: ``desc: 3/10 unit (30%) 4.2 s [loss=0.1]`` when it starts,
-    at every tenth of ``total`` and at the end (without a total: at the start and the end)."""
+    at every tenth of ``total`` and at the end (without a total: at the start and the end); with a
+    ``heartbeat`` (seconds) also at the first ``update`` or ``set_postfix`` that comes that long
+    after the last line."""
 
-    def __init__(self, iterable: Optional[Iterable], *, desc: str, total: Optional[int], unit: str, initial: int, stream: TextIO):
+    def __init__(self, iterable: Optional[Iterable], *, desc: str, total: Optional[int], unit: str, initial: int, stream: TextIO,
+                 heartbeat: Optional[float] = None):
         self.iterable, self.desc, self.total, self.unit, self.stream = iterable, desc, total, unit, stream
-        self.n, self.postfix, self.started, self.closed = initial, "", time.monotonic(), False
+        self.n, self.postfix, self.started, self.closed, self.heartbeat = initial, "", time.monotonic(), False, heartbeat
         self.shown = self.shown_n = -1  # the tenth and count last written
         self._write()
+
+    def _due(self) -> bool:
+        return self.heartbeat is not None and time.monotonic() - self.written >= self.heartbeat
 
     def _tenth(self) -> int:
         return min(STEPS, self.n * STEPS // self.total) if self.total else 0
@@ -78,16 +89,19 @@ class LineProgress:
         count = f"{self.n}/{self.total}" if self.total else f"{self.n}"
         share = f" ({100 * self.n // self.total}%)" if self.total else ""
         postfix = f" [{self.postfix}]" if self.postfix else ""
-        print(f"{self.desc}: {count} {self.unit}{share} {time.monotonic() - self.started:.1f} s{postfix}", file=self.stream, flush=True)
+        self.written = time.monotonic()
+        print(f"{self.desc}: {count} {self.unit}{share} {self.written - self.started:.1f} s{postfix}", file=self.stream, flush=True)
         self.shown, self.shown_n = self._tenth(), self.n
 
     def update(self, n: int = 1) -> None:
         self.n += n
-        if self.total and self._tenth() > self.shown:
+        if (self.total and self._tenth() > self.shown) or self._due():
             self._write()
 
     def set_postfix(self, **values) -> None:
         self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+        if self._due():
+            self._write()
 
     def close(self) -> None:
         if not self.closed:

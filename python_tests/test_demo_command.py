@@ -224,7 +224,7 @@ def test_the_demo_ends_with_the_summary(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1].strip().startswith("pruning/subspace.json")
     assert "Summary" in out and "CLS embedding: κ_cap 0.90 at layers 1" in out and "(the pruning stage did not run)" in out
-    assert main(["demo", "--quick", "--quiet", "--out", str(tmp_path)]) == 0
+    assert main(["demo", "--quick", "--quiet", "--overwrite", "--out", str(tmp_path)]) == 0
     quiet = capsys.readouterr()
     assert "Summary" in quiet.out and "wrote" not in quiet.out and "pullback demo" not in quiet.err
 
@@ -252,9 +252,9 @@ def test_the_headline_matches_ours_to_tomes_flops_with_the_least_reduction(task)
     lower) would cost more: the cheapest-to-ToMe setting, not a cheaper one."""
     from pullback_ext import embedded
     from pullback_ext.comparison.backbones import demo_backbone
-    from pullback_ext.comparison.cost import count_flops
+    from pullback_ext.comparison.pareto import resolve
     from pullback_ext.demo.headline import PAPER_ETAS, Setup, flop_counter, headline_points
-    from pullback_ext.prune.methods.importance_tome import GUARDED_REACH
+    from pullback_ext.prune.methods.importance_tome import auto_setting
     from pullback_ext.prune.reduction_options import ReductionOptions
 
     model = embedded.load()
@@ -272,10 +272,10 @@ def test_the_headline_matches_ours_to_tomes_flops_with_the_least_reduction(task)
         o = p.options
         if o.strategy == "importance_tome":
             assert (o.head is head) == (task == "cls") and p.knob == {"tome_r": 16, "r": o.r, "early_merges": o.early_merges}
-            less = ReductionOptions(strategy="importance_tome", head=o.head, r=o.r - 1, score_layer=1, early_merges=o.early_merges)
+            less = o.replace(r=o.r - 1)
             assert o.r >= 16 and flops(less) > flops(tome.options)
-            full = count_flops(backbone.forwards(task)[0], image)
-            assert o.early_merges == (full / flops(tome.options) > GUARDED_REACH)  # the crossover of its two settings
+            at_tome = resolve(o.replace(r=16, schedule="auto", early_merges="auto"), backbone)
+            assert (o.schedule, o.early_merges) == auto_setting(at_tome.options, at_tome.backbone) == ("constant", True)
         else:
             less = ReductionOptions(strategy="importance", head=head, ratio=PAPER_ETAS[PAPER_ETAS.index(o.ratio) - 1],
                                     layers=(2, 4), mode="prune", preset="paper")

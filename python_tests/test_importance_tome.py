@@ -18,9 +18,11 @@ from pullback_ext.errors import PullbackError
 import pullback_ext.patch as patch
 from pullback_ext.prune import timm_vit
 from pullback_ext.prune.merged_tokens import MergedTokens
-from pullback_ext.prune.methods import importance_tome, tome
-from pullback_ext.prune.methods.base import BlockLoop
+from pullback_ext.prune.methods import importance_tome, merging, tome
+from pullback_ext.prune.methods.base import BackboneShape, BlockLoop
+from pullback_ext.prune.methods.merging import SCHEDULES
 from pullback_ext.prune.reduction_options import ReductionOptions
+from pullback_ext.prune.row_rules import row_label
 
 
 class Head(torch.nn.Module):
@@ -36,8 +38,9 @@ class Head(torch.nn.Module):
 
 
 def reduction(model, head, r: int, schedule: str = "constant", **extra):
-    """The reduction ``patch.timm(model, strategy="importance_tome", ...)`` runs."""
-    options = ReductionOptions(strategy="importance_tome", head=head, r=r, schedule=schedule, **extra)
+    """The reduction ``patch.timm(model, strategy="importance_tome", ...)`` runs (``early_merges``
+    explicit, False unless given: the settings every test below fixes, whatever ``auto`` would choose)."""
+    options = ReductionOptions(strategy="importance_tome", head=head, r=r, schedule=schedule, **{"early_merges": False, **extra})
     return options.resolve(timm_vit.backbone_shape(model))
 
 
@@ -142,10 +145,11 @@ def test_merged_energies_add():
     torch.testing.assert_close(merged.sizes.sum(1), torch.full((2,), 17.0, dtype=torch.float64), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("block_range", [None, (0, 3)])
-def test_fullgraph_compile_equals_eager(block_range):
+@pytest.mark.parametrize("block_range, schedule, early", [(None, "decreasing", False), ((0, 3), "decreasing", False),
+                                                           (None, "auto", "auto")])
+def test_fullgraph_compile_equals_eager(block_range, schedule, early):
     model, head, x = tiny_vit(depth=3), Head(32, torch.float32), images(2)
-    red = reduction(model, head, 3, "decreasing", partner="bound", block_range=block_range)
+    red = reduction(model, head, 3, schedule, partner="bound", block_range=block_range, early_merges=early)
 
     def forward(images):
         return run_guarded(model, images, red, take=(1,))
@@ -196,10 +200,10 @@ def test_patch_timm_runs_the_method_and_r_zero_is_the_unpatched_model():
         assert torch.equal(model.forward_features(x), expected)
         patch.timm(model, strategy="importance_tome", head=head, r=3)
         final = model.forward_features(x)
-        ours = model.norm(run_guarded(model, x, reduction(model, head, 3))[0])
+        ours = model.norm(run_guarded(model, x, reduction(model, head, 3, early_merges=True))[0])
     assert torch.equal(final, ours) and not torch.equal(final, expected)
-    assert patch.config(model).block_range == (2, 4)  # every merge after the scored block: guarded
-    assert patch.config(patch.timm(model, strategy="importance_tome", head=head, r=3, early_merges=True)).block_range == (0, 4)
+    assert patch.config(model).block_range == (0, 4)  # r = 3 on 16 patches: ToMe would reach 1.62× (auto, below)
+    assert patch.config(patch.timm(model, strategy="importance_tome", head=head, r=3, early_merges=False)).block_range == (2, 4)
 
 
 def test_without_a_head_every_token_counts_one():
@@ -209,3 +213,97 @@ def test_without_a_head_every_token_counts_one():
     with torch.no_grad():
         torch.testing.assert_close(run_guarded(model, x, reduction(model, None, 3))[0],
                                    run_guarded(model, x, reduction(model, ones, 3))[0], rtol=0, atol=0)
+
+
+# r alone: schedule and early_merges chosen from it ("auto")
+
+SHAPE = BackboneShape(depth=4, num_prefix=1, has_cls=True, num_patch=16)  # tiny_vit(depth=4)
+DEMO = BackboneShape(depth=8, num_prefix=1, has_cls=True, num_patch=196)  # the demo model
+
+
+@pytest.mark.parametrize("backbone, r, schedule, work, early", [
+    # tokens seen by each block's linear layers, n_attention + 2 n_mlp (unreduced: 3 · depth · (1 + patches) = 204)
+    (SHAPE, 2, "constant", (17 + 2 * 15) + (15 + 2 * 13) + (13 + 2 * 11) + (11 + 2 * 9), False),  # 204/152 = 1.34
+    (SHAPE, 3, "constant", (17 + 2 * 14) + (14 + 2 * 11) + (11 + 2 * 8) + (8 + 2 * 5), True),  # 204/126 = 1.62
+    # decreasing r = 2 over 4 blocks asks 4, 2, 1, 0: 204/139 = 1.47; r = 3 asks 6, 4, 2, 0
+    (SHAPE, 2, "decreasing", (17 + 2 * 13) + (13 + 2 * 11) + (11 + 2 * 10) + (10 + 2 * 10), False),
+    (SHAPE, 3, "decreasing", (17 + 2 * 11) + (11 + 2 * 7) + (7 + 2 * 5) + (5 + 2 * 5), True),  # 204/96 = 2.13
+    # the demo model (3 · 8 · 197 = 4728): r = 15, tokens 197, 182, ..., 92 before the blocks; r = 16: 197, ..., 85
+    (DEMO, 15, "constant", sum(197 - 15 * i for i in range(8)) + 2 * sum(182 - 15 * i for i in range(8)), False),  # 1.46
+    (DEMO, 16, "constant", sum(197 - 16 * i for i in range(8)) + 2 * sum(181 - 16 * i for i in range(8)), True),  # 1.51
+])
+def test_auto_merges_early_exactly_where_tome_at_r_would_pass_the_guarded_reach(backbone, r, schedule, work, early):
+    full = 3 * backbone.depth * (backbone.num_prefix + backbone.num_patch)
+    assert importance_tome.tome_reach(r, schedule, backbone) == pytest.approx(full / work, rel=1e-12)
+    assert (full / work > importance_tome.GUARDED_REACH) == early
+    given = {} if schedule == "constant" else {"schedule": schedule}  # constant: what schedule="auto" runs
+    red = ReductionOptions(strategy="importance_tome", r=r, **given).resolve(backbone)
+    assert importance_tome.auto_setting(red.options, backbone) == (schedule, early)
+    assert red.options.block_range == ((0 if early else 2), backbone.depth)
+    assert red.method.block_merges(red) == merging.block_merges(red.options.replace(schedule=schedule), backbone.depth)
+
+
+@pytest.mark.parametrize("r, early", [(2, False), (3, True)])
+def test_auto_runs_bit_identically_to_the_explicit_setting_it_chooses(r, early):
+    model, head, x = tiny_vit(depth=4), Head(32, torch.float32), images(2)
+    auto = ReductionOptions(strategy="importance_tome", head=head, r=r).resolve(timm_vit.backbone_shape(model))
+    explicit = reduction(model, head, r, "constant", early_merges=early)
+    with torch.no_grad():
+        ours, theirs = run_guarded(model, x, auto, take={1}), run_guarded(model, x, explicit, take={1})
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1][1], theirs[1][1])
+    assert auto.method.patch_tokens_per_block(auto, 16) == explicit.method.patch_tokens_per_block(explicit, 16)
+
+
+def test_explicit_settings_keep_their_blocks_labels_and_need_no_patch_count():
+    unknown = BackboneShape(depth=8, num_prefix=1, has_cls=True)  # a model that does not state its patch count
+    for early, blocks in ((False, (2, 8)), (True, (0, 8))):
+        for schedule in SCHEDULES:
+            red = ReductionOptions(strategy="importance_tome", r=24, schedule=schedule, early_merges=early).resolve(unknown)
+            assert (red.options.block_range, red.options.schedule, red.options.early_merges) == (blocks, schedule, early)
+            assert red.method.block_merges(red) == merging.block_merges(red.options, 8)
+    red = ReductionOptions(strategy="importance_tome", head=lambda F: F.norm(dim=-1), r=8, schedule="constant",
+                           early_merges=False).resolve(DEMO)
+    assert row_label(red) == ("importance_tome · lowest the imp-weighted first-order error of the pair (g = 1, head on block 1's "
+                              "output), r per block (2, 8) · size-weighted, proportional attention; merged tokens restored to "
+                              "their sources")  # the label of the generated pages' rows
+    with pytest.raises(PullbackError, match="early_merges='auto' chooses from r and the model's patch-token count"):
+        ReductionOptions(strategy="importance_tome", r=8).resolve(unknown)
+    given = ReductionOptions(strategy="importance_tome", r=8, block_range=(1, 8)).resolve(unknown)
+    assert given.options.early_merges is False and "r per block (1, 8), constant schedule ·" in row_label(given)
+
+
+def test_the_token_count_reach_is_the_flop_counters_ratio_on_the_demo_model():
+    """ToMe's FLOP ratio on the demo's CLS forward (torch's counter: patch embedding, blocks with
+    their attention, CLS head) is within 3% of :func:`tome_reach`'s count of linear-layer tokens."""
+    from pullback_ext import embedded
+    from pullback_ext.comparison.backbones import demo_backbone
+    from pullback_ext.comparison.cost import count_flops
+    from pullback_ext.demo.headline import flop_counter
+
+    model = embedded.load()
+    backbone = demo_backbone(model)
+    image = torch.rand(1, 3, model.image_size, model.image_size)
+    full, flops = count_flops(backbone.forwards("cls")[0], image), flop_counter(backbone, "cls", image)
+    for r in (8, 16, 24):
+        counted = full / flops(ReductionOptions(strategy="tome", r=r))
+        assert importance_tome.tome_reach(r, "constant", DEMO) == pytest.approx(counted, rel=0.03)
+
+
+def test_a_sweep_of_r_alone_gives_one_defaults_row():
+    """``--sweep importance_tome:r=... --sweep importance_tome:schedule=auto --sweep
+    importance_tome:early_merges=auto``: one row, labelled as the defaults, whose points run both
+    block ranges (guarded up to the reach, ToMe-started beyond)."""
+    from types import SimpleNamespace
+
+    from pullback_ext.commands.evaluate_pareto import build_points, parse_sweeps
+    from pullback_ext.comparison import pareto
+
+    base = {"layers": (2,), "mode": "merge", "preset": "recommended"}
+    given = parse_sweeps(["importance_tome:r=4,8,16,24", "importance_tome:schedule=auto", "importance_tome:early_merges=auto"])
+    points = build_points(("importance_tome",), given, base, {"importance": lambda F: F.norm(dim=-1)}, None, (0.1,))
+    backbone = SimpleNamespace(depth=8, num_prefix=1, has_cls=True, tasks=("cls",), num_patches=196)
+    reductions = [pareto.resolve(p.options, backbone) for p in points]
+    assert [p.knob for p in points] == [{"r": r, "schedule": "auto", "early_merges": "auto"} for r in (4, 8, 16, 24)]
+    labels = {row_label(red) for red in reductions}
+    assert len(labels) == 1 and labels.pop().startswith("importance_tome (defaults) · ")
+    assert [red.options.block_range for red in reductions] == [(2, 8), (2, 8), (0, 8), (0, 8)]

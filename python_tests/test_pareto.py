@@ -335,5 +335,5 @@ def test_a_method_trained_by_its_own_command_gets_its_rows_from_trained(tmp_path
     for flags, message in [([], "'dtem' needs --trained dtem=DIR (a folder of pullback train dtem)"),
                            (["--trained", "tome=x"], "--trained: expected METHOD=DIR with METHOD one of dtem"),
                            (["--trained", f"dtem={tmp_path / 'missing'}"], "missing")]:
-        assert main(base + flags) == 2, flags
+        assert main(base + flags + ["--overwrite"]) == 2, flags  # --out holds the run above
         assert message in capsys.readouterr().err, flags

@@ -296,7 +296,8 @@ def test_study_diagnose_off_a_terminal_writes_plain_progress_lines_and_no_intern
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "\r" not in done.stderr and "Warning" not in done.stderr, done.stderr
-    for line in done.stderr.splitlines():
-        assert re.fullmatch(r"study diagnose: \d+/1 layer \(\d+%\) [\d.]+ s", line), line
+    for line in done.stderr.splitlines():  # one layer, one decoder, one image: one diagnosis
+        assert re.fullmatch(r"study diagnose: \d+/1 diagnosis \(\d+%\) [\d.]+ s( \[layer=2 \(1/1\), decoder=cls, "
+                            r"image=1/1, passes=\d+\])?", line), line
     assert len(done.stderr.splitlines()) == 2  # the start and the end of a one-layer sweep
     assert "- cls: r = 20 exceeds M = 9, so r = 9 (every direction) is used" in done.stdout

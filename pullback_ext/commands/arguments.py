@@ -2,7 +2,8 @@
 (``--model demo|timm:NAME|hf:DIR``, ``--weights``, ``--img-size``, ``--images PATH|builtin:NAME``,
 ``--num-images`` and the deprecated ``--demo``), the output folder ``--out``, the run options
 every subcommand has (``--threads``, ``--quiet``: :func:`add_run_arguments`, applied by
-:func:`run_options`), renamed options whose old spelling still works for one release, and
+:func:`run_options`), the refusal of a results folder an earlier run filled (``--overwrite``:
+:func:`refuse_earlier_results`), renamed options whose old spelling still works for one release, and
 comma-separated numeric values validated with the option named in errors. The vocabulary every
 command shares is the table of docs/cli.md."""
 
@@ -127,6 +128,39 @@ def output_folder(path: str, flag: str = "--out") -> Path:
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise PullbackError(f"{flag}: {path!r} is an existing file; expected a folder (it is never overwritten)")
+    return folder
+
+
+def add_overwrite_argument(parser, flag: str = "--out") -> None:
+    """``--overwrite``, read by :func:`refuse_earlier_results`: every command that writes a results
+    folder takes it."""
+    parser.add_argument("--overwrite", action="store_true",
+                        help=f"replace the results an earlier run wrote in {flag} (without it such a folder is refused)")
+
+
+def refuse_earlier_results(args: argparse.Namespace, folder: Path, names, what: str, *, flag: str = "--out",
+                           resumable: bool = False) -> None:
+    """Before any work: refuse a ``folder`` that already holds one of ``names`` (file names or glob
+    patterns inside it) from an earlier run, unless ``--overwrite`` (a ``resumable`` command: or
+    ``--resume``). ``what`` names that earlier run in the one-line message, e.g. "a diagnosis"."""
+    overwrite, resume = bool(getattr(args, "overwrite", False)), resumable and bool(getattr(args, "resume", False))
+    if overwrite and resume:
+        raise PullbackError("--overwrite: conflicts with --resume (--resume continues the run in --out, --overwrite replaces it)")
+    if overwrite or resume:
+        return
+    found = sorted({p.relative_to(folder).as_posix() for name in names for p in Path(folder).glob(name)})
+    if found:
+        shown = ", ".join(found[:3]) + (", …" if len(found) > 3 else "")
+        how = ("pass --resume to continue it, --overwrite to replace it, or choose another folder" if resumable
+               else "pass --overwrite to replace it or choose another folder")
+        raise PullbackError(f"{flag}: {str(folder)!r} already holds {what} ({shown}); {how}")
+
+
+def results_folder(args: argparse.Namespace, names, what: str, *, resumable: bool = False) -> Path:
+    """``--out`` as an output folder (:func:`output_folder`) that holds no earlier results
+    (:func:`refuse_earlier_results`), both checked before any work."""
+    folder = output_folder(args.out)
+    refuse_earlier_results(args, folder, names, what, resumable=resumable)
     return folder
 
 

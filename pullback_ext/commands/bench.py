@@ -12,6 +12,7 @@ from pullback_ext.progress import info_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pullback_ext.commands.arguments import add_overwrite_argument
     from pullback_ext.results_pages import ALLOW_DIRTY_HELP
 
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats (about a minute)")
@@ -25,13 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results-page", default=None, metavar="NAME",
                         help="also publish the results as docs/results/NAME.json and a stamped page NAME.md (or DIR/NAME: into DIR)")
     parser.add_argument("--allow-dirty", action="store_true", help=ALLOW_DIRTY_HELP)
+    add_overwrite_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from pullback_ext.bench import ops, report
-    from pullback_ext.commands.arguments import warn_if_busy
+    from pullback_ext.commands.arguments import refuse_earlier_results, result_file, warn_if_busy
     from pullback_ext.errors import PullbackError
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -44,14 +46,14 @@ def run(args: argparse.Namespace) -> int:
         from pullback_ext.results_pages import refuse_dirty
 
         refuse_dirty(args.allow_dirty)
+    out = result_file(args.out) if args.out else None
+    if out is not None:
+        refuse_earlier_results(args, out.parent, (out.name, out.with_suffix(".png").name), "benchmark results")
     if args.device == "cpu":
         warn_if_busy(args)
     result = ops.run(args.device, args.quick, args.repeats, not args.no_compile, kernel_breakdown=args.kernels)
     print(report.format_table(result))
-    if args.out:
-        from pullback_ext.commands.arguments import result_file
-
-        out = result_file(args.out)
+    if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         for path in report.write_outputs(result, str(out)):
             info_line(f"wrote {path}")

@@ -11,6 +11,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pullback_ext.commands.arguments import add_overwrite_argument
     from pullback_ext.demo.page import PAGE
     from pullback_ext.results_pages import ALLOW_DIRTY_HELP
 
@@ -22,18 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"also publish the run as the stamped page docs/results/NAME.{{json,md}} (default NAME: {PAGE}; "
                              "needs a checkout without local changes)")
     parser.add_argument("--allow-dirty", action="store_true", help=ALLOW_DIRTY_HELP)
+    add_overwrite_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from pullback_ext.commands.arguments import warn_if_busy
+    from pullback_ext.commands.arguments import results_folder, warn_if_busy
     from pullback_ext.demo.pipeline import run_demo
-    from pullback_ext.errors import PullbackError
 
-    out_dir = Path(args.out)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise PullbackError(f"--out: expected a folder, got the existing file {out_dir}")
+    out_dir = results_folder(args, ("results.json",), "a demo run")  # rewritten after every stage: there from the first
     if args.results_page:
         from pullback_ext.results_pages import refuse_dirty
 

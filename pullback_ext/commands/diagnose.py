@@ -12,6 +12,8 @@ import argparse
 
 from pullback_ext.progress import info_line
 
+OUTPUTS = ("diagnosis.json", "spectrum.png", "token_energy.png")  # what a run writes in --out
+
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -21,7 +23,7 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pullback_ext.commands.arguments import add_source_arguments, add_task_argument
+    from pullback_ext.commands.arguments import add_overwrite_argument, add_source_arguments, add_task_argument
 
     add_source_arguments(parser, 50, "the first N images (a folder's sorted by name)", img_size=True)
     parser.add_argument("--layer", type=int, default=None, help="probe layer ℓ (0-based block index; F is its output)")
@@ -46,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-weights", action="store_true",
                         help="hf:DIR without weights: measure its random initialisation (recorded in the JSON, printed in the summary)")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--overwrite", action="store_true", help="replace the diagnosis an earlier run wrote in --out")
+    add_overwrite_argument(parser)
 
 
 def summary_table(result, description: dict) -> str:
@@ -108,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pullback_ext import distributed
-    from pullback_ext.commands.arguments import output_folder
+    from pullback_ext.commands.arguments import results_folder
     from pullback_ext.diagnostics import Diagnosis, diagnose
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_text
@@ -118,9 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if args.layer is None and "depth-multi" not in (args.task, args.deprecated_decoder):
         raise PullbackError("--layer: required (the probe layer ℓ) unless --task depth-multi")
     config = diagnose_config(args)
-    out = output_folder(args.out)
-    if (out / "diagnosis.json").exists() and not args.overwrite:
-        raise PullbackError(f"--out: {str(out)!r} already holds a diagnosis; pass --overwrite to replace it or choose another folder")
+    out = results_folder(args, OUTPUTS, "a diagnosis")
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     setup, source, image_set = probe_and_images(args, dtype)
     names = image_set.names()

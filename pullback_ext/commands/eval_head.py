@@ -13,7 +13,7 @@ from pullback_ext.progress import info_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pullback_ext.commands.arguments import add_renamed
+    from pullback_ext.commands.arguments import add_overwrite_argument, add_renamed
     from pullback_ext.commands.train import add_probe_arguments
 
     parser.add_argument("--head", metavar="DIR", help="required: a head trained with `pullback train head` (its --out folder)")
@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="imp", choices=["imp", "block-norm"], help="compare with imp* or the plain block norms")
     parser.add_argument("--out", default=None, metavar="DIR", help="write the result to DIR/results.json (a FILE.json: "
                         "deprecated, written as before)")
+    add_overwrite_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pullback_ext import distributed
-    from pullback_ext.commands.arguments import image_source, model_spec, probe_decoder, renamed, result_file
+    from pullback_ext.commands.arguments import image_source, model_spec, probe_decoder, refuse_earlier_results, renamed, result_file
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_json
     from pullback_ext.metric.checkpoint import load_model
@@ -47,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     if args.head is None:
         raise PullbackError("--head: required (a head trained with `pullback train head`)")
     out = result_file(args.out) if args.out else None
+    if out is not None:
+        refuse_earlier_results(args, out.parent, (out.name,), "a head evaluation")
     if args.rank < 1 or args.power < 0:
         raise PullbackError(f"--rank/--power: expected rank >= 1 and power >= 0, got {args.rank}, {args.power}")
     head, config = load_model(args.head, kind="head")

@@ -7,11 +7,13 @@ import argparse
 from pullback_ext.progress import info_line
 
 DEFAULT_RATIOS = "0.05,0.1,0.15,0.2,0.3,0.4,0.5"
+FILES = ("results.json", "table.md", "quality.png")  # what a run writes in --out
+PARETO_FILES = ("pareto.json", "pareto.md", "pareto.png")  # what a --pareto run writes there
 LLF_CHOICES = {"on": (True,), "full": ("full",), "off": (False,), "both": (True, False), "all": (True, "full", False)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pullback_ext.commands.arguments import BUILTIN_HELP, add_source_arguments
+    from pullback_ext.commands.arguments import BUILTIN_HELP, add_overwrite_argument, add_source_arguments
     from pullback_ext.results_pages import ALLOW_DIRTY_HELP
 
     add_source_arguments(parser, 32, "images per seed",
@@ -75,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "give each point's median and bootstrap 90%% interval; a --pareto --results-page needs at least 7)")
     run.add_argument("--time-strategies", default=None, help="strategies to time (default: all evaluated)")
     run.add_argument("--no-timing", action="store_true", help="skip FLOPs and wall-clock")
-    run.add_argument("--out", required=True, help="output folder (results.json, table.md, quality.png)")
+    run.add_argument("--out", required=True, help="output folder (results.json, table.md, quality.png; with --pareto "
+                     "pareto.json, pareto.md, pareto.png)")
+    add_overwrite_argument(run)
     run.add_argument("--results-page", default=None, metavar="NAME",
                      help="also publish the results as docs/results/NAME.json and a stamped page NAME.md (or DIR/NAME: into DIR)")
     run.add_argument("--allow-dirty", action="store_true", help=ALLOW_DIRTY_HELP)
@@ -85,14 +89,17 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pullback_ext.commands import evaluate_plan
-    from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec, output_folder, warn_if_busy
+    from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec, results_folder, warn_if_busy
     from pullback_ext.comparison.backbones import load_backbone
     from pullback_ext.comparison.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
     from pullback_ext.comparison.report import plot_quality, write_json, write_text
     from pullback_ext.errors import PullbackError
 
     spec = model_spec(args)
-    output_folder(args.out)
+    if args.pareto:
+        results_folder(args, PARETO_FILES, "a matched-cost comparison")
+    else:
+        results_folder(args, FILES, "an evaluation")
     images = image_source(args, spec)
     _check_timing(args)
     for name in ("seeds", "batch_size", "time_repeats"):

@@ -13,13 +13,24 @@ from __future__ import annotations
 import argparse
 
 KINDS = ("diagnose", "subspace", "criteria")
+# what a study writes in --out: its report and its per-layer units (subspace: one folder per model)
+OUTPUTS = ("study.json", "study.png", "table.md", "layers/layer-*.json", "*/layers/layer-*.json")
+# how long the defaults take: an estimate from one image per decoder timed at layers 0 and 7 of the demo model (and
+# a 2-layer run at --output-size 4), one torch thread on a 2-core machine running another job
+DIAGNOSE_TIME = (
+    "How long (an estimate): with the defaults the demo's depth decoder is diagnosed at its full 112×112 output "
+    "(M = 12544, stochastic trace and randomized SVD): one image took 100 s at layer 7 to 475 s at layer 0 on a 2-core "
+    "machine (one torch thread, another job running), the cls and probe decoders a few seconds (plus 10-20 s per layer "
+    "to fit the probe), so --layers all --num-images 4 takes about 2 hours. --output-size 4 (M = 16, as in "
+    "docs/results/study-diagnose-demo.md) brings the depth decoder to about a second per image and the same study to "
+    "about 5 minutes. Progress counts each image under each decoder.")
 # options that say how the run goes, not what it measures: a resumed sweep may change them
-RUN_OPTIONS = ("out", "resume", "quiet", "threads", "results_page", "command_line", "command", "_module", "layers",
+RUN_OPTIONS = ("out", "resume", "overwrite", "quiet", "threads", "results_page", "command_line", "command", "_module", "layers",
                "batch_size", "chunk_size")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pullback_ext.commands.arguments import IMAGES_HELP, positive_int
+    from pullback_ext.commands.arguments import IMAGES_HELP, add_overwrite_argument, positive_int
     from pullback_ext.results_pages import ALLOW_DIRTY_HELP
     from pullback_ext.studies.models import STUDY_GRAMMAR
 
@@ -32,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--images", metavar="PATH|builtin:NAME", help=IMAGES_HELP)
     src.add_argument("--num-images", type=positive_int, default=16, help="images per layer (criteria: per seed) (default 16)")
     src.add_argument("--layers", default="all", help="all, or a comma list of 0-based blocks whose output is studied")
-    _add_diagnose_arguments(parser.add_argument_group("study diagnose"))
+    _add_diagnose_arguments(parser.add_argument_group("study diagnose", DIAGNOSE_TIME))
     sub = parser.add_argument_group("study subspace")
     sub.add_argument("--probe-targets", metavar="FILE", help="per-token targets [num_images, N, C] (.npy or safetensors), "
                      "aligned with the sorted image list (default on the demo: the depth probe fitted on rendered scenes)")
@@ -50,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--batch-size", type=positive_int, default=8, help="images per forward batch")
     run.add_argument("--out", required=True, help="output folder (layers/layer-NN.json, study.json, study.png, table.md)")
     run.add_argument("--resume", action="store_true", help="continue a killed sweep in --out: finished layers are read back")
+    add_overwrite_argument(run)
     run.add_argument("--results-page", default=None, metavar="NAME",
                      help="also publish the results as docs/results/NAME.json, NAME.md and NAME.png (or DIR/NAME: into DIR)")
     run.add_argument("--allow-dirty", action="store_true", help=ALLOW_DIRTY_HELP)
@@ -60,7 +72,9 @@ def _add_diagnose_arguments(group) -> None:
 
     group.add_argument("--decoders", default=None, help="comma list of diagnose decoders, plus probe (demo: the per-token "
                        "depth probe fitted at each layer) (default: demo cls,depth,probe; otherwise cls)")
-    group.add_argument("--output-size", type=positive_int, default=None, help="resize dense outputs to S×S (M = S²)")
+    group.add_argument("--output-size", type=positive_int, default=None,
+                       help="resize dense outputs to S×S (M = S²) (default the full output: the demo's depth map is 112×112, "
+                            "minutes per image; see above)")
     group.add_argument("--rank", type=int, default=20, help="r: captured subspace for κ_cap(r), CV")
     group.add_argument("--kappa-ranks", default="1,2,5,10,20", help="also report κ_cap at these r (default 1,2,5,10,20)")
     group.add_argument("--oversample", type=int, default=10, help="randomized-SVD oversampling p")
@@ -82,7 +96,7 @@ def settings_of(args: argparse.Namespace, **extra) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pullback_ext.commands.arguments import output_folder
+    from pullback_ext.commands.arguments import results_folder
     from pullback_ext.errors import PullbackError
     from pullback_ext.studies.models import parse_study_model
 
@@ -97,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         from pullback_ext.results_pages import refuse_dirty
 
         refuse_dirty(args.allow_dirty)
-    out = output_folder(args.out)
+    out = results_folder(args, OUTPUTS, "a study", resumable=True)
     result = {"diagnose": _diagnose, "subspace": _subspace, "criteria": _criteria}[args.kind](args, models, out)
     if result is None:  # a torchrun rank other than 0
         return 0
@@ -108,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
 def _sweep(args, store, layers, study, desc: str):
     from pullback_ext.studies.engine import run_sweep
 
-    units = run_sweep(store, layers, study.work(), study.measure, study.finish, resume=args.resume, progress=not args.quiet,
-                      desc=desc)
+    units = run_sweep(store, layers, study.work(), study.measure, study.finish, resume=args.resume, overwrite=args.overwrite,
+                      progress=not args.quiet, desc=desc, steps=getattr(study, "steps", None),
+                      unit=getattr(study, "step_unit", "layer"))
     return None if units is None else {str(layer): unit for layer, unit in units.items()}
 
 

@@ -15,7 +15,7 @@ from pullback_ext.progress import info_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pullback_ext.commands.arguments import add_source_arguments
+    from pullback_ext.commands.arguments import add_overwrite_argument, add_source_arguments
 
     add_source_arguments(parser, 32, "images to intervene on")
     parser.add_argument("--probe", required=True, metavar="FILE|fit",
@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer", type=int, default=None, help="block whose output the probe reads (default: the middle block)")
     parser.add_argument("--k", default="1,2,4,8", help="subspace dimensions (default 1,2,4,8)")
     parser.add_argument("--out", required=True, help="output folder (subspace.json)")
+    add_overwrite_argument(parser)
 
 
 def subspace_report(probe: str, model, backbone, layer: int, ks: tuple, data: dict) -> dict:
@@ -56,12 +57,12 @@ def subspace_report(probe: str, model, backbone, layer: int, ks: tuple, data: di
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from pullback_ext.commands.arguments import comma_ints, image_source, model_spec, output_folder
+    from pullback_ext.commands.arguments import comma_ints, image_source, model_spec, results_folder
     from pullback_ext.comparison.backbones import load_backbone
     from pullback_ext.comparison.report import write_json
 
     spec = model_spec(args)
-    out = output_folder(args.out)
+    out = results_folder(args, ("subspace.json",), "subprobe results")
     images = image_source(args, spec)
     ks = comma_ints(args.k, "--k")
     backbone, model = load_backbone(spec, args.weights)

@@ -29,7 +29,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pullback_ext.commands.arguments import add_renamed, positive_int
+    from pullback_ext.commands.arguments import add_overwrite_argument, add_renamed, positive_int
 
     parser.add_argument("kind", choices=["spn", "head", "vae", "tap", "dtem"],
                         help="what to train (tap: a TAP task register, docs/tap.md; dtem: DTEM's decoupled embeddings, docs/prune.md)")
@@ -53,9 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     targets.add_argument("--w-order", type=float, default=0.0,
                          help="spn: weight of an extra term tying column j of U to mode j (default 0: L_sub + L_en only)")
     model = parser.add_argument_group("model")
-    model.add_argument("--hidden", type=positive_int, default=256)
-    model.add_argument("--heads", type=positive_int, default=4)
-    model.add_argument("--mlp-hidden", type=int, default=0, help="head: width of a per-token MLP in each encoder block (0: none)")
+    model.add_argument("--hidden", type=positive_int, default=None,
+                       help="width of the token encoder (spn, vae: default 256; head: default sized to the backbone, the largest "
+                            "of H = 32, 64, ... with H/32 heads and MLP H within 1.5%% of the backbone's FLOPs)")
+    model.add_argument("--heads", type=positive_int, default=None,
+                       help="attention heads (spn: default 4; head: H/32 when sized, else 4)")
+    model.add_argument("--mlp-hidden", type=int, default=None,
+                       help="head: width of a per-token MLP in each encoder block (0: none; default H when sized, else 0)")
     model.add_argument("--eps", type=float, default=1e-3, help="spn: isotropic floor ε")
     model.add_argument("--latent-dim", type=positive_int, default=32, help="vae: latent channels per token")
     model.add_argument("--beta", type=float, default=1e-3, help="vae: KL weight")
@@ -76,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--amp", action="store_true", help="mixed precision (bfloat16 on CPU, float16 on CUDA)")
     train.add_argument("--checkpoint-every", type=positive_int, default=100)
     train.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT")
+    add_overwrite_argument(train)
     add_renamed(train, "--no-progress", "--quiet", action="store_true")
 
 
@@ -83,7 +88,7 @@ def _check(args: argparse.Namespace) -> None:
     from pullback_ext.errors import PullbackError
 
     for name in ("power", "oversample", "warmup", "mlp_hidden"):
-        if getattr(args, name) < 0:
+        if getattr(args, name) is not None and getattr(args, name) < 0:
             raise PullbackError(f"--{name.replace('_', '-')}: expected an int >= 0, got {getattr(args, name)}")
     if not args.lr > 0:
         raise PullbackError(f"--lr: expected > 0, got {args.lr}")
@@ -96,11 +101,8 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from pullback_ext import distributed
-    from pullback_ext.commands.train_config import print_results, run_config
-    from pullback_ext.errors import PullbackError
+    from pullback_ext.commands.train_config import print_results, run_config, training_folder
     from pullback_ext.metric.training_run import TrainingRun
 
     if args.kind == "tap":
@@ -116,12 +118,8 @@ def run(args: argparse.Namespace) -> int:
         from pullback_ext.commands import train_schedule
 
         return train_schedule.run(args)
+    out = training_folder(args)
     config = run_config(args)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise PullbackError(f"--out: {str(out)!r} exists and is not a folder")
-    if out.is_dir() and (out / "state.safetensors").exists() and not args.resume:
-        raise PullbackError(f"--out: {str(out)!r} already holds a training run; pass --resume to continue it or choose another folder")
     info = distributed.init_from_env()
     try:
         results = TrainingRun(config, info).run()

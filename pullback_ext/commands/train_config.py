@@ -1,6 +1,6 @@
 """The training run of the ``pullback train`` arguments: its configuration (:func:`run_config`,
 with the probe of :func:`probe_spec`) and the printout of its held-out figures
-(:func:`print_results`), shared by a single run (:mod:`pullback_ext.commands.train`) and a schedule
+(:func:`print_results`) and the check of its output folder (:func:`training_folder`), shared by a single run (:mod:`pullback_ext.commands.train`) and a schedule
 of heads, one run per stage (:mod:`pullback_ext.commands.train_schedule`).
 """
 
@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 
 from pullback_ext.progress import info_line
+
+# what a training run writes in --out (the target cache, reused by key, is not an earlier result)
+RUN_FILES = ("state.safetensors", "model.safetensors", "config.json", "metrics.jsonl", "results.json", "training.png")
 
 
 def probe_spec(args: argparse.Namespace, model):
@@ -47,6 +50,14 @@ def run_config(args: argparse.Namespace):
         latent_dim=args.latent_dim, beta=args.beta, diagnose_images=args.diagnose_images, resume=args.resume,
         progress=not renamed_switch(args, "--no-progress", "--quiet"),
     )
+
+
+def training_folder(args: argparse.Namespace):
+    """``--out`` of a training run, checked before any work: a folder holding an earlier run is
+    refused unless ``--resume`` continues it or ``--overwrite`` replaces it."""
+    from pullback_ext.commands.arguments import results_folder
+
+    return results_folder(args, RUN_FILES, "a training run", resumable=True)
 
 
 def print_results(kind: str, results: dict, out) -> None:

@@ -71,19 +71,13 @@ def _report(backbone, embedding, config, held, seconds: float, args: argparse.Na
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from pullback_ext import distributed
     from pullback_ext.commands.arguments import model_spec, renamed_switch
+    from pullback_ext.commands.train_config import training_folder
     from pullback_ext.comparison.backbones import load_backbone
     from pullback_ext.dtem_training.training import train
-    from pullback_ext.errors import PullbackError
 
-    config, spec, out = _config(args), model_spec(args), Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise PullbackError(f"--out: {str(out)!r} exists and is not a folder")
-    if (out / "state.safetensors").exists() and not args.resume:
-        raise PullbackError(f"--out: {str(out)!r} already holds a training run; pass --resume to continue it or choose another folder")
+    config, spec, out = _config(args), model_spec(args), training_folder(args)
     backbone, model = load_backbone(spec, args.weights)
     train_set, held = _image_sets(args, spec, backbone)
     source = {"model": str(spec), "images": dict(train_set.describe(), count=len(train_set))}

@@ -56,17 +56,19 @@ def _finished(folder: Path, steps: int) -> bool:
     return results.get("train", {}).get("steps") == steps
 
 
-def _check_out(out: Path, stages: tuple, resume: bool) -> None:
+def _check_out(args: argparse.Namespace) -> Path:
+    """``--out`` of a schedule: never a single-head run's folder; one holding an earlier schedule
+    (or a stage of one) only with ``--resume`` or ``--overwrite``."""
+    from pullback_ext.commands.arguments import results_folder
+    from pullback_ext.commands.train_config import RUN_FILES
     from pullback_ext.metric.checkpoint import STATE_FILE
     from pullback_ext.metric.schedule import SCHEDULE_FILE, stage_folder
 
-    if out.exists() and not out.is_dir():
-        raise PullbackError(f"--out: {str(out)!r} exists and is not a folder")
+    stages = (f"{stage_folder('*')}/{name}" for name in RUN_FILES)  # a stage's run, finished or not
+    out = results_folder(args, (SCHEDULE_FILE, *stages), "a head schedule", resumable=True)
     if (out / STATE_FILE).exists():
         raise PullbackError(f"--out: {str(out)!r} holds a single-head training run; choose another folder for a schedule")
-    started = (out / SCHEDULE_FILE).exists() or any((out / stage_folder(s) / STATE_FILE).exists() for s in stages)
-    if started and not resume:
-        raise PullbackError(f"--out: {str(out)!r} already holds a head schedule; pass --resume to continue it or choose another folder")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.metric.training_run import TrainingRun
 
     stages, model = checked_stages(args)
-    out = Path(args.out)
-    _check_out(out, stages, args.resume)
+    out = _check_out(args)
     info = distributed.init_from_env()
     try:
         for k, layer in enumerate(stages, 1):

@@ -41,10 +41,9 @@ def _pair(text: str, flag: str, kind):
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from pullback_ext import distributed
     from pullback_ext.commands.arguments import image_source, model_spec, renamed_switch
+    from pullback_ext.commands.train_config import training_folder
     from pullback_ext.comparison.backbones import load_backbone
     from pullback_ext.errors import PullbackError
     from pullback_ext.fileio import atomic_write_json
@@ -57,9 +56,7 @@ def run(args: argparse.Namespace) -> int:
     args.task = args.task or "cls"
     if args.task not in ("cls", "depth"):
         raise PullbackError(f"--task: a TAP register serves cls or depth; got {args.task!r}")
-    out = Path(args.out)
-    if out.is_dir() and (out / "state.safetensors").exists() and not args.resume:
-        raise PullbackError(f"--out: {str(out)!r} already holds a training run; pass --resume to continue it or choose another folder")
+    out = training_folder(args)
     backbone, model = load_backbone(spec, args.weights)
     if args.task not in backbone.tasks:
         raise PullbackError(f"--task: {spec} serves {' or '.join(backbone.tasks)}; got {args.task!r}")

@@ -41,6 +41,7 @@ class Backbone:
     preprocess: Preprocess  # how its images are prepared
     eta: Optional[Callable] = None  # ReductionOptions -> η, the fraction of patch tokens removed (None: not known)
     task_forward: Optional[Callable] = None  # task -> (full, reduced) of that task alone (None: full and reduced)
+    num_patches: Optional[int] = None  # patch tokens at image_size (None: not known)
 
     def forwards(self, task: str) -> tuple[Callable, Callable]:
         """``(full(images), reduced(reduction, images))`` of ``task`` alone: what its cost counts."""
@@ -68,7 +69,7 @@ def demo_backbone(model) -> Backbone:
         name="demo", depth=len(bb.blocks), num_prefix=int(bb.num_prefix_tokens), has_cls=bb.cls_token is not None,
         image_size=int(model.image_size), tasks=("cls", "depth"), full=full, reduced=reduced, features_dim=int(bb.embed_dim),
         block_tokens=block_tokens, preprocess=unit_range_preprocess(int(model.image_size)), eta=lambda options: eta(options, bb),
-        task_forward=lambda task: _demo_task_forward(model, task),
+        task_forward=lambda task: _demo_task_forward(model, task), num_patches=int(bb.patch_embed.num_patches),
     )
 
 
@@ -115,7 +116,7 @@ def timm_backbone(model) -> Backbone:
         name=type(model).__name__, depth=len(model.blocks), num_prefix=int(model.num_prefix_tokens),
         has_cls=getattr(model, "cls_token", None) is not None, image_size=int(size[0] if isinstance(size, (tuple, list)) else size),
         tasks=("cls",), full=full, reduced=reduced, features_dim=int(model.embed_dim), block_tokens=block_tokens,
-        preprocess=timm_preprocess(model), eta=lambda options: eta(options, model),
+        preprocess=timm_preprocess(model), eta=lambda options: eta(options, model), num_patches=int(model.patch_embed.num_patches),
     )
 
 
@@ -125,7 +126,7 @@ def hf_backbone(model, folder: str | None = None) -> Backbone:
     model (depth task: the predicted depth, and as the embedding the CLS token after the last encoder
     layer). ``folder`` holds its image processor config (mean and std)."""
     from pullback_ext.probes.hf_vision import embedding
-    from pullback_ext.prune.hf_encoders import find_encoder, install, restore
+    from pullback_ext.prune.hf_encoders import configured_patches, find_encoder, install, restore
 
     encoder = find_encoder(model)
     dense = hasattr(model, "head") and type(model).__name__.endswith("ForDepthEstimation")
@@ -152,7 +153,7 @@ def hf_backbone(model, folder: str | None = None) -> Backbone:
     return Backbone(
         name=type(model).__name__, depth=len(encoder.layers), num_prefix=encoder.num_prefix, has_cls=encoder.has_cls,
         image_size=preprocess.size[0], tasks=("depth",) if dense else ("cls",), full=full, reduced=reduced,
-        features_dim=int(config.hidden_size), block_tokens=block_tokens, preprocess=preprocess,
+        features_dim=int(config.hidden_size), block_tokens=block_tokens, preprocess=preprocess, num_patches=configured_patches(model),
     )
 
 

@@ -56,7 +56,7 @@ class Point:
 def resolve(options: ReductionOptions, backbone) -> Reduction:
     """``options`` resolved for a :class:`~pullback_ext.comparison.backbones.Backbone`."""
     return options.resolve(BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls,
-                                         dense_neck="depth" in backbone.tasks))
+                                         dense_neck="depth" in backbone.tasks, num_patch=backbone.num_patches))
 
 
 def error_summary(errors: torch.Tensor) -> dict:

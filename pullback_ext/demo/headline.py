@@ -6,10 +6,12 @@ sources, so a dense decoder reads full-length features) and, for depth, the pape
 (``importance`` in prune mode under ``preset="paper"``, full Last-Layer Fusion). Each of ours is
 the *least reduced setting whose FLOPs (head included) do not exceed ToMe's* in the group
 (:func:`matched_cost`; where no setting reaches that, its most reduced one, labelled so and never
-the winner): ``importance_tome`` merges ``r'`` tokens per block after the head's layer up to a
-FLOP ratio of :data:`~pullback_ext.prune.methods.importance_tome.GUARDED_REACH`, and beyond it
-with ToMe's rule in the blocks before too (its two ``block_range`` settings, the crossover chosen
-on held-out photo crops, docs/importance_tome_findings.md); on the CLS decoder it is guarded by
+the winner): ``importance_tome`` merges ``r'`` tokens per block, in the blocks the method itself
+chooses for ToMe's ``r`` (:func:`~pullback_ext.prune.methods.importance_tome.auto_setting`: after
+the head's layer while ToMe's FLOP ratio there is within
+:data:`~pullback_ext.prune.methods.importance_tome.GUARDED_REACH`, and with ToMe's rule in the
+blocks before too beyond it; the crossover chosen on held-out photo crops,
+docs/importance_tome_findings.md); on the CLS decoder it is guarded by
 the stage's head, on depth it runs without one (the setting chosen for dense decoders there); the
 paper's pipeline takes the prune ratio η of :data:`PAPER_ETAS`. Each row's error against the
 unpruned model comes from every held-out image, its cost from
@@ -33,7 +35,7 @@ from pullback_ext.comparison import pareto
 from pullback_ext.comparison.cost import count_flops
 from pullback_ext.comparison.evaluation import PRIMARY
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.methods.importance_tome import GUARDED_REACH
+from pullback_ext.prune.methods.importance_tome import auto_setting
 from pullback_ext.prune.reduction_options import ReductionOptions
 
 R = {True: (16,), False: (8, 16)}
@@ -76,16 +78,20 @@ def matched_cost(candidates: Iterable[ReductionOptions], flops: Callable[[Reduct
     return options, False
 
 
-def importance_tome_candidates(setup: Setup, tome_r: int, ratio: float) -> Iterable[ReductionOptions]:
-    """``importance_tome`` from the fewest merges up, to match ToMe ``tome_r``'s FLOP ``ratio``: every
-    merge guarded (after the head's layer) up to :data:`~pullback_ext.prune.methods.importance_tome.GUARDED_REACH`,
-    beyond it with ToMe's rule in the blocks before (``early_merges``), then the other setting; no
-    head on a dense decoder. It starts at ``r = tome_r``: with fewer merges per block, in no more
-    blocks than ToMe's and a head besides, no setting can cost less than ToMe's."""
+def importance_tome_candidates(backbone, setup: Setup, tome_r: int) -> Iterable[ReductionOptions]:
+    """``importance_tome`` on ``backbone`` from the fewest merges up, to match ToMe ``tome_r``'s FLOPs:
+    with the ``schedule`` and ``early_merges`` the method chooses itself at ``r = tome_r``
+    (:func:`~pullback_ext.prune.methods.importance_tome.auto_setting`), then with the other
+    ``early_merges``; no head on a dense decoder. It starts at ``r = tome_r``: with fewer merges per
+    block, in no more blocks than ToMe's and a head besides, no setting can cost less than ToMe's."""
     head = setup.head if setup.task == "cls" else None
-    for early in (False, True) if ratio <= GUARDED_REACH else (True, False):
+    at_tome = pareto.resolve(ReductionOptions(strategy="importance_tome", head=head, r=tome_r, score_layer=setup.score_layer),
+                             backbone)
+    schedule, chosen = auto_setting(at_tome.options, at_tome.backbone)
+    for early in (chosen, not chosen):
         for r in range(tome_r, setup.num_patches):
-            yield ReductionOptions(strategy="importance_tome", head=head, r=r, score_layer=setup.score_layer, early_merges=early)
+            yield ReductionOptions(strategy="importance_tome", head=head, r=r, score_layer=setup.score_layer, schedule=schedule,
+                                   early_merges=early)
 
 
 def paper_candidates(setup: Setup) -> Iterable[ReductionOptions]:
@@ -103,7 +109,6 @@ def headline_points(backbone, setup: Setup, image: torch.Tensor) -> list:
     """The :class:`~pullback_ext.comparison.pareto.Point` s of one decoder's headline, ours matched to
     ToMe's FLOPs on ``image [1, 3, H, W]``; every knob names its group (``tome_r``)."""
     flops = flop_counter(backbone, setup.task, image)
-    unpruned = count_flops(backbone.forwards(setup.task)[0], image)
     points = []
     for r in R[setup.quick]:
         tome = ReductionOptions(strategy="tome", r=r)
@@ -111,7 +116,7 @@ def headline_points(backbone, setup: Setup, image: torch.Tensor) -> list:
         if setup.head is None:
             continue
         budget = flops(tome)
-        ours, reached = matched_cost(importance_tome_candidates(setup, r, unpruned / budget), flops, budget)
+        ours, reached = matched_cost(importance_tome_candidates(backbone, setup, r), flops, budget)
         label = "importance_tome" if ours.head is not None else "importance_tome (no head)"
         points.append(pareto.Point(ours, {"tome_r": r, **_knob(ours, ("r", "early_merges"))}, label + ("" if reached else UNREACHED)))
         if setup.task == "depth":

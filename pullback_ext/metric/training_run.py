@@ -19,6 +19,7 @@ from pullback_ext.plots import decade_limits, log_floor, log_series, note_floor,
 from pullback_ext.sources.image_sets import ImageSet, ImageSource
 
 SHARD_SIZE = 32
+HIDDEN, HEADS = 256, 4  # the SPN's and the VAE's width and heads unless given (a head's: metric.head_size)
 
 
 def reference_targets(probe, rank: int, power: int, seed: int, block_norms: bool = False) -> TargetConfig:
@@ -67,8 +68,9 @@ class TrainingRunConfig:
     Targets (spn, head): ``targets`` randnla | exact at ``rank`` (``power``, ``oversample``),
     cached in ``cache`` (default out/targets) unless ``on_the_fly`` (spn). Head: ``target`` imp |
     block-norm | spn:DIR, ranking-loss weight ``w_rank``; spn: ``w_order``, floor ``eps``.
-    Models: ``hidden`` width, ``heads``, head ``mlp_hidden``; vae ``latent_dim``, ``beta`` and
-    ``diagnose_images`` diagnosed at the features and at the latent afterwards.
+    Models: ``hidden`` width, ``heads``, head ``mlp_hidden`` (None: spn and vae :data:`HIDDEN` and
+    :data:`HEADS`; a head sized to its backbone, :func:`~pullback_ext.metric.head_size.choose`);
+    vae ``latent_dim``, ``beta`` and ``diagnose_images`` diagnosed at the features and at the latent afterwards.
     """
 
     kind: str
@@ -88,9 +90,9 @@ class TrainingRunConfig:
     target: str = "imp"
     w_rank: float = 0.5
     w_order: float = 0.0
-    hidden: int = 256
-    heads: int = 4
-    mlp_hidden: int = 0
+    hidden: Optional[int] = None
+    heads: Optional[int] = None
+    mlp_hidden: Optional[int] = None
     eps: float = 1e-3
     latent_dim: int = 32
     beta: float = 1e-3
@@ -141,7 +143,7 @@ class TrainingRun:
 
         c = self.config
         data = {"features": features(probe, train_src, 0, len(train_src)).F}
-        model = FeatureVAE(probe.dim, c.latent_dim, c.hidden).to(self.dtype)
+        model = FeatureVAE(probe.dim, c.latent_dim, HIDDEN if c.hidden is None else c.hidden).to(self.dtype)
         model.fit_normalization(data["features"])
         return data, model, VAETask(beta=c.beta, seed=c.train.seed), {"beta": c.beta}
 
@@ -161,28 +163,34 @@ class TrainingRun:
         else:
             data = self._targets(probe, train_src, config)
             task = SPNTask(config, w_order=c.w_order)
-        model = SPN(probe.dim, c.rank, c.hidden, c.heads, c.eps).to(self.dtype)
+        model = SPN(probe.dim, c.rank, HIDDEN if c.hidden is None else c.hidden, HEADS if c.heads is None else c.heads,
+                    c.eps).to(self.dtype)
         sample = data if "sigma" in data else compute_targets(probe, data["features"][:8], config)
         model.set_energy_scale(sample["sigma"][:, : min(c.rank, sample["V"].shape[-1])] ** 2)
         return data, model, task, extra
 
     def _head(self, probe, train_src: ImageSet, config: TargetConfig) -> tuple[dict, torch.nn.Module, Any, dict]:
         """(data, model, task, config entries) of an importance head on cached targets."""
+        from pullback_ext.metric import head_size
         from pullback_ext.metric.head import ImportanceHead, parameter_count
         from pullback_ext.metric.tasks import HeadTask
 
         c = self.config
+        size = head_size.choose(probe, c.hidden, c.heads, c.mlp_hidden)  # checked before the targets are computed
         data = self._targets(probe, train_src, config)
         task = HeadTask(target="importance", w_rank=c.w_rank)
-        model = ImportanceHead(probe.dim, c.hidden, c.heads, c.mlp_hidden).to(self.dtype)
+        model = ImportanceHead(probe.dim, size.hidden, size.heads, size.mlp_hidden).to(self.dtype)
+        self.head_size = size.record(parameter_count(model))
         if self.info.is_main:
-            print(f"ImportanceHead(dim={probe.dim}, hidden={c.hidden}, heads={c.heads}, mlp_hidden={c.mlp_hidden}): "
-                  f"{parameter_count(model):,} parameters", flush=True)
+            share = self.head_size["flop_share"]
+            print(f"ImportanceHead(dim={probe.dim}, hidden={size.hidden}, heads={size.heads}, mlp_hidden={size.mlp_hidden}): "
+                  f"{parameter_count(model):,} parameters" + ("" if share is None else f", {share:.2%} of the backbone's FLOPs")
+                  + (f" (sized: {', '.join(size.sized)})" if size.sized else ""), flush=True)
         task.target = "block_norm" if c.target == "block-norm" else "importance"
         if c.target.startswith("spn:"):
             data["importance"] = self._distilled(c.target[4:], data["features"])
         model.set_score_offset(data[task.target])
-        return data, model, task, {"targets": asdict(config), "target": c.target, "w_rank": c.w_rank}
+        return data, model, task, {"targets": asdict(config), "target": c.target, "w_rank": c.w_rank, "head_size": self.head_size}
 
     def run(self) -> dict[str, Any]:
         from pullback_ext.metric.head import parameter_count
@@ -215,7 +223,7 @@ class TrainingRun:
         if at_init is not None:
             results["heldout_at_init"] = {k: v for k, v in at_init.items() if k != "per_image"}
         if c.kind == "head":
-            results["parameters"] = parameter_count(model)
+            results["parameters"], results["head_size"] = parameter_count(model), self.head_size
         if c.kind == "vae" and c.diagnose_images > 0:
             results["diagnosis"] = self._diagnose_latent(probe, model, held_src)
         atomic_write_json(self.out / "results.json", results)

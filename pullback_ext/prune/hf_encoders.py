@@ -81,6 +81,18 @@ def find_encoder(model, families: Optional[tuple] = None) -> Encoder:
                    feeds_dense_neck=family.feeds_dense_neck(model))
 
 
+def configured_patches(model) -> Optional[int]:
+    """Patch tokens of a Hugging Face ``model`` at its configured ``image_size`` and ``patch_size``
+    (of its ``backbone_config`` where it has one: DPT, Depth Anything); None where it does not say."""
+    config = getattr(model.config, "backbone_config", None) or model.config
+    size, patch = getattr(config, "image_size", None), getattr(config, "patch_size", None)
+    pair = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v, v)  # noqa: E731
+    if size is None or patch is None or not all(isinstance(v, int) and v > 0 for v in pair(size) + pair(patch)):
+        return None
+    (h, w), (ph, pw) = pair(size), pair(patch)
+    return (h // ph) * (w // pw)
+
+
 def attention_probs(layer, x: torch.Tensor, bias=None, family: str = "dpt", position_embeddings=None) -> torch.Tensor:
     """Head-averaged attention probabilities ``[B, K, K]`` of a layer of the family named ``family``
     on input ``x [B, K, D]`` (:meth:`~pullback_ext.families.adapter.HFFamily.attention_probs`)."""

@@ -49,9 +49,10 @@ def check_strategy(model, strategy: str) -> None:
 
 
 def backbone_shape(model) -> BackboneShape:
-    """Depth, prefix tokens and class token of a timm ``VisionTransformer``."""
+    """Depth, prefix tokens, class token and patch tokens (at its configured image size) of a timm ``VisionTransformer``."""
+    patches = getattr(getattr(model, "patch_embed", None), "num_patches", None)
     return BackboneShape(depth=len(model.blocks), num_prefix=int(model.num_prefix_tokens),
-                         has_cls=getattr(model, "cls_token", None) is not None)
+                         has_cls=getattr(model, "cls_token", None) is not None, num_patch=None if patches is None else int(patches))
 
 
 def attention_probs(block, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

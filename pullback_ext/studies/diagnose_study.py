@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from pullback_ext.diagnostics import REGIMES, DiagnoseConfig, Diagnosis, RankCappedWarning, diagnose, r90_note
+from pullback_ext.probes.features import as_features
 from pullback_ext.sources.image_sets import ImageSet
 
 KAPPA_RANKS = (1, 2, 5, 10, 20)
@@ -38,6 +39,32 @@ def fitted_probe_file(model, layer: int, folder: Path, train_n: int = 128) -> Pa
     return path
 
 
+class _Counted:
+    """``probe`` whose bound map calls ``tick(n)`` at its n-th call: ψ runs once per batch of
+    Jacobian products, so a diagnosis that takes minutes can show that it moves."""
+
+    def __init__(self, probe, tick: Callable[[int], None]):
+        self._probe, self._tick, self._calls = probe, tick, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._probe, name)
+
+    def bind(self, context):
+        bound = self._probe.bind(context)
+
+        def counted(F):
+            self._calls += 1
+            self._tick(self._calls)
+            return bound(F)
+
+        return counted
+
+
+def _watched(probe, progress, **status):
+    """``probe`` whose passes through ψ show in the status of ``progress`` (``probe`` itself without)."""
+    return probe if progress is None else _Counted(probe, lambda n: progress.status(**status, passes=n))
+
+
 @dataclass
 class DiagnoseStudy:
     """What to diagnose: ``setup(layer, decoder)`` -> a ``ProbeSetup`` (its ``probe``), on
@@ -52,23 +79,39 @@ class DiagnoseStudy:
     batch_size: int = 8
     kappa_ranks: Sequence[int] = KAPPA_RANKS
 
+    step_unit = "diagnosis"  # the progress of a layer: one image under one decoder
+
     def work(self) -> list[int]:
         return list(range(len(self.image_set)))
 
-    def measure(self, layer: int, indices: list) -> list[dict]:
-        """One record per image of ``indices``: ``{decoder: ImageDiagnosis}``."""
+    def steps(self, indices: list) -> int:
+        return len(self.decoders) * len(indices)
+
+    def measure(self, layer: int, indices: list, progress=None) -> list[dict]:
+        """One record per image of ``indices``: ``{decoder: ImageDiagnosis}``. ``progress`` (a
+        ``LayerProgress``) advances by one per image and decoder; its status names the decoder and
+        the image in hand and counts that image's passes through ψ (one per batch of Jacobian
+        products), so that it moves within an image too."""
         records = [dict() for _ in indices]
         for decoder in self.decoders:
+            if progress is not None:
+                progress.status(decoder=decoder)
             probe = self.setup(layer, decoder).probe
             for start in range(0, len(indices), self.batch_size):
                 chunk = indices[start:start + self.batch_size]
-                F = probe.features(self.image_set.images(chunk).to(self.dtype))
-                with warnings.catch_warnings():  # one rank for every decoder: the table notes where it is capped at M
-                    warnings.simplefilter("ignore", RankCappedWarning)
-                    result = diagnose(probe, F, self.config, indices=chunk, keep_vectors=False)
-                for offset, image in enumerate(result.images):
-                    records[start + offset][decoder] = image
+                F = as_features(probe.features(self.image_set.images(chunk).to(self.dtype)))
+                for offset, index in enumerate(chunk):
+                    watched = _watched(probe, progress, decoder=decoder, image=f"{start + offset + 1}/{len(indices)}")
+                    records[start + offset][decoder] = self._one(watched, F.image(offset), index)
+                    if progress is not None:
+                        progress.advance()
         return records
+
+    def _one(self, probe, F, index: int):
+        """The ``ImageDiagnosis`` of one image (``F``: its ``Features``), global index ``index``."""
+        with warnings.catch_warnings():  # one rank for every decoder: the table notes where it is capped at M
+            warnings.simplefilter("ignore", RankCappedWarning)
+            return diagnose(probe, F, self.config, indices=[index], keep_vectors=False).images[0]
 
     def finish(self, layer: int, records: list) -> dict:
         """The layer's unit: per decoder the ``Diagnosis`` as JSON (every image) plus κ_cap(r)."""

@@ -22,8 +22,9 @@ from pullback_ext import distributed
 from pullback_ext.errors import DataError, PullbackError
 from pullback_ext.fileio import atomic_write_json
 
-Measure = Callable[[int, list], list]  # (layer, this rank's work items) -> one record per item
+Measure = Callable[..., list]  # (layer, this rank's work items[, LayerProgress]) -> one record per item
 Finish = Callable[[int, list], dict]  # (layer, every record in work-item order) -> the layer's unit
+HEARTBEAT = 30.0  # seconds: off a terminal, a line at least this often while a layer reports progress
 
 
 @dataclass
@@ -62,47 +63,79 @@ class UnitStore:
         atomic_write_json(self.path(layer), {"kind": self.kind, "settings": self.settings, "layer": layer, "unit": unit}, indent=1)
 
 
-def finished_layers(store: UnitStore, layers: Sequence[int], resume: bool) -> dict[int, dict]:
+def finished_layers(store: UnitStore, layers: Sequence[int], resume: bool, overwrite: bool = False) -> dict[int, dict]:
     """``{layer: unit}`` of the layers already finished (``resume``); without ``resume`` a folder
-    that already holds units is refused, so that a new sweep never mixes with an old one."""
+    that already holds units is refused, so that a new sweep never mixes with an old one, unless
+    ``overwrite`` (every layer is measured again and its unit replaced)."""
     if not resume:
-        if store.existing():
+        if store.existing() and not overwrite:
             raise PullbackError(f"--out: {store.folder} already holds finished layers of a study; pass --resume to "
-                                "continue it, or choose an empty folder")
+                                "continue it, --overwrite to replace it, or choose an empty folder")
         return {}
     units = {layer: store.read(layer) for layer in layers}
     return {layer: unit for layer, unit in units.items() if unit is not None}
 
 
+class LayerProgress:
+    """What a ``measure`` given ``steps`` reports inside one layer: ``advance(n)`` moves the sweep's
+    bar by ``n`` of the layer's ``steps``; ``status(**values)`` shows what runs now (the layer
+    first), e.g. the decoder and image."""
+
+    def __init__(self, bar, layer: int, steps: int, position: str):
+        self.bar, self.layer, self.steps, self.position, self.done = bar, layer, steps, position, 0
+        self.status()
+
+    def advance(self, n: int = 1) -> None:
+        n = min(n, self.steps - self.done)
+        if n > 0:
+            self.done += n
+            self.bar.update(n)
+
+    def status(self, **values) -> None:
+        self.bar.set_postfix(layer=f"{self.layer} ({self.position})", **values)
+
+    def finish(self) -> None:
+        """The layer's steps not reported yet (every one of a ``measure`` that reports none)."""
+        self.advance(self.steps - self.done)
+
+
 def run_sweep(store: UnitStore, layers: Sequence[int], work: Sequence, measure: Measure, finish: Finish, *,
-              resume: bool = False, progress: bool = True, desc: str = "study") -> Optional[dict[int, dict]]:
+              resume: bool = False, overwrite: bool = False, progress: bool = True, desc: str = "study",
+              steps: Optional[Callable[[list], int]] = None, unit: str = "layer") -> Optional[dict[int, dict]]:
     """Measure every layer of ``layers`` not finished yet and write its unit.
 
     ``work``: the items a layer's measurement is split into (image indices, batches), shared over
     torchrun ranks; ``measure(layer, items)`` returns one record per item; ``finish(layer,
     records)`` (rank 0) turns all records, in ``work`` order, into the layer's unit (JSON-able).
+    Progress counts layers; with ``steps``, ``steps(items)`` of ``unit`` per layer instead,
+    reported by ``measure(layer, items, progress)`` through its :class:`LayerProgress` (and a
+    line at least every :data:`HEARTBEAT` seconds off a terminal while it reports). ``overwrite``:
+    units of an earlier sweep are replaced (see :func:`finished_layers`).
     Returns ``{layer: unit}`` for every layer on rank 0, None on the other ranks.
     """
     from pullback_ext.progress import progress_bar
 
     info = distributed.init_from_env()
     try:
-        done = finished_layers(store, layers, resume) if info.is_main else {}
+        done = finished_layers(store, layers, resume, overwrite) if info.is_main else {}
         skip = distributed.gather_objects(sorted(done), info)[0]
         todo = [layer for layer in layers if layer not in skip]
         mine = distributed.shard(list(work), info.rank, info.world_size)
+        per_layer = 1 if steps is None else steps(mine)
         label = f"{desc}[rank {info.rank}/{info.world_size}]" if info.world_size > 1 else desc
-        with progress_bar(total=len(layers), initial=len(layers) - len(todo), desc=label, unit="layer",
-                          enabled=progress and info.is_main) as bar:
+        with progress_bar(total=len(layers) * per_layer, initial=(len(layers) - len(todo)) * per_layer, desc=label,
+                          unit=unit if steps is not None else "layer", enabled=progress and info.is_main,
+                          heartbeat=HEARTBEAT) as bar:
             for layer in todo:
-                records = measure(layer, mine)
+                inside = LayerProgress(bar, layer, per_layer, f"{layers.index(layer) + 1}/{len(layers)}")
+                records = measure(layer, mine) if steps is None else measure(layer, mine, inside)
                 if len(records) != len(mine):
                     raise PullbackError(f"measure: expected one record per work item ({len(mine)}), got {len(records)}")
                 parts = distributed.gather_objects(records, info)
                 if info.is_main:
                     done[layer] = finish(layer, distributed.unshard(parts))
                     store.write(layer, done[layer])
-                bar.update(1)
+                inside.finish()
     finally:
         distributed.shutdown(info)
     return {layer: done[layer] for layer in layers} if info.is_main else None

@@ -32,13 +32,15 @@ PRUNED = {"masked": "pruned, masked LLF", "full": "pruned, full LLF", False: "pr
 @dataclass(frozen=True)
 class BackboneShape:
     """What resolving options needs to know of a backbone: ``depth`` blocks, ``num_prefix`` tokens
-    before the patches (CLS, registers), whether it ``has_cls``, and whether its features feed a
-    dense decoder (``dense_neck``: ``mode="auto"`` prunes)."""
+    before the patches (CLS, registers), whether it ``has_cls``, whether its features feed a
+    dense decoder (``dense_neck``: ``mode="auto"`` prunes), and ``num_patch``: its patch tokens at
+    the configured image size (None: not known; a method whose ``auto`` choice needs it says so)."""
 
     depth: int
     num_prefix: int
     has_cls: bool
     dense_neck: bool = False
+    num_patch: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,14 @@ of the token that holds it (merge-and-restore,
 Options: ``head`` (None: every original token counts 1, and the cost is the size-weighted merge
 cost alone, no head run), ``prop_attn``, and its own (:class:`ImportanceToMeOptions`; defaults
 chosen on held-out photo crops, docs/importance_tome_findings.md).
+
+``r`` is the one knob: with ``schedule`` and ``early_merges`` left at ``"auto"`` the method chooses
+them from ``r`` when it is resolved (:func:`auto_setting`): the constant schedule, and ToMe's rule
+in the blocks before the score exactly when ToMe itself, with this ``r`` in every block, would
+reach a FLOP ratio beyond :data:`GUARDED_REACH` (:func:`tome_reach`, counted from the token counts
+of the backbone's depth and patch tokens). This is the rule the demo's headline applies at ToMe's
+``r``. Both fields keep ``"auto"`` in the resolved options (so that a row knows it runs the
+defaults); the blocks chosen are the resolved ``block_range``. Explicit values run as given.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import torch
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import working_precision
 from pullback_ext.prune.merged_tokens import MergedTokens
-from pullback_ext.prune.methods import tome
+from pullback_ext.prune.methods import merging, tome
 from pullback_ext.prune.methods.base import BackboneShape, Needs
 from pullback_ext.prune.methods.merging import (Matching, MergeStep, MergingMethod, ToMeOptions, alternating_order,
                                                 apply_matching, bipartite_count, key_metric, matching_from_scores,
@@ -53,26 +61,33 @@ from pullback_ext.prune.methods.merging import (Matching, MergeStep, MergingMeth
 from pullback_ext.prune.option_checks import count, is_real
 
 PARTNERS = ("cosine", "bound")
+AUTO = "auto"
 # The FLOP ratio up to which every merge guarded (early_merges=False) is the better of the two
 # block_range settings, beyond it ToMe's rule in the blocks before the score (early_merges=True):
 # chosen on held-out photo crops (docs/importance_tome_findings.md, §1-2).
 GUARDED_REACH = 1.5
+# What schedule="auto" runs: the schedule the demo's headline applies that crossover at (the
+# held-out crops compare the two block_range settings, not the two schedules).
+AUTO_SCHEDULE = "constant"
 
 
 @dataclass(frozen=True)
 class ImportanceToMeOptions(ToMeOptions):
-    """ToMe's ``r`` (required) and ``schedule``; ``block_range``: the blocks that merge (None: every
-    block after ``score_layer``, or every block with ``early_merges``); ``score_layer``: the block
-    whose output the head scores (the layer it was trained on); ``guard``: the exponent of the
-    energies in the merge cost, in [0, 8] (0: ToMe's own ranking); ``partner``: ``bound`` (the
-    smallest first-order error of the pair) or ``cosine`` (ToMe's match); ``early_merges``: with
-    ``block_range=None``, the blocks up to ``score_layer`` merge too, by ToMe's rule (further
-    reach, at a cost)."""
+    """ToMe's ``r`` (required) and ``schedule`` (``auto``: chosen from ``r``, :func:`auto_setting`);
+    ``block_range``: the blocks that merge (None: every block after ``score_layer``, or every block
+    with ``early_merges``); ``score_layer``: the block whose output the head scores (the layer it
+    was trained on); ``guard``: the exponent of the energies in the merge cost, in [0, 8] (0:
+    ToMe's own ranking); ``partner``: ``bound`` (the smallest first-order error of the pair) or
+    ``cosine`` (ToMe's match); ``early_merges``: with ``block_range=None``, the blocks up to
+    ``score_layer`` merge too, by ToMe's rule (further reach, at a cost); ``auto``: chosen from
+    ``r`` (:func:`auto_setting`)."""
 
+    schedule_auto = True
+    schedule: Literal["constant", "decreasing", "auto"] = AUTO
     score_layer: int = 1
     guard: float = 1.0
     partner: Literal["bound", "cosine"] = "bound"
-    early_merges: bool = False
+    early_merges: bool | Literal["auto"] = AUTO
 
     def __post_init__(self):
         super().__post_init__()
@@ -80,10 +95,52 @@ class ImportanceToMeOptions(ToMeOptions):
             raise PullbackError(f"guard must be a number in [0, 8] (the energies' exponent in the merge cost); got {self.guard!r}")
         if self.partner not in PARTNERS:
             raise PullbackError(f"partner must be one of {', '.join(PARTNERS)}; got {self.partner!r}")
-        if not isinstance(self.early_merges, bool):
-            raise PullbackError(f"early_merges must be True or False; got {self.early_merges!r}")
+        if not isinstance(self.early_merges, bool) and self.early_merges != AUTO:
+            raise PullbackError(f"early_merges must be True, False or 'auto' (chosen from r); got {self.early_merges!r}")
         object.__setattr__(self, "score_layer", count("score_layer", self.score_layer, 0))
         object.__setattr__(self, "guard", float(self.guard))
+
+
+def tome_reach(r: int, schedule: str, backbone: BackboneShape) -> float:
+    """The FLOP ratio ToMe reaches with ``r`` and ``schedule`` over every block of ``backbone`` (its
+    ``depth``, ``num_prefix`` and ``num_patch`` tokens), counted from the tokens each block's linear
+    layers see: a ViT block of width D spends 4D² per token in attention's projections (on the
+    tokens before the merge) and 8D² in an MLP of ratio 4 (on those after it), so its cost is
+    ``n_attention + 2 n_mlp`` tokens whatever D is. Attention's own ``n² D`` term, the patch embedding
+    and the decoder are left out: the ratio of the backbone's linear layers, the same for every decoder.
+    >>> round(tome_reach(3, "constant", BackboneShape(depth=4, num_prefix=1, has_cls=True, num_patch=16)), 4)
+    1.619
+    """
+    p, n, reduced = backbone.num_prefix, backbone.num_patch, 0
+    for merges in merging.merges_per_block(r, schedule, backbone.depth):
+        taken = bipartite_count(merges, p, n)
+        reduced += (p + n) + 2 * (p + n - taken)
+        n -= taken
+    return 3 * backbone.depth * (p + backbone.num_patch) / reduced
+
+
+def auto_setting(options, backbone: BackboneShape) -> tuple[str, bool]:
+    """``(schedule, early_merges)`` that ``options`` run on ``backbone``; an explicit value as given.
+    ``schedule="auto"``: :data:`AUTO_SCHEDULE`. ``early_merges="auto"``: True exactly when
+    :func:`tome_reach` of ``r`` and that schedule exceeds :data:`GUARDED_REACH` — the demo headline's
+    rule at ToMe's ``r`` (every merge guarded while ToMe's own cost at this ``r`` is within the
+    ratio where the guarded setting is the better one, docs/importance_tome_findings.md §1-2)."""
+    schedule = AUTO_SCHEDULE if options.schedule == AUTO else options.schedule
+    if options.early_merges != AUTO:
+        return schedule, options.early_merges
+    if backbone.num_patch is None:
+        raise PullbackError("early_merges='auto' chooses from r and the model's patch-token count, which this model does not "
+                            "state; give early_merges=True or False")
+    return schedule, tome_reach(options.r, schedule, backbone) > GUARDED_REACH
+
+
+class Plan(NamedTuple):
+    """The budget :func:`~pullback_ext.prune.methods.merging.block_merges` reads: ``r``, a ``schedule`` of
+    :data:`~pullback_ext.prune.methods.merging.SCHEDULES`, ``block_range``."""
+
+    r: int
+    schedule: str
+    block_range: Optional[tuple[int, int]]
 
 
 class Guard(NamedTuple):
@@ -178,14 +235,27 @@ class ImportanceToMe(MergingMethod):
                                 f"got {options.score_layer}")
         choices = super().resolve(options, backbone)
         if options.block_range is None:
-            choices["block_range"] = (0 if options.early_merges else options.score_layer + 1, backbone.depth)
+            early = auto_setting(options, backbone)[1]
+            choices["block_range"] = (0 if early else options.score_layer + 1, backbone.depth)
+        elif options.early_merges == AUTO:
+            choices["early_merges"] = False  # a given block_range leaves it nothing to choose
         return choices
+
+    def block_merges(self, reduction) -> list[int]:
+        o = reduction.options
+        plan = Plan(o.r, AUTO_SCHEDULE if o.schedule == AUTO else o.schedule, o.block_range)
+        return merging.block_merges(plan, reduction.backbone.depth)
 
     def describe(self, reduction) -> dict:
         o = reduction.options
         cost = "imp^g·(1 − cos) to ToMe's match" if o.partner == "cosine" else "the imp-weighted first-order error of the pair"
         scored = f"head on block {o.score_layer}'s output" if o.head is not None else "no head: every token counts 1"
-        return {"method": self.name, "selection": f"lowest {cost} (g = {o.guard:g}, {scored}), r per block {o.block_range}",
+        blocks = (f"r per block {o.block_range}" if o.early_merges != AUTO else
+                  f"r per block after block {o.score_layer} while ToMe's FLOP ratio at r is at most {GUARDED_REACH:g}×, "
+                  "in every block beyond")
+        blocks += f", {AUTO_SCHEDULE} schedule" if o.schedule == AUTO else ""
+        defaults = " (defaults)" if o.schedule == AUTO and o.early_merges == AUTO else ""
+        return {"method": self.name + defaults, "selection": f"lowest {cost} (g = {o.guard:g}, {scored}), {blocks}",
                 "averaging": "size-weighted, proportional attention; merged tokens restored to their sources"}
 
     def begin(self, reduction, merges: list[int]) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Optional
+from typing import ClassVar, Literal, NamedTuple, Optional
 
 import torch
 
@@ -93,15 +93,17 @@ class ToMeOptions:
     """``r``: tokens merged per block (required); ``schedule``: ``constant`` or ``decreasing`` (from
     2r to 0, :func:`merges_per_block`); ``block_range``: ``(start, stop)``, the blocks that merge
     (0-based, ``stop`` excluded; None: all). The options of every method that takes ToMe's budget
-    subclass it (their own fields after these, checked in ``__post_init__`` after ``super()``'s)."""
+    subclass it (their own fields after these, checked in ``__post_init__`` after ``super()``'s);
+    one whose method chooses the schedule at resolve time sets ``schedule_auto`` (``"auto"`` allowed)."""
 
+    schedule_auto: ClassVar[bool] = False
     r: Optional[int] = None
     schedule: Literal["constant", "decreasing"] = "constant"
     block_range: Optional[tuple[int, int]] = None
 
     def __post_init__(self):
         object.__setattr__(self, "r", checked_r(self.r))
-        object.__setattr__(self, "schedule", one_of("schedule", self.schedule, SCHEDULES, auto=False))
+        object.__setattr__(self, "schedule", one_of("schedule", self.schedule, SCHEDULES, auto=self.schedule_auto))
         object.__setattr__(self, "block_range", checked_block_range(self.block_range))
 
 
