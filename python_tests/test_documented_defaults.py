@@ -72,12 +72,12 @@ def _train_parser() -> argparse.ArgumentParser:
 @pytest.mark.parametrize("option,documented", [
     ("--targets", "randnla"),  # "RandNLA targets with q = 1 power round (--targets randnla --power 1)"
     ("--power", 1),
-    ("--hidden", 256),  # "Hidden 256, 4 heads"
-    ("--heads", 4),
+    ("--hidden", None),  # "A head sized to the backbone by default (--hidden, --heads, --mlp-hidden unset ...)"
+    ("--heads", None),
     ("--w-rank", 0.5),  # "w_rank = 0.5"
     ("--target", "imp"),  # "imp*, not the plain block norm (--target imp)"
     ("--ema", 0.0),  # "Weight averaging (--ema 0.999, off by default)"
-    ("--mlp-hidden", 0),  # "--mlp-hidden N adds a per-token MLP": none unless given
+    ("--mlp-hidden", None),  # sized with the head unless given
 ])
 def test_the_train_defaults_metric_md_names_are_the_parser_defaults(option, documented):
     page = (DOCS / "metric.md").read_text()
