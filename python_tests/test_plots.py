@@ -353,7 +353,7 @@ def test_every_quality_figure_draws_a_method_in_its_one_colour_and_marks_ours():
     colours = method_colours()
     assert list(colours) == [m.name for m in all_methods()]
     assert len({to_hex(c) for c in colours.values()}) == len(colours)
-    strong = {to_hex(c) for c in matplotlib.colormaps["tab10"].colors}
+    strong = {to_hex(c) for name in ("tab10", "Dark2") for c in matplotlib.colormaps[name].colors}
     assert all(to_hex(colours[m.name]) in strong for m in all_methods() if m.ours or m.kind == "original")
     seen: dict = {}
     for build in (cls_quality_result, depth_quality_result):

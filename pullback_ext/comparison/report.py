@@ -27,12 +27,13 @@ def write_text(text: str, path: str | os.PathLike) -> Path:
 def method_colours() -> dict:
     """The one colour table of every figure that draws methods: ``{method name: RGBA}`` for each
     method of the registry (:func:`pullback_ext.prune.methods.all_methods`), in its order. The
-    strong tab10 colours go to ours first, then to the original methods, then to the criteria;
-    the light tab20 shades after them."""
+    strong colours (tab10, then Dark2) go to ours first, then to the original methods, then to the
+    criteria; the light tab20 shades after them."""
     from pullback_ext.prune.methods import all_methods
 
     plt = pyplot()
-    table = [plt.get_cmap("tab10")(i) for i in range(10)] + [plt.get_cmap("tab20")(2 * i + 1) for i in range(10)]
+    strong = [plt.get_cmap("tab10")(i) for i in range(10)] + [plt.get_cmap("Dark2")(i) for i in range(8)]
+    table = strong + [plt.get_cmap("tab20")(2 * i + 1) for i in range(10)]
     methods = all_methods()
     ranked = sorted(range(len(methods)), key=lambda i: (0 if methods[i].ours else 1 if methods[i].kind == "original" else 2, i))
     colour = {methods[i].name: table[k % len(table)] for k, i in enumerate(ranked)}
