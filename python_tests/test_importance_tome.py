@@ -307,3 +307,31 @@ def test_a_sweep_of_r_alone_gives_one_defaults_row():
     labels = {row_label(red) for red in reductions}
     assert len(labels) == 1 and labels.pop().startswith("importance_tome (defaults) · ")
     assert [red.options.block_range for red in reductions] == [(2, 8), (2, 8), (0, 8), (0, 8)]
+
+
+def test_the_default_sweep_adds_a_defaults_row_beside_every_setting():
+    """Without ``--sweep`` the page gets both: every ``r × schedule × early_merges`` point, and the
+    defaults row swept over ``r`` alone (with each swept head); a ``--sweep`` of another field is the
+    only sweep."""
+    from types import SimpleNamespace
+
+    from pullback_ext.commands.evaluate_pareto import build_points, parse_sweeps
+    from pullback_ext.comparison import pareto
+
+    base = {"layers": (2,), "mode": "merge", "preset": "recommended"}
+    head = {"importance": lambda F: F.norm(dim=-1)}
+    backbone = SimpleNamespace(depth=8, num_prefix=1, has_cls=True, tasks=("cls",), num_patches=196)
+
+    def rows(given):
+        points = build_points(("importance_tome",), parse_sweeps(given), base, head, None, (0.1,))
+        labels = [row_label(pareto.resolve(p.options, backbone)) for p in points]
+        defaults = [p.knob for p, label in zip(points, labels) if label.startswith("importance_tome (defaults) · ")]
+        return points, defaults
+
+    points, defaults = rows([])
+    rs = (2, 4, 8, 12, 16, 20, 24, 28, 32)
+    assert len(points) == 4 * len(rs) + len(rs) and defaults == [{"r": r} for r in rs]
+    _, defaults = rows(["importance_tome:r=4,8", "importance_tome:head=trained,none"])
+    assert defaults == [{"r": r, "head": h} for r in (4, 8) for h in ("trained", "none")]
+    points, defaults = rows(["importance_tome:schedule=constant"])
+    assert defaults == [] and len(points) == 2 * len(rs)

@@ -7,7 +7,9 @@ replaces one field of one method. ``--tap DIR[,DIR]`` adds one row per TAP check
 keep rate ρ (:data:`TAP_RHOS`, η = 1 − ρ; ``--sweep tap:ratio=η1,η2`` replaces them), and beside it a
 one-point row at ρ = 1: what the register, and TAP-J's adapted backbone, cost in quality with nothing
 removed. A method whose head is optional (``importance_tome``) also sweeps ``head=trained,none``: the
-``--head`` checkpoint, or no head; each gives its own row.
+``--head`` checkpoint, or no head; each gives its own row. A method with more knobs than the one a
+user sets (``importance_tome``: ``r``; its ``schedule`` and ``early_merges`` follow from it) adds a
+row of its defaults, swept over that knob alone.
 """
 
 from __future__ import annotations
@@ -65,6 +67,20 @@ def method_grid(method: str, mode: str, ratios: tuple, given: dict) -> dict:
     return grid
 
 
+def method_grids(method: str, mode: str, ratios: tuple, given: dict) -> list:
+    """The grids of method ``method``'s rows: :func:`method_grid`, then, for a method with a
+    ``defaults_sweep``, that grid (its fields and ``head`` taken from ``given``): the method with every
+    other option at its default. That row is left out when ``given`` sets another field: the sweep
+    the user asked for is then the only one."""
+    from pullback_ext.prune import methods
+
+    grids = [method_grid(method, mode, ratios, given)]
+    defaults, own = methods.get(method).defaults_sweep, given.get(method, {})
+    if defaults and set(own) <= set(defaults) | {"head"}:
+        grids.append(defaults | own)
+    return grids
+
+
 def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ratios: tuple) -> list:
     """:class:`~pullback_ext.comparison.pareto.Point` s of every method's grid. ``base``: the options the
     single-stage methods share (``layers``, ``mode``, ``preset``)."""
@@ -85,21 +101,22 @@ def build_points(methods: tuple, given: dict, base: dict, scorers: dict, spn, ra
             needed = (f"--trained {method}=DIR (a folder of {m.trained_by})" if m.trained_by else
                       "--oracle" if m.head_from == "oracle" else "--head CKPT")
             raise PullbackError(f"--methods: {method!r} needs {needed}")
-        grid = method_grid(method, base["mode"], ratios, given)
         fixed = m.sweep_base(base)
         if m.head_from in scorers:
             fixed["head"] = scorers[m.head_from]
             if spn is not None and base["mode"] == "merge" and "spn" in m.takes:
                 fixed["spn"] = spn
-        heads = _swept_heads(method, m, grid, fixed.pop("head", None))
-        for combo in itertools.product(*grid.values()):
-            knob = dict(zip(grid, combo))
-            head = heads[knob.get("head", "trained")]
-            try:
-                options = ReductionOptions(strategy=method, **fixed, **{**knob, "head": head})
-            except PullbackError as exc:
-                raise PullbackError(f"--sweep {method}: {exc}") from None
-            points.append(Point(options=options, knob=knob))
+        trained = fixed.pop("head", None)
+        for grid in method_grids(method, base["mode"], ratios, given):
+            heads = _swept_heads(method, m, grid, trained)
+            for combo in itertools.product(*grid.values()):
+                knob = dict(zip(grid, combo))
+                head = heads[knob.get("head", "trained")]
+                try:
+                    options = ReductionOptions(strategy=method, **fixed, **{**knob, "head": head})
+                except PullbackError as exc:
+                    raise PullbackError(f"--sweep {method}: {exc}") from None
+                points.append(Point(options=options, knob=knob))
     return points
 
 

@@ -12,7 +12,8 @@ states what it needs of a model (:class:`Needs`, matched against a family's :cla
 - :meth:`Method.patch_tokens_per_block`: its patch-token count after each block (for η and FLOPs);
 
 plus :meth:`Method.describe` (the selection and averaging rules its comparison rows are labelled
-by) and ``sweep`` (the knob values ``pullback evaluate --pareto`` sweeps by default).
+by) and ``sweep`` (the knob values ``pullback evaluate --pareto`` sweeps by default; a method with
+more knobs than one also names in ``defaults_sweep`` the one a user sets, for a row of its defaults).
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class Method:
     own_loop: bool = False  # keeps its own token state (Hugging Face layers run on its current tokens directly)
     staged: bool = False  # reduces at the single-stage ``layers`` by ``ratio`` (swept like them)
     sweep: dict = {}  # default --pareto sweep: {field: values}
+    defaults_sweep: dict = {}  # one more --pareto row: these fields swept, the rest at their defaults
     head_from: Optional[str] = None  # the scorer its head= is ("importance": a trained head, "oracle": imp*)
     head_optional: bool = False  # runs without a head too
     trained_by: Optional[str] = None  # the command whose output folder its head= is (a learned module of its own)

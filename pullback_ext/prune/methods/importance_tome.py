@@ -223,6 +223,7 @@ class ImportanceToMe(MergingMethod):
     takes = ("prop_attn", "head")
     needs = Needs(split_blocks="it merges between attention and MLP")
     sweep = {"r": (2, 4, 8, 12, 16, 20, 24, 28, 32), "schedule": ("constant", "decreasing"), "early_merges": (False, True)}
+    defaults_sweep = {"r": sweep["r"]}  # the one knob: schedule and early_merges chosen from r
 
     def checked_head(self, head, layers: tuple):
         if head is not None and (isinstance(head, (list, tuple)) or not callable(head)):
