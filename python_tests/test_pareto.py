@@ -269,7 +269,7 @@ def test_speedup_interval_against_a_numpy_bootstrap_and_by_hand():
 
 def _timed_point(row, speedup, low, high, error):
     return {"row": row, "cost": {"speedup_batch4": speedup, "speedup_batch4_ci90": [low, high]},
-            "error": {stat: error for stat in ("mean", "p95", "worst")}}
+            "error": {stat: error for stat in ("mean", "median", "p95", "worst")}}
 
 
 def test_within_noise_is_an_overlap_of_the_rows_error_bands():
@@ -288,7 +288,7 @@ def test_within_noise_is_an_overlap_of_the_rows_error_bands():
     rows, targets = ["a", "b", "c", "d"], [1.25, 1.45]
     matched = {stat: {row: {f"{t:g}": matched_error([p["cost"]["speedup_batch4"] for p in points if p["row"] == row],
                                                     [p["error"][stat] for p in points if p["row"] == row], t) for t in targets}
-                      for row in rows} for stat in ("mean", "p95", "worst")}
+                      for row in rows} for stat in ("mean", "median", "p95", "worst")}
     mark_noise(matched, points, rows, "speedup_batch4", targets)
     at = {row: matched["mean"][row]["1.25"] for row in rows}
     # a [0.020, 0.050] and c [0.040, 0.100] overlap; b [2.5, 4.0] overlaps d [5, ∞) of neither: b is settled

@@ -41,7 +41,7 @@ from pullback_ext.errors import PullbackError
 from pullback_ext.prune.reduction_options import BackboneShape, Reduction, ReductionOptions
 
 MATCHED_SPEEDUPS = (1.1, 1.25, 1.5, 2.0)
-STATISTICS = ("mean", "p95", "worst")
+STATISTICS = ("mean", "median", "p95", "worst")
 TIME_REPEATS = 7  # interleaved timing rounds of a page: the fewest that give its speed-up intervals
 @dataclass(frozen=True)
 class Point:

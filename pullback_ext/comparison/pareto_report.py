@@ -47,12 +47,12 @@ def cost_note(result: dict) -> str:
 
 
 def matched_tables(result: dict) -> str:
-    """One table per cost axis (FLOPs first): each row's mean / p95 / worst-image error at the matched speed-ups."""
+    """One table per cost axis (FLOPs first): each row's mean / median / p95 / worst-image error at the matched speed-ups."""
     targets = [f"{t:g}" for t in result["targets"]]
     out = []
     for axis in cost_axes(result["batches"]):
         noise = "" if axis == "flop_ratio" else ", ≈ within noise"
-        out.append(f"**{result['metric']} at matched {axis_title(axis)}** (mean / p95 / worst image; "
+        out.append(f"**{result['metric']} at matched {axis_title(axis)}** (mean / median / p95 / worst image; "
                    f"– not reachable, ≤ the row's slowest setting{noise})\n")
         out.append("| row | " + " | ".join(f"{t}×" for t in targets) + " | fastest reached |")
         out.append("|---|" + "---|" * (len(targets) + 1))
