@@ -337,3 +337,28 @@ def test_a_method_trained_by_its_own_command_gets_its_rows_from_trained(tmp_path
                            (["--trained", f"dtem={tmp_path / 'missing'}"], "missing")]:
         assert main(base + flags + ["--overwrite"]) == 2, flags  # --out holds the run above
         assert message in capsys.readouterr().err, flags
+
+
+def test_the_standings_name_our_best_row_against_the_best_other_and_every_target_where_ours_trails():
+    from pullback_ext.comparison.pareto_report import standings
+
+    def cell(value):
+        return None if value is None else {"value": value, "bound": False}
+
+    rows = {"importance_tome · guarded": ("importance_tome", {"mean": (1.0, 4.0), "p95": (2.0, None)}),
+            "importance_tome (defaults) · guarded": ("importance_tome", {"mean": (0.5, 8.0), "p95": (3.0, None)}),
+            "tome · bipartite": ("tome", {"mean": (2.0, 3.0), "p95": (4.0, 6.0)}),
+            "dtem · learned": ("dtem", {"mean": (1.5, 2.0), "p95": (None, None)})}
+    result = {"rows": list(rows), "targets": [1.1, 2.0],
+              "points": [{"row": row, "options": {"strategy": strategy}} for row, (strategy, _) in rows.items()],
+              "matched": {"flop_ratio": {stat: {row: {t: cell(errors[stat][i]) for i, t in enumerate(("1.1", "2"))}
+                                                for row, (_, errors) in rows.items()} for stat in ("mean", "p95")}}}
+    text = standings(result)
+    # 1.1× mean: ours 0.5 (the defaults row) against dtem's 1.5 -> 3×; p95: ours 2 against tome's 4 -> 2×
+    assert "| 1.1× | mean | 0.500 (importance_tome (defaults)) | 1.500 (dtem) | ours leads, 3× |" in text
+    assert "| 1.1× | p95 | 2.000 (importance_tome) | 4.000 (tome) | ours leads, 2× |" in text
+    # 2× mean: ours 4 against dtem's 2 -> trails 2×; p95: no row of ours reaches 2×
+    assert "| 2× | mean | 4.000 (importance_tome) | 2.000 (dtem) | **ours trails**, 2× |" in text
+    assert "| 2× | p95 | – | 6.000 (tome) | only others reach it |" in text
+    assert "Ours trails at 2× mean (behind dtem); 2× p95 (not reached by ours)." in text
+    assert standings({**result, "rows": [r for r in rows if r.startswith("tome")]}) == ""

@@ -46,6 +46,12 @@ def cost_note(result: dict) -> str:
     return f"{result['flops']} The FLOP ratio is the stable axis and its table comes first.{timing}\n"
 
 
+def stats(table: dict) -> list:
+    """The statistics of :data:`~pullback_ext.comparison.pareto.STATISTICS` a matched table holds (a
+    result written before the median was added holds mean, p95 and worst)."""
+    return [stat for stat in STATISTICS if stat in table]
+
+
 def matched_tables(result: dict) -> str:
     """One table per cost axis (FLOPs first): each row's mean / median / p95 / worst-image error at the matched speed-ups."""
     targets = [f"{t:g}" for t in result["targets"]]
@@ -57,7 +63,8 @@ def matched_tables(result: dict) -> str:
         out.append("| row | " + " | ".join(f"{t}×" for t in targets) + " | fastest reached |")
         out.append("|---|" + "---|" * (len(targets) + 1))
         for row in result["rows"]:
-            cells = [" / ".join(_cell(result["matched"][axis][stat][row][t]) for stat in STATISTICS) for t in targets]
+            cells = [" / ".join(_cell(result["matched"][axis][stat][row][t]) for stat in stats(result["matched"][axis]))
+                     for t in targets]
             out.append(f"| {row} | " + " | ".join(cells) + f" | {_fastest(result, row, axis)} |")
         out.append("")
     return "\n".join(out)
@@ -87,8 +94,58 @@ def points_table(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def row_method(result: dict, row: str):
+    """The registered method of the points of row ``row``."""
+    from pullback_ext.prune.methods import get
+
+    return get(next(p["options"]["strategy"] for p in result["points"] if p["row"] == row))
+
+
+def row_name(row: str) -> str:
+    """A row's short name: its method as the row states it (``importance_tome (defaults)``)."""
+    return row.split(" · ", 1)[0]
+
+
+def standings(result: dict, axis: str = "flop_ratio") -> str:
+    """Ours against the field at matched cost on ``axis``: at each target and statistic, the lowest
+    matched error among the rows of our methods and among every other row, and the factor by which
+    ours leads (the other's error / ours) or trails (ours / the other's). Empty without a row of ours
+    or of another method."""
+    ours = [row for row in result["rows"] if row_method(result, row).ours]
+    others = [row for row in result["rows"] if row not in ours]
+    if not ours or not others:
+        return ""
+    table = result["matched"][axis]
+
+    def best(rows, stat, t):
+        found = [(table[stat][row][t], row) for row in rows if table[stat][row][t] is not None]
+        return min(found, key=lambda f: f[0]["value"], default=None)
+
+    out = [f"**Ours against the best other method at matched {axis_title(axis)}** (the lowest error among our rows, "
+           "and among every other row; – where a side does not reach the target)\n",
+           "| target | statistic | ours | best other | standing |", "|---|---|---|---|---|"]
+    trails = []
+    for t in (f"{t:g}" for t in result["targets"]):
+        for stat in stats(table):
+            mine, theirs = best(ours, stat, t), best(others, stat, t)
+            cells = [f"{_cell(e)} ({row_name(row)})" if e else "–" for e, row in (mine or (None, None), theirs or (None, None))]
+            if mine and theirs:
+                a, b = mine[0]["value"], theirs[0]["value"]
+                lead = a < b or a == b == 0
+                standing = (f"ours leads, {b / a:.3g}×" if a > 0 else "ours leads (ours 0)") if lead else \
+                    f"**ours trails**, {a / b:.3g}×" if b > 0 else "**ours trails** (theirs 0)"
+                trails += [] if lead else [f"{t}× {stat} (behind {row_name(theirs[1])})"]
+            else:
+                standing = "only ours reaches it" if mine else "only others reach it" if theirs else "–"
+                trails += [f"{t}× {stat} (not reached by ours)"] if theirs and not mine else []
+            out.append(f"| {t}× | {stat} | {cells[0]} | {cells[1]} | {standing} |")
+    out.append("\n" + ("Ours trails at " + "; ".join(trails) + "." if trails else "Ours leads at every target and statistic.") + "\n")
+    return "\n".join(out) + "\n"
+
+
 def markdown(result: dict) -> str:
-    return cost_note(result) + "\n" + matched_tables(result) + "\n**Every point**\n\n" + points_table(result)
+    return (cost_note(result) + "\n" + standings(result) + "\n" + matched_tables(result) + "\n**Every point**\n\n"
+            + points_table(result))
 
 
 def page_renderer(plot_name: str):
