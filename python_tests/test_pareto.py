@@ -161,7 +161,7 @@ def test_pareto_command_end_to_end(tmp_path, capsys, clean_checkout):
     assert all("within_noise" in cell for cells in result["matched"]["speedup_batch2"]["mean"].values()
                for cell in cells.values() if cell is not None)
     assert any("ToMe bipartite matching" in row for row in result["rows"])
-    assert "| row | 1.1× | 1.25× | 1.5× | 2× | fastest reached |" in capsys.readouterr().out
+    assert "| row | 1.1× | 1.25× | 1.5× | 2× | 3× | fastest reached |" in capsys.readouterr().out
 
 
 def test_a_page_needs_seven_timing_rounds_and_a_clean_checkout(tmp_path, capsys, monkeypatch):
