@@ -1,13 +1,14 @@
-"""``builtin:photos``: square crops of the colour natural photographs that ship inside the
-scikit-image and scikit-learn wheels (read from the installed packages' folders; nothing is
-downloaded, skimage's fetchers are never called).
+"""``builtin:photos``: square crops of every photograph that ships inside the scikit-image and
+scikit-learn wheels (read from the installed packages' folders; nothing is downloaded, skimage's
+fetchers are never called): colour and grayscale (read as RGB), natural, microscopy, medical and
+telescope images alike; the synthetic images and the non-image files are not photographs.
 
 The photographs are :data:`PHOTOS`. From each one, :func:`build_manifest` draws crops at every
 scale of :data:`SCALES` (a square whose side is that fraction of the photograph's shorter side,
 at a uniformly drawn position; distinct boxes) with the fixed seed :data:`CROP_SEED`, then puts
 all crops in one fixed order: rounds of one crop of each photograph (the photographs shuffled in
 every round, each photograph's crops in a shuffled order of their scales), so that crops
-``7k .. 7k + 6`` are the seven photographs and any range of crops mixes photographs and scales.
+``Pk .. Pk + P - 1`` are the ``P`` photographs and any range of crops mixes photographs and scales.
 The result is shipped as ``photos_manifest.json`` (every crop's package, file, licence, box and
 scale, and each photograph's size and sha256), regenerated with ``python -m
 pullback_ext.sources.photos``; the source reads the shipped file, so the crops are the same in
@@ -71,6 +72,44 @@ PHOTOS = (
     Photo("motorcycle_left", "scikit-image", "skimage", "data/motorcycle_left.png", "not stated",
           "Middlebury 2014 stereo benchmark (Scharstein et al., GCPR 2014), left view downsampled 4x; scikit-image states "
           f"no licence ({_SKIMAGE_DOC.format('stereo_motorcycle')})"),
+    Photo("motorcycle_right", "scikit-image", "skimage", "data/motorcycle_right.png", "not stated",
+          "Middlebury 2014 stereo benchmark (Scharstein et al., GCPR 2014), right view downsampled 4x; scikit-image states "
+          f"no licence ({_SKIMAGE_DOC.format('stereo_motorcycle')})"),
+    Photo("hubble_deep_field", "scikit-image", "skimage", "data/hubble_deep_field.jpg", "public domain",
+          "NASA, HubbleSite 2012/37; 'may be freely used in the public domain' "
+          f"({_SKIMAGE_DOC.format('hubble_deep_field')})"),
+    Photo("ihc", "scikit-image", "skimage", "data/ihc.png", "no known copyright restrictions",
+          "Center for Microscopy And Molecular Imaging (CMMI), colonic glands, IHC staining; 'No known copyright "
+          f"restrictions.' ({_SKIMAGE_DOC.format('immunohistochemistry')})"),
+    Photo("retina", "scikit-image", "skimage", "data/retina.jpg", "CC0",
+          "Mikael Häggström, wikimedia 'Fundus photograph of normal left eye'; 'Creative Commons CC0 1.0 Universal "
+          f"Public Domain Dedication' ({_SKIMAGE_DOC.format('retina')})"),
+    Photo("camera", "scikit-image", "skimage", "data/camera.png", "CC0",
+          f"Lav Varshney; 'No copyright restrictions. CC0 by the photographer' ({_SKIMAGE_DOC.format('camera')})"),
+    Photo("brick", "scikit-image", "skimage", "data/brick.png", "CC0",
+          f"CC0Textures 'Bricks25', perspective-corrected, rotated and cropped by scikit-image ({_SKIMAGE_DOC.format('brick')})"),
+    Photo("grass", "scikit-image", "skimage", "data/grass.png", "CC0",
+          f"DeviantArt user linolafett 'Grass-01', cropped and made grayscale by scikit-image ({_SKIMAGE_DOC.format('grass')})"),
+    Photo("gravel", "scikit-image", "skimage", "data/gravel.png", "CC0",
+          f"CC0Textures 'Gravel04', rescaled, cropped and made grayscale by scikit-image ({_SKIMAGE_DOC.format('gravel')})"),
+    Photo("moon", "scikit-image", "skimage", "data/moon.png", "not stated",
+          f"the surface of the moon, low contrast; scikit-image states no source or licence ({_SKIMAGE_DOC.format('moon')})"),
+    Photo("coins", "scikit-image", "skimage", "data/coins.png", "no known copyright restrictions",
+          f"Greek coins from Pompeii, Brooklyn Museum Collection; 'No known copyright restrictions.' ({_SKIMAGE_DOC.format('coins')})"),
+    Photo("cell", "scikit-image", "skimage", "data/cell.png", "CC0",
+          "Paul Müller et al., Optics Express 26(8) 2018, a quantitative phase image of a cell; 'This image is CC0' "
+          f"({_SKIMAGE_DOC.format('cell')})"),
+    Photo("clock_motion", "scikit-image", "skimage", "data/clock_motion.png", "public domain",
+          f"Stefan van der Walt, a motion-blurred wall clock; 'Released into the public domain by the photographer' "
+          f"({_SKIMAGE_DOC.format('clock')})"),
+    Photo("page", "scikit-image", "skimage", "data/page.png", "not stated",
+          f"a scanned page of printed text; scikit-image states no source or licence ({_SKIMAGE_DOC.format('page')})"),
+    Photo("text", "scikit-image", "skimage", "data/text.png", "public domain",
+          f"Wikipedia 'File:Corner.png'; 'No known copyright restrictions, released into the public domain.' "
+          f"({_SKIMAGE_DOC.format('text')})"),
+    Photo("microaneurysms", "scikit-image", "skimage", "data/microaneurysms.png", "CC0",
+          "Andreas Maier, a detail of image 07_dr of the High-Resolution Fundus database (green channel); 'No copyright "
+          f"restrictions. CC0 given by owner' ({_SKIMAGE_DOC.format('microaneurysms')})"),
     Photo("china", "scikit-learn", "sklearn", "datasets/images/china.jpg", "CC BY 2.0",
           f"'Some rights reserved by danielbuechele', flickr.com/photos/danielbuechele/6061409035 ({_SKLEARN_README})"),
     Photo("flower", "scikit-learn", "sklearn", "datasets/images/flower.jpg", "CC BY 2.0",
