@@ -39,8 +39,10 @@ class Head(torch.nn.Module):
 
 def reduction(model, head, r: int, schedule: str = "constant", **extra):
     """The reduction ``patch.timm(model, strategy="importance_tome", ...)`` runs (``early_merges``
-    explicit, False unless given: the settings every test below fixes, whatever ``auto`` would choose)."""
-    options = ReductionOptions(strategy="importance_tome", head=head, r=r, schedule=schedule, **{"early_merges": False, **extra})
+    explicit, False unless given, and ``shrink`` 0 unless given: the settings every test below fixes,
+    whatever the defaults are)."""
+    options = ReductionOptions(strategy="importance_tome", head=head, r=r, schedule=schedule,
+                               **{"early_merges": False, "shrink": 0.0, **extra})
     return options.resolve(timm_vit.backbone_shape(model))
 
 
@@ -64,6 +66,9 @@ CASES = {
     "bound_decreasing": dict(r=4, schedule="decreasing", score_layer=1, guard=1.0, partner="bound"),
     "bound_block_range": dict(r=3, schedule="decreasing", score_layer=0, guard=1.0, partner="bound", block_range=(2, 4)),
     "tome_before_the_score": dict(r=2, schedule="constant", score_layer=1, guard=1.0, partner="bound", block_range=(0, 4)),
+    "bound_shrunk": dict(r=3, schedule="constant", score_layer=0, guard=1.0, partner="bound", shrink=0.3),
+    "shrunk_after_tome": dict(r=2, schedule="constant", score_layer=1, guard=2.0, partner="cosine", block_range=(0, 4),
+                              shrink=0.6),
 }
 
 
@@ -103,6 +108,22 @@ def test_r_zero_is_bit_identical_to_the_unpatched_blocks():
         final, taken = run_guarded(model, x, reduction(model, Head(32, torch.float32), 0), take={2})
         assert torch.equal(final, expected)
         assert torch.equal(taken[2], model.blocks[:3](h))
+
+
+def test_shrink_one_merges_as_without_a_head_and_zero_as_the_head_scores():
+    """``shrink=1`` gives every token its image's mean energy: the costs of no head, scaled by one
+    number per image, so the same merges; the reference sees the shrink (0.5 differs from 0)."""
+    model, head, x = tiny_vit(depth=4, dim=32).double(), Head(32, torch.float64), images(2).double()
+    with torch.no_grad():
+        full = run_guarded(model, x, reduction(model, head, 3, score_layer=0, shrink=1.0))[0]
+        none = run_guarded(model, x, reduction(model, None, 3, score_layer=0))[0]
+        torch.testing.assert_close(full, none, rtol=0, atol=1e-12)
+        tokens = embed(model, x)[0]
+        groups = {s: reference(model, head, tokens, 3, "constant", 0, 1.0, "bound", shrink=s)[2] for s in (0.0, 0.5)}
+        assert groups[0.0] != groups[0.5]
+    for bad in (-0.1, 1.5, float("nan"), "0.5"):
+        with pytest.raises(PullbackError, match="shrink must be a number in \\[0, 1\\]"):
+            reduction(model, head, 3, shrink=bad)
 
 
 @pytest.mark.parametrize("partner", importance_tome.PARTNERS)
@@ -200,7 +221,7 @@ def test_patch_timm_runs_the_method_and_r_zero_is_the_unpatched_model():
         assert torch.equal(model.forward_features(x), expected)
         patch.timm(model, strategy="importance_tome", head=head, r=3)
         final = model.forward_features(x)
-        ours = model.norm(run_guarded(model, x, reduction(model, head, 3, early_merges=True))[0])
+        ours = model.norm(run_guarded(model, x, reduction(model, head, 3, early_merges=True, shrink=importance_tome.SHRINK))[0])
     assert torch.equal(final, ours) and not torch.equal(final, expected)
     assert patch.config(model).block_range == (0, 4)  # r = 3 on 16 patches: ToMe would reach 1.62× (auto, below)
     assert patch.config(patch.timm(model, strategy="importance_tome", head=head, r=3, early_merges=False)).block_range == (2, 4)
@@ -247,7 +268,7 @@ def test_auto_merges_early_exactly_where_tome_at_r_would_pass_the_guarded_reach(
 def test_auto_runs_bit_identically_to_the_explicit_setting_it_chooses(r, early):
     model, head, x = tiny_vit(depth=4), Head(32, torch.float32), images(2)
     auto = ReductionOptions(strategy="importance_tome", head=head, r=r).resolve(timm_vit.backbone_shape(model))
-    explicit = reduction(model, head, r, "constant", early_merges=early)
+    explicit = reduction(model, head, r, "constant", early_merges=early, shrink=importance_tome.SHRINK)
     with torch.no_grad():
         ours, theirs = run_guarded(model, x, auto, take={1}), run_guarded(model, x, explicit, take={1})
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1][1], theirs[1][1])
@@ -264,8 +285,8 @@ def test_explicit_settings_keep_their_blocks_labels_and_need_no_patch_count():
     red = ReductionOptions(strategy="importance_tome", head=lambda F: F.norm(dim=-1), r=8, schedule="constant",
                            early_merges=False).resolve(DEMO)
     assert row_label(red) == ("importance_tome · lowest the imp-weighted first-order error of the pair (g = 1, head on block 1's "
-                              "output), r per block (2, 8) · size-weighted, proportional attention; merged tokens restored to "
-                              "their sources")  # the label of the generated pages' rows
+                              "output, imp² shrunk 0.2 toward the image's mean), r per block (2, 8) · size-weighted, "
+                              "proportional attention; merged tokens restored to their sources")  # the label of the pages' rows
     with pytest.raises(PullbackError, match="early_merges='auto' chooses from r and the model's patch-token count"):
         ReductionOptions(strategy="importance_tome", r=8).resolve(unknown)
     given = ReductionOptions(strategy="importance_tome", r=8, block_range=(1, 8)).resolve(unknown)
@@ -330,7 +351,7 @@ def test_the_default_sweep_adds_a_defaults_row_beside_every_setting():
 
     points, defaults = rows([])
     rs = (2, 4, 8, 12, 16, 20, 24, 28, 32)
-    assert len(points) == 4 * len(rs) + len(rs) and defaults == [{"r": r} for r in rs]
+    assert len(points) == 4 * len(rs) + len(rs) + 2 and defaults == [{"r": r} for r in (*rs, 40, 48)]
     _, defaults = rows(["importance_tome:r=4,8", "importance_tome:head=trained,none"])
     assert defaults == [{"r": r, "head": h} for r in (4, 8) for h in ("trained", "none")]
     points, defaults = rows(["importance_tome:schedule=constant"])

@@ -83,9 +83,10 @@ def schedule_of(r: int, schedule: str, start: int, stop: int, depth: int) -> lis
 
 
 def reference(model, head, x: torch.Tensor, r: int, schedule: str, score_layer: int, guard: float, partner: str,
-              block_range=None, take=()):
+              block_range=None, take=(), shrink: float = 0.0):
     """Float64 loop reference of one image ``x [N, D]`` (the embedded tokens): final and taken
-    full-length features, and the groups of original tokens at the end."""
+    full-length features, and the groups of original tokens at the end. ``shrink``: every original
+    patch token's imp² moved that far toward their average over the image's original patch tokens."""
     p, depth = int(model.num_prefix_tokens), len(model.blocks)
     start, stop = block_range or (score_layer + 1, depth)
     merges = schedule_of(r, schedule, start, stop, depth)
@@ -103,7 +104,10 @@ def reference(model, head, x: torch.Tensor, r: int, schedule: str, score_layer: 
             merged = True
         x = x + block.mlp(block.norm2(x))
         if i == score_layer and any(merges):
-            energy = [float(v) ** 2 * s for v, s in zip(head(x[None])[0], sizes)]
+            per_original = [float(v) ** 2 for v in head(x[None])[0]]  # imp² of each original token it holds
+            originals = [t for t in range(p, len(groups)) for _ in groups[t]]
+            average = sum(per_original[t] for t in originals) / len(originals)
+            energy = [((1 - shrink) * e + shrink * average) * s for e, s in zip(per_original, sizes)]
         if i in take:
             taken[i] = unmerge(x, groups, n)
     return unmerge(x, groups, n), taken, groups

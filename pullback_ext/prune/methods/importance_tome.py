@@ -32,7 +32,10 @@ of the token that holds it (merge-and-restore,
 
 Options: ``head`` (None: every original token counts 1, and the cost is the size-weighted merge
 cost alone, no head run), ``prop_attn``, and its own (:class:`ImportanceToMeOptions`; defaults
-chosen on held-out photo crops, docs/importance_tome_findings.md).
+chosen on held-out photo crops, docs/importance_tome_findings.md), ``shrink`` among them: each
+token's ``imp²`` moved part of the way (:data:`SHRINK`) toward its image's mean (:func:`shrunk`) before step 1's
+energies, so that a head wrong about an image unlike its training scenes cannot make a merge of
+dissimilar tokens nearly free.
 
 ``r`` is the one knob: with ``schedule`` and ``early_merges`` left at ``"auto"`` the method chooses
 them from ``r`` when it is resolved (:func:`auto_setting`): the constant schedule, and ToMe's rule
@@ -69,6 +72,11 @@ GUARDED_REACH = 1.5
 # What schedule="auto" runs: the schedule the demo's headline applies that crossover at (the
 # held-out crops compare the two block_range settings, not the two schedules).
 AUTO_SCHEDULE = "constant"
+# How far each token's imp² moves toward its image's mean by default: chosen on held-out photo
+# crops (110-219 of builtin:photos, CLS and depth) by the geometric mean of our matched errors over
+# ToMe's (docs/importance_tome_findings.md, §5): a wrong importance on an image unlike the head's
+# training scenes then cannot make a merge of dissimilar tokens nearly free.
+SHRINK = 0.2
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,9 @@ class ImportanceToMeOptions(ToMeOptions):
     ToMe's own ranking); ``partner``: ``bound`` (the smallest first-order error of the pair) or
     ``cosine`` (ToMe's match); ``early_merges``: with ``block_range=None``, the blocks up to
     ``score_layer`` merge too, by ToMe's rule (further reach, at a cost); ``auto``: chosen from
-    ``r`` (:func:`auto_setting`)."""
+    ``r`` (:func:`auto_setting`); ``shrink`` in [0, 1]: each token's ``imp²`` moved that far toward
+    its image's mean ``imp²`` before it becomes an energy (:func:`shrunk`; 0: the head as it scores, 1:
+    every token alike, as without a head): a bound on how cheap a wrong importance can make a merge."""
 
     schedule_auto = True
     schedule: Literal["constant", "decreasing", "auto"] = AUTO
@@ -88,17 +98,22 @@ class ImportanceToMeOptions(ToMeOptions):
     guard: float = 1.0
     partner: Literal["bound", "cosine"] = "bound"
     early_merges: bool | Literal["auto"] = AUTO
+    shrink: float = SHRINK
 
     def __post_init__(self):
         super().__post_init__()
         if not is_real(self.guard) or not 0.0 <= float(self.guard) <= 8.0:
             raise PullbackError(f"guard must be a number in [0, 8] (the energies' exponent in the merge cost); got {self.guard!r}")
+        if not is_real(self.shrink) or not 0.0 <= float(self.shrink) <= 1.0:
+            raise PullbackError(f"shrink must be a number in [0, 1] (how far the energies move toward their image's mean; "
+                                f"1: no head); got {self.shrink!r}")
         if self.partner not in PARTNERS:
             raise PullbackError(f"partner must be one of {', '.join(PARTNERS)}; got {self.partner!r}")
         if not isinstance(self.early_merges, bool) and self.early_merges != AUTO:
             raise PullbackError(f"early_merges must be True, False or 'auto' (chosen from r); got {self.early_merges!r}")
         object.__setattr__(self, "score_layer", count("score_layer", self.score_layer, 0))
         object.__setattr__(self, "guard", float(self.guard))
+        object.__setattr__(self, "shrink", float(self.shrink))
 
 
 def tome_reach(r: int, schedule: str, backbone: BackboneShape) -> float:
@@ -144,12 +159,27 @@ class Plan(NamedTuple):
 
 
 class Guard(NamedTuple):
-    """The guard of a run: ``head`` (None: constant importance), ``score_layer``, ``guard`` (exponent), ``partner``."""
+    """The guard of a run: ``head`` (None: constant importance), ``score_layer``, ``guard`` (exponent),
+    ``partner``, ``shrink``."""
 
     head: object
     score_layer: int
     guard: float
     partner: str
+    shrink: float = 0.0
+
+
+def shrunk(energy: torch.Tensor, sizes: Optional[torch.Tensor], num_prefix: int, shrink: float) -> torch.Tensor:
+    """``energy [B, K]`` (``size · imp²``, :func:`token_energy`) with each token's ``imp²`` moved a
+    fraction ``shrink`` toward its image's mean ``imp²`` per original patch token:
+    ``size · ((1 − shrink) · imp² + shrink · m)``, ``m = Σ energy / Σ size`` over the patch tokens
+    (``sizes [B, K]``, None: all 1). A merge's cost then never falls below that of a token of
+    ``shrink · m``, whatever the head says of it."""
+    if shrink == 0.0:
+        return energy
+    sizes = torch.ones_like(energy) if sizes is None else sizes.to(energy.dtype)
+    mean = energy[:, num_prefix:].sum(1, keepdim=True) / sizes[:, num_prefix:].sum(1, keepdim=True)
+    return (1.0 - shrink) * energy + shrink * mean * sizes
 
 
 def token_energy(head, x: torch.Tensor, sizes: Optional[torch.Tensor]) -> torch.Tensor:
@@ -223,7 +253,9 @@ class ImportanceToMe(MergingMethod):
     takes = ("prop_attn", "head")
     needs = Needs(split_blocks="it merges between attention and MLP")
     sweep = {"r": (2, 4, 8, 12, 16, 20, 24, 28, 32), "schedule": ("constant", "decreasing"), "early_merges": (False, True)}
-    defaults_sweep = {"r": sweep["r"]}  # the one knob: schedule and early_merges chosen from r
+    # the one knob (schedule and early_merges chosen from r), on to r = 48: with the constant schedule
+    # auto runs, r = 40 is ToMe's reach with its decreasing one at r = 24 (3.2× on the demo)
+    defaults_sweep = {"r": (*sweep["r"], 40, 48)}
 
     def checked_head(self, head, layers: tuple):
         if head is not None and (isinstance(head, (list, tuple)) or not callable(head)):
@@ -251,6 +283,7 @@ class ImportanceToMe(MergingMethod):
         o = reduction.options
         cost = "imp^g·(1 − cos) to ToMe's match" if o.partner == "cosine" else "the imp-weighted first-order error of the pair"
         scored = f"head on block {o.score_layer}'s output" if o.head is not None else "no head: every token counts 1"
+        scored += f", imp² shrunk {o.shrink:g} toward the image's mean" if o.shrink and o.head is not None else ""
         blocks = (f"r per block {o.block_range}" if o.early_merges != AUTO else
                   f"r per block after block {o.score_layer} while ToMe's FLOP ratio at r is at most {GUARDED_REACH:g}×, "
                   "in every block beyond")
@@ -261,7 +294,7 @@ class ImportanceToMe(MergingMethod):
 
     def begin(self, reduction, merges: list[int]) -> dict:
         o = reduction.options
-        return {"guard": Guard(o.head, o.score_layer, o.guard, o.partner), "scored": any(merges), "energy": None}
+        return {"guard": Guard(o.head, o.score_layer, o.guard, o.partner, o.shrink), "scored": any(merges), "energy": None}
 
     def rank(self, step: MergeStep) -> Optional[Matching]:
         energy = step.carry["energy"]
@@ -276,7 +309,9 @@ class ImportanceToMe(MergingMethod):
 
     def after_block(self, reduction, block: int, state: MergedTokens, carry: dict) -> None:
         if carry["scored"] and block == carry["guard"].score_layer:  # without merges the head is not run
-            carry["energy"] = token_energy(carry["guard"].head, state.x, state.sizes)
+            guard = carry["guard"]
+            energy = token_energy(guard.head, state.x, state.sizes)
+            carry["energy"] = shrunk(energy, state.sizes, state.num_prefix, guard.shrink)
 
 
 ORDER = 7
