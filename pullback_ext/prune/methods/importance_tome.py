@@ -59,8 +59,7 @@ from pullback_ext.prune.merged_tokens import MergedTokens
 from pullback_ext.prune.methods import merging, tome
 from pullback_ext.prune.methods.base import BackboneShape, Needs
 from pullback_ext.prune.methods.merging import (Matching, MergeStep, MergingMethod, ToMeOptions, alternating_order,
-                                                apply_matching, bipartite_count, key_metric, matching_from_scores,
-                                                merge_values)
+                                                bipartite_count, key_metric, matching_from_scores, merge_values)
 from pullback_ext.prune.option_checks import count, is_real
 
 PARTNERS = ("cosine", "bound")
@@ -231,16 +230,6 @@ def guarded_matching(state: MergedTokens, energy: torch.Tensor, keys: torch.Tens
     cost, match = pair_costs(metric[:, a], metric[:, bb], energy[:, a], energy[:, bb], sizes[:, a], sizes[:, bb],
                              guard.guard, guard.partner)
     return matching_from_scores(order, p, size_a, cost, match, count, descending=False)
-
-
-def guarded_merge(state: MergedTokens, energy: torch.Tensor, keys: torch.Tensor, r: int,
-                  guard: Guard) -> tuple[MergedTokens, torch.Tensor]:
-    """One guarded merge (:func:`guarded_matching`): the state with ``K - r`` tokens ``[prefix, A, B]``
-    and their energies ``[B, K - r]`` (each merged token's the sum of its sources')."""
-    matching = guarded_matching(state, energy, keys, r, guard)
-    if matching is None:
-        return state, energy
-    return apply_matching(state, matching), merge_values(energy, matching)
 
 
 class ImportanceToMe(MergingMethod):
