@@ -58,44 +58,79 @@ def _at_ratio(result: dict, rows: list, stat: str, target: float) -> float:
     return min(found)
 
 
+def _split(result: dict) -> tuple[list, list]:
+    """The page's rows of our methods (the registry's ``ours``) and every other row."""
+    from pullback_ext.prune.methods import get
+
+    strategy = {p["row"]: p["options"]["strategy"] for p in result["points"]}
+    ours = [row for row in result["rows"] if get(strategy[row]).ours]
+    return ours, [row for row in result["rows"] if row not in ours]
+
+
+def _matched(result: dict, stat: str, rows: list, targets: list, names: bool = False) -> str:
+    """``a / b / …``: the lowest matched ``stat`` at each FLOP-ratio target among ``rows`` (– where
+    none reaches it); with ``names`` the method of that row instead."""
+    cells = [_best(result, "flop_ratio", stat, rows, t) for t in targets]
+    if not names:
+        return " / ".join("–" if c is None else figure(c["value"]) for c in cells)
+    table = result["matched"]["flop_ratio"][stat]
+    return " / ".join("–" if c is None else next(r for r in rows if table[r][t] is c).split(" · ")[0]
+                      for c, t in zip(cells, targets))
+
+
+def _trails(result: dict, ours: list, others: list, stats: tuple, targets: list) -> str:
+    """Where the best of ``ours`` is above the best of ``others`` (or does not reach a target they reach)."""
+    missed = []
+    for t in targets:
+        for stat in stats:
+            mine, theirs = (_best(result, "flop_ratio", stat, rows, t) for rows in (ours, others))
+            if theirs is not None and (mine is None or mine["value"] > theirs["value"]):
+                missed.append(f"{t}× {stat}")
+    return "ours trails at " + ", ".join(missed) if missed else "ours leads in every one of these cells"
+
+
+def _reach(result: dict, rows: list) -> float:
+    return max(p["cost"]["flop_ratio"] for p in result["points"] if p["row"] in rows)
+
+
 def pareto_cls_photos() -> tuple[str, ...]:
-    """The photo CLS sentence: importance_tome (its two block_range settings: the lower error at each
-    target) against the original ToMe and PiToMe at matched FLOP ratio, at ToMe's largest ratio,
-    and at matched batch-64 speed-up."""
+    """The photo CLS sentence: at every FLOP-ratio target of the page, our best row against the best
+    other row (with its method) and the original ToMe, mean / p95 / worst crop; importance_tome with
+    its defaults (r alone) and its reach against ToMe's; where ours trails."""
     result = _page("pareto-cls-photos")
-    ours, tome, pitome = _rows(result, "importance_tome · "), [_row(result, "tome · ")], [_row(result, "pitome · ")]
-    targets = ("1.1", "1.25", "1.5", "2")
+    ours, others = _split(result)
+    defaults, tome = _rows(result, "importance_tome (defaults) · "), [_row(result, "tome · ")]
+    targets = [f"{t:g}" for t in result["targets"]]
+    stats = ("mean", "p95", "worst")
 
-    def at(axis: str, stat: str, rows: list, keys=targets) -> str:
-        return " / ".join(figure(_best(result, axis, stat, rows, t)["value"]) for t in keys)
+    def three(rows: list) -> str:
+        return ", ".join(_matched(result, stat, rows, targets) for stat in stats)
 
-    top = max(p["cost"]["flop_ratio"] for p in result["points"] if p["row"] == tome[0])
-    noisy = all(_best(result, "speedup_batch64", stat, rows, t)["within_noise"]
-                for rows in (ours, tome) for stat in ("mean", "p95") for t in ("1.1", "1.25"))
-    return ("matched FLOP ratio 1.1× / 1.25× / 1.5× / 2×: importance_tome",
-            f"{at('flop_ratio', 'mean', ours)} mean and {at('flop_ratio', 'p95', ours)} p95 against the original ToMe's "
-            f"{at('flop_ratio', 'mean', tome)} and {at('flop_ratio', 'p95', tome)} and PiToMe's {at('flop_ratio', 'mean', pitome)} and "
-            f"{at('flop_ratio', 'p95', pitome)} (100·(1 − cos))",
-            f"at ToMe's largest FLOP ratio, {speedup(top)}, ours {figure(_at_ratio(result, ours, 'mean', top))} against "
-            f"{figure(_at_ratio(result, tome, 'mean', top))}",
-            f"at matched batch-64 speed-up 1.1× / 1.25× ours {at('speedup_batch64', 'mean', ours, ('1.1', '1.25'))} against ToMe's "
-            f"{at('speedup_batch64', 'mean', tome, ('1.1', '1.25'))}",
-            "every one of these cells within the noise of" if noisy else "not every one of these cells within the noise of")
+    return ("CLS at matched FLOP ratio " + " / ".join(f"{t}×" for t in targets) + ", mean, p95 and worst crop of "
+            "100·(1 − cos): ours (the best of our rows at each ratio)", three(ours),
+            f"the best other row ({_matched(result, 'mean', others, targets, names=True)} for the mean)", three(others),
+            "the original ToMe", three(tome),
+            f"importance_tome with its defaults (`r` alone): {_matched(result, 'mean', defaults, targets)} mean and "
+            f"{_matched(result, 'p95', defaults, targets)} p95, reaching {speedup(_reach(result, defaults))} "
+            f"(ToMe {speedup(_reach(result, tome))})", _trails(result, ours, others, stats, targets))
 
 
 def pareto_depth_photos() -> tuple[str, ...]:
-    """The photo depth sentence: importance_tome without a head, and with the depth head, against
-    the original ToMe (with unmerging) at matched FLOP ratio 1.1× / 1.25× / 1.5×, mean added SILog."""
+    """The photo depth sentence: at 1.1× / 1.25× / 1.5× / 2×, our best row against the best other
+    row (with its method) and the original ToMe (with unmerging), mean and worst crop of the added
+    SILog; where ours trails."""
     result = _page("pareto-depth-photos")
-    ours = _rows(result, "importance_tome · ")
-    free, guided = [r for r in ours if "no head" in r], [r for r in ours if "no head" not in r]
+    ours, others = _split(result)
     tome = [_row(result, "tome · ")]
+    targets = ["1.1", "1.25", "1.5", "2"]
 
-    def at(rows: list) -> str:
-        return " / ".join(figure(_best(result, "flop_ratio", "mean", rows, t)["value"]) for t in ("1.1", "1.25", "1.5"))
+    def two(rows: list) -> str:
+        return " and ".join(_matched(result, stat, rows, targets) for stat in ("mean", "worst"))
 
-    return ("depth (merge-and-restore) at matched FLOP ratio 1.1× / 1.25× / 1.5×: importance_tome without a head",
-            f"{at(free)} against ToMe's {at(tome)}", f"with the depth head {at(guided)}")
+    return ("depth (merge-and-restore) at matched FLOP ratio 1.1× / 1.25× / 1.5× / 2×, mean and worst crop of the added "
+            "SILog ×100: ours", two(ours),
+            f"the best other row ({_matched(result, 'mean', others, targets, names=True)} for the mean)", two(others),
+            "the original ToMe", two(tome), _trails(result, ours, others, ("mean", "worst"), targets))
 
 
 def demo_run() -> tuple[str, ...]:
