@@ -58,64 +58,55 @@ class Photo:
     credit: str
 
 
-_SKIMAGE_DOC = "scikit-image, skimage.data.{}() docstring"
-_SKLEARN_README = "scikit-learn, sklearn/datasets/images/README.txt"
-PHOTOS = (
-    Photo("astronaut", "scikit-image", "skimage", "data/astronaut.png", "public domain",
-          f"NASA Great Images database; 'No known copyright restrictions, released into the public domain.' ({_SKIMAGE_DOC.format('astronaut')})"),
-    Photo("chelsea", "scikit-image", "skimage", "data/chelsea.png", "CC0",
-          f"Stefan van der Walt; 'No copyright restrictions. CC0 by the photographer' ({_SKIMAGE_DOC.format('chelsea')})"),
-    Photo("coffee", "scikit-image", "skimage", "data/coffee.png", "CC0",
-          f"Rachel Michetti, courtesy of Pikolo Espresso Bar; 'No copyright restrictions. CC0 by the photographer' ({_SKIMAGE_DOC.format('coffee')})"),
-    Photo("rocket", "scikit-image", "skimage", "data/rocket.jpg", "public domain",
-          f"SpaceX (DSCOVR launch on Falcon 9), 'released in the public domain' ({_SKIMAGE_DOC.format('rocket')})"),
-    Photo("motorcycle_left", "scikit-image", "skimage", "data/motorcycle_left.png", "not stated",
-          "Middlebury 2014 stereo benchmark (Scharstein et al., GCPR 2014), left view downsampled 4x; scikit-image states "
-          f"no licence ({_SKIMAGE_DOC.format('stereo_motorcycle')})"),
-    Photo("motorcycle_right", "scikit-image", "skimage", "data/motorcycle_right.png", "not stated",
-          "Middlebury 2014 stereo benchmark (Scharstein et al., GCPR 2014), right view downsampled 4x; scikit-image states "
-          f"no licence ({_SKIMAGE_DOC.format('stereo_motorcycle')})"),
-    Photo("hubble_deep_field", "scikit-image", "skimage", "data/hubble_deep_field.jpg", "public domain",
-          "NASA, HubbleSite 2012/37; 'may be freely used in the public domain' "
-          f"({_SKIMAGE_DOC.format('hubble_deep_field')})"),
-    Photo("ihc", "scikit-image", "skimage", "data/ihc.png", "no known copyright restrictions",
-          "Center for Microscopy And Molecular Imaging (CMMI), colonic glands, IHC staining; 'No known copyright "
-          f"restrictions.' ({_SKIMAGE_DOC.format('immunohistochemistry')})"),
-    Photo("retina", "scikit-image", "skimage", "data/retina.jpg", "CC0",
-          "Mikael Häggström, wikimedia 'Fundus photograph of normal left eye'; 'Creative Commons CC0 1.0 Universal "
-          f"Public Domain Dedication' ({_SKIMAGE_DOC.format('retina')})"),
-    Photo("camera", "scikit-image", "skimage", "data/camera.png", "CC0",
-          f"Lav Varshney; 'No copyright restrictions. CC0 by the photographer' ({_SKIMAGE_DOC.format('camera')})"),
-    Photo("brick", "scikit-image", "skimage", "data/brick.png", "CC0",
-          f"CC0Textures 'Bricks25', perspective-corrected, rotated and cropped by scikit-image ({_SKIMAGE_DOC.format('brick')})"),
-    Photo("grass", "scikit-image", "skimage", "data/grass.png", "CC0",
-          f"DeviantArt user linolafett 'Grass-01', cropped and made grayscale by scikit-image ({_SKIMAGE_DOC.format('grass')})"),
-    Photo("gravel", "scikit-image", "skimage", "data/gravel.png", "CC0",
-          f"CC0Textures 'Gravel04', rescaled, cropped and made grayscale by scikit-image ({_SKIMAGE_DOC.format('gravel')})"),
-    Photo("moon", "scikit-image", "skimage", "data/moon.png", "not stated",
-          f"the surface of the moon, low contrast; scikit-image states no source or licence ({_SKIMAGE_DOC.format('moon')})"),
-    Photo("coins", "scikit-image", "skimage", "data/coins.png", "no known copyright restrictions",
-          f"Greek coins from Pompeii, Brooklyn Museum Collection; 'No known copyright restrictions.' ({_SKIMAGE_DOC.format('coins')})"),
-    Photo("cell", "scikit-image", "skimage", "data/cell.png", "CC0",
-          "Paul Müller et al., Optics Express 26(8) 2018, a quantitative phase image of a cell; 'This image is CC0' "
-          f"({_SKIMAGE_DOC.format('cell')})"),
-    Photo("clock_motion", "scikit-image", "skimage", "data/clock_motion.png", "public domain",
-          f"Stefan van der Walt, a motion-blurred wall clock; 'Released into the public domain by the photographer' "
-          f"({_SKIMAGE_DOC.format('clock')})"),
-    Photo("page", "scikit-image", "skimage", "data/page.png", "not stated",
-          f"a scanned page of printed text; scikit-image states no source or licence ({_SKIMAGE_DOC.format('page')})"),
-    Photo("text", "scikit-image", "skimage", "data/text.png", "public domain",
-          f"Wikipedia 'File:Corner.png'; 'No known copyright restrictions, released into the public domain.' "
-          f"({_SKIMAGE_DOC.format('text')})"),
-    Photo("microaneurysms", "scikit-image", "skimage", "data/microaneurysms.png", "CC0",
-          "Andreas Maier, a detail of image 07_dr of the High-Resolution Fundus database (green channel); 'No copyright "
-          f"restrictions. CC0 given by owner' ({_SKIMAGE_DOC.format('microaneurysms')})"),
-    Photo("china", "scikit-learn", "sklearn", "datasets/images/china.jpg", "CC BY 2.0",
-          f"'Some rights reserved by danielbuechele', flickr.com/photos/danielbuechele/6061409035 ({_SKLEARN_README})"),
-    Photo("flower", "scikit-learn", "sklearn", "datasets/images/flower.jpg", "CC BY 2.0",
-          "'Some rights reserved by danielbuechele' (as written; the links name flickr user vultilion), "
-          f"flickr.com/photos/vultilion/6056698931 ({_SKLEARN_README})"),
+_SKIMAGE, _SKLEARN = ("scikit-image", "skimage"), ("scikit-learn", "sklearn")
+# (name, (package, import package), file inside it, licence, credit): one photograph each
+_TABLE = (
+    ("astronaut", _SKIMAGE, "data/astronaut.png", "public domain",
+     "NASA Great Images database; 'No known copyright restrictions, released into the public domain.' (scikit-image, skimage.data.astronaut() docstring)"),
+    ("chelsea", _SKIMAGE, "data/chelsea.png", "CC0",
+     "Stefan van der Walt; 'No copyright restrictions. CC0 by the photographer' (scikit-image, skimage.data.chelsea() docstring)"),
+    ("coffee", _SKIMAGE, "data/coffee.png", "CC0",
+     "Rachel Michetti, courtesy of Pikolo Espresso Bar; 'No copyright restrictions. CC0 by the photographer' (scikit-image, skimage.data.coffee() docstring)"),
+    ("rocket", _SKIMAGE, "data/rocket.jpg", "public domain",
+     "SpaceX (DSCOVR launch on Falcon 9), 'released in the public domain' (scikit-image, skimage.data.rocket() docstring)"),
+    ("motorcycle_left", _SKIMAGE, "data/motorcycle_left.png", "not stated",
+     "Middlebury 2014 stereo benchmark (Scharstein et al., GCPR 2014), left view downsampled 4x; scikit-image states no licence (scikit-image, skimage.data.stereo_motorcycle() docstring)"),
+    ("motorcycle_right", _SKIMAGE, "data/motorcycle_right.png", "not stated",
+     "Middlebury 2014 stereo benchmark (Scharstein et al., GCPR 2014), right view downsampled 4x; scikit-image states no licence (scikit-image, skimage.data.stereo_motorcycle() docstring)"),
+    ("hubble_deep_field", _SKIMAGE, "data/hubble_deep_field.jpg", "public domain",
+     "NASA, HubbleSite 2012/37; 'may be freely used in the public domain' (scikit-image, skimage.data.hubble_deep_field() docstring)"),
+    ("ihc", _SKIMAGE, "data/ihc.png", "no known copyright restrictions",
+     "Center for Microscopy And Molecular Imaging (CMMI), colonic glands, IHC staining; 'No known copyright restrictions.' (scikit-image, skimage.data.immunohistochemistry() docstring)"),
+    ("retina", _SKIMAGE, "data/retina.jpg", "CC0",
+     "Mikael Häggström, wikimedia 'Fundus photograph of normal left eye'; 'Creative Commons CC0 1.0 Universal Public Domain Dedication' (scikit-image, skimage.data.retina() docstring)"),
+    ("camera", _SKIMAGE, "data/camera.png", "CC0",
+     "Lav Varshney; 'No copyright restrictions. CC0 by the photographer' (scikit-image, skimage.data.camera() docstring)"),
+    ("brick", _SKIMAGE, "data/brick.png", "CC0",
+     "CC0Textures 'Bricks25', perspective-corrected, rotated and cropped by scikit-image (scikit-image, skimage.data.brick() docstring)"),
+    ("grass", _SKIMAGE, "data/grass.png", "CC0",
+     "DeviantArt user linolafett 'Grass-01', cropped and made grayscale by scikit-image (scikit-image, skimage.data.grass() docstring)"),
+    ("gravel", _SKIMAGE, "data/gravel.png", "CC0",
+     "CC0Textures 'Gravel04', rescaled, cropped and made grayscale by scikit-image (scikit-image, skimage.data.gravel() docstring)"),
+    ("moon", _SKIMAGE, "data/moon.png", "not stated",
+     "the surface of the moon, low contrast; scikit-image states no source or licence (scikit-image, skimage.data.moon() docstring)"),
+    ("coins", _SKIMAGE, "data/coins.png", "no known copyright restrictions",
+     "Greek coins from Pompeii, Brooklyn Museum Collection; 'No known copyright restrictions.' (scikit-image, skimage.data.coins() docstring)"),
+    ("cell", _SKIMAGE, "data/cell.png", "CC0",
+     "Paul Müller et al., Optics Express 26(8) 2018, a quantitative phase image of a cell; 'This image is CC0' (scikit-image, skimage.data.cell() docstring)"),
+    ("clock_motion", _SKIMAGE, "data/clock_motion.png", "public domain",
+     "Stefan van der Walt, a motion-blurred wall clock; 'Released into the public domain by the photographer' (scikit-image, skimage.data.clock() docstring)"),
+    ("page", _SKIMAGE, "data/page.png", "not stated",
+     "a scanned page of printed text; scikit-image states no source or licence (scikit-image, skimage.data.page() docstring)"),
+    ("text", _SKIMAGE, "data/text.png", "public domain",
+     "Wikipedia 'File:Corner.png'; 'No known copyright restrictions, released into the public domain.' (scikit-image, skimage.data.text() docstring)"),
+    ("microaneurysms", _SKIMAGE, "data/microaneurysms.png", "CC0",
+     "Andreas Maier, a detail of image 07_dr of the High-Resolution Fundus database (green channel); 'No copyright restrictions. CC0 given by owner' (scikit-image, skimage.data.microaneurysms() docstring)"),
+    ("china", _SKLEARN, "datasets/images/china.jpg", "CC BY 2.0",
+     "'Some rights reserved by danielbuechele', flickr.com/photos/danielbuechele/6061409035 (scikit-learn, sklearn/datasets/images/README.txt)"),
+    ("flower", _SKLEARN, "datasets/images/flower.jpg", "CC BY 2.0",
+     "'Some rights reserved by danielbuechele' (as written; the links name flickr user vultilion), flickr.com/photos/vultilion/6056698931 (scikit-learn, sklearn/datasets/images/README.txt)"),
 )
+PHOTOS = tuple(Photo(name, *package, file, licence, credit) for name, package, file, licence, credit in _TABLE)
 PHOTO_NAMED = {photo.name: photo for photo in PHOTOS}
 
 
