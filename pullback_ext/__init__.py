@@ -6,6 +6,7 @@ Submodules are imported on first use so that ``import pullback_ext`` stays cheap
 - ``pullback_ext.probes``, ``pullback_ext.linalg``, ``pullback_ext.diagnose``: the diagnostic
 - ``pullback_ext.metric``: Spectral Pullback Network, importance head, VAE bottleneck
 - ``pullback_ext.patch``, ``pullback_ext.prune``: token merging and pruning
+- ``pullback_ext.visualize``: pictures of the merges (which patch positions share a token, per block)
 - ``pullback_ext.embedded``: the embedded demo model (a small trained ViT, its decoders and scenes)
 - ``pullback_ext.demo``: the application that runs the whole pipeline on it (``pullback demo``)
 """
@@ -16,7 +17,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = {"ops", "reference", "probes", "linalg", "metric", "patch", "prune", "embedded", "demo", "diagnostics"}
+_SUBMODULES = {"ops", "reference", "probes", "linalg", "metric", "patch", "prune", "embedded", "demo", "diagnostics", "visualize"}
 _ATTRS = {
     "diagnose": ("pullback_ext.diagnostics", "diagnose"),
     "Diagnosis": ("pullback_ext.diagnostics", "Diagnosis"),

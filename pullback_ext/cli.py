@@ -25,6 +25,7 @@ COMMANDS = {
     "subprobe": ("pullback_ext.commands.subprobe", "interventions on a linear token probe's geometric subspace (Geosubprobe)"),
     "bench": ("pullback_ext.commands.bench", "run the kernel microbenchmarks"),
     "study": ("pullback_ext.commands.study", "sweep a measurement (diagnose, subspace, criteria) over the layers of a model"),
+    "visualize": ("pullback_ext.commands.visualize", "pictures of the merges: each merged group painted over the image at chosen blocks"),
 }
 
 # Operating-system errors about a path the user named (the message names the path).

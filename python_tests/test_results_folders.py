@@ -42,6 +42,8 @@ COMMANDS = {
                         "--quiet"], "study.json", True),
     "study criteria": (["study", "criteria", *DEMO, "--layers", "0", "--num-images", "2", "--tasks", "cls", "--criteria",
                         "random", "--quiet"], "study.json", True),
+    "visualize": (["visualize", *DEMO, "--num-images", "1", "--strategy", "tome", "--r", "8", "--blocks", "2", "--quiet"],
+                  "groups.json", False),
     "demo": (["demo", "--quick", "--quiet"], "results.json", False),
     "bench": (["bench", "--quick", "--quiet"], "results.json", False),
 }

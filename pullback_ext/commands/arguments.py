@@ -250,6 +250,18 @@ def renamed_switch(args: argparse.Namespace, old: str, new: str) -> bool:
     return bool(getattr(args, new.lstrip("-").replace("-", "_")))
 
 
+def option_value(text: str):
+    """One value of a reduction option on the command line (``--sweep METHOD:FIELD=v1,v2``,
+    ``--option FIELD=VALUE``): an int, a float, ``off`` / ``false`` (False), ``on`` / ``true``
+    (True) or a word."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"off": False, "false": False, "on": True, "true": True}.get(text, text)
+
+
 def comma_floats(text: str, name: str) -> tuple:
     """``"0.1,0.2"`` -> ``(0.1, 0.2)``; ``name`` is the option, for the error message."""
     try:

@@ -27,6 +27,7 @@ TAP_RHOS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)  # keep rates of every --tap chec
 def parse_sweeps(texts) -> dict:
     """``{method: {field: values}}`` from the ``METHOD:FIELD=v1,v2`` of ``texts``: the fields they
     replace in the method grids (:func:`method_grid`)."""
+    from pullback_ext.commands.arguments import option_value
     from pullback_ext.prune.reduction_options import option_names
 
     fields = (set(option_names()) - {"spn", "strategy"}) | {"head"}
@@ -42,18 +43,8 @@ def parse_sweeps(texts) -> dict:
         if name == "head" and not set(values) <= set(HEAD_CHOICES):
             raise PullbackError(f"--sweep {text}: head takes {' or '.join(HEAD_CHOICES)} (the --head checkpoint, or no head); "
                                 f"got {', '.join(v for v in values if v not in HEAD_CHOICES)}")
-        given.setdefault(method, {})[name] = values if name == "head" else tuple(_value(v) for v in values)
+        given.setdefault(method, {})[name] = values if name == "head" else tuple(option_value(v) for v in values)
     return given
-
-
-def _value(text: str):
-    """A sweep value: an int, a float, ``off`` (False) or a word."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return False if text in ("off", "false") else text
 
 
 def method_grid(method: str, mode: str, ratios: tuple, given: dict) -> dict:

@@ -162,11 +162,20 @@ def load_backbone(spec: ModelSpec, weights: Optional[str] = None) -> tuple[Backb
     classifier (random weights unless ``weights``), or a local transformers folder (a ViT-family CLS
     model, DPT or Depth Anything; weights from ``weights`` or the folder)."""
     model, _ = load_model(spec, weights, headless=True)
-    if spec.kind == "demo":
-        return demo_backbone(model), model
-    if isinstance(detect(model, who="--model"), TimmFamily):
-        return timm_backbone(model), model
-    return hf_backbone(model, spec.name), model
+    return backbone_of(model, spec.name if spec.kind == "hf" else None, who="--model"), model
+
+
+def backbone_of(model, folder: Optional[str] = None, who: str = "model") -> Backbone:
+    """The :class:`Backbone` of a loaded ``model``: the demo model, a timm VisionTransformer or a
+    Hugging Face model of a supported family (``folder``: its image processor config; ``who``:
+    what the model is called in the error for an unknown one)."""
+    from pullback_ext.embedded.model import DemoModel
+
+    if isinstance(model, DemoModel):
+        return demo_backbone(model)
+    if isinstance(detect(model, who=who), TimmFamily):
+        return timm_backbone(model)
+    return hf_backbone(model, folder)
 
 
 def block_output_tokens(backbone: Backbone, images: torch.Tensor, layer: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from pullback_ext import ops
+from pullback_ext.prune.token_maps import report
 
 
 @dataclass
@@ -74,6 +75,14 @@ class MergedTokens:
         # owner is built from topk/argsort: valid by construction
         return ops.gather_tokens(x, self.owner, check_values=False)
 
+    def holders(self) -> torch.Tensor:
+        """``[B, N]`` (int64): the index in ``x`` of the token that holds each original token (the
+        map :meth:`full` restores by; :mod:`pullback_ext.prune.token_maps`)."""
+        if self.owner is not None:
+            return self.owner
+        b, k = self.x.shape[:2]
+        return torch.arange(k, device=self.x.device).expand(b, k)
+
     def size_bias(self) -> Optional[torch.Tensor]:
         """Proportional attention ``log(size)`` as an additive mask ``[B, 1, 1, K]``, or None before
         the first merge (then the blocks run exactly as unpatched)."""
@@ -81,11 +90,14 @@ class MergedTokens:
 
 
 def run_tracked(state: MergedTokens, blocks: Sequence, step: Callable, take=()):
-    """Run ``step(i, block, state) -> state`` for every block; returns ``(final [B, N, D],
-    {i: full-length features after block i for i in take})``."""
+    """Run ``step(i, block, state) -> state`` for every block, reporting each state's holder map
+    (:func:`~pullback_ext.prune.token_maps.report`); returns ``(final [B, N, D], {i: full-length
+    features after block i for i in take})``. ``state``: anything with ``full()`` and ``holders()``
+    (a :class:`MergedTokens` or a :class:`~pullback_ext.prune.tokens.TokenState`)."""
     taken = {}
     for i, block in enumerate(blocks):
         state = step(i, block, state)
+        report(i, state.holders)
         if i in take:
             taken[i] = state.full()
     return state.full(), taken

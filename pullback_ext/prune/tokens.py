@@ -25,6 +25,7 @@ import torch
 
 from pullback_ext import ops
 from pullback_ext.prune.folded_attention import FoldedSizes, StaleKeys
+from pullback_ext.prune.token_maps import PRUNED
 
 
 @dataclass
@@ -127,6 +128,16 @@ class TokenState:
         if self.frozen is not None:
             return ops.reinsert_tokens(x, self.positions, self.frozen, self.frozen_positions, check_values=False)
         return x
+
+    def holders(self) -> torch.Tensor:
+        """``[B, N]`` (int64): the index in ``x`` of the current token that holds each original
+        token (a merged token: the one it was merged into), ``PRUNED`` (-1) for a pruned one (the maps
+        :meth:`full` restores by; :mod:`pullback_ext.prune.token_maps`)."""
+        if self.owner is not None:
+            return self.owner
+        b, k = self.positions.shape
+        held = torch.full((b, self.num_tokens), PRUNED, dtype=torch.long, device=self.x.device)
+        return held.scatter(1, self.positions, torch.arange(k, device=self.x.device).expand(b, k))
 
     def restore(self, masked: bool = False) -> "TokenState":
         """Last-Layer Fusion: continue with the full sequence (pruned tokens re-inserted).

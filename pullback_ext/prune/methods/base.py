@@ -187,7 +187,10 @@ class Method:
 
     def run(self, reduction: Reduction, x: torch.Tensor, loop: BlockLoop, take=()):
         """Run ``loop.blocks`` on ``x [B, N, D]`` reducing tokens. Returns ``(final [B, N, D],
-        {i: features after block i [B, N, D] for i in take})``, full-length."""
+        {i: features after block i [B, N, D] for i in take})``, full-length. After each block the
+        loop reports where every original token is (:func:`pullback_ext.prune.token_maps.report`;
+        :func:`~pullback_ext.prune.merged_tokens.run_tracked` does it for the loops built on it), so
+        that the groups can be read (``pullback visualize``); a loop that does not report cannot be drawn."""
         raise NotImplementedError
 
     def patch_tokens_per_block(self, reduction: Reduction, num_patch: int) -> list:

@@ -19,7 +19,8 @@ the patch tokens on a square ``S × S`` grid):
 Reconstruction: at the clustering layer the similarity of every high-resolution token ``x_i`` to
 the final centres is recorded: its ``k`` nearest centres (``reconstruct_k``) with weights
 ``softmax(−‖x_i − s_j‖² / τ)`` over those ``k`` (the same τ). A cluster-token sequence ``S'`` read
-later becomes ``x'_i = Σ_j W_ij s'_j``, the prefix tokens as they are.
+later becomes ``x'_i = Σ_j W_ij s'_j``, the prefix tokens as they are. Where the groups are read
+(:mod:`pullback_ext.prune.token_maps`), each patch token counts as held by its nearest centre.
 
 Where features are read: the paper places the reconstruction layer after block α+β, before the
 dense head; here it sits after the last block (β = all remaining blocks, none run at full
@@ -55,6 +56,7 @@ from pullback_ext.prune.matching import working_precision
 from pullback_ext.prune.merged_tokens import MergedTokens
 from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, BlockLoopMethod, Needs
 from pullback_ext.prune.option_checks import check_layer_range, count, is_int, is_real
+from pullback_ext.prune.token_maps import report
 
 REFERENCE_LAYER, REFERENCE_DEPTH = 10, 24  # the paper's α for a 24-layer ViT-L
 
@@ -170,9 +172,19 @@ def run(reduction, x: torch.Tensor, blocks, call_block, split=None, take=()):
             clustered, recorded = cluster_tokens(state.x, p, o)
             state = state.with_x(clustered)
         state = state.with_x(call_block(block, state, None))
+        report(i, state.holders if recorded is None else (lambda: nearest_centres(p, recorded)))
         if i in take:
             taken[i] = reconstruct(state.x, p, recorded)
     return reconstruct(state.x, p, recorded), taken
+
+
+def nearest_centres(num_prefix: int, recorded: Reconstruction) -> torch.Tensor:
+    """The holder map ``[B, p + n]`` of the clustered tokens (:mod:`pullback_ext.prune.token_maps`):
+    the prefix tokens hold themselves, each patch token is drawn with its nearest cluster token (the
+    one its reconstruction weights most; it is rebuilt from its ``k`` nearest)."""
+    b = recorded.index.shape[0]
+    prefix = torch.arange(num_prefix, device=recorded.index.device).expand(b, num_prefix)
+    return torch.cat([prefix, num_prefix + recorded.index[..., 0]], dim=1)
 
 
 def patch_tokens_per_block(options, num_patch: int, depth: int) -> list[int]:

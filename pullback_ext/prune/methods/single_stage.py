@@ -23,6 +23,7 @@ from pullback_ext.prune.option_checks import check_layer_range
 from pullback_ext.prune.recovery import recover_pruned
 from pullback_ext.prune.stages import stage_budgets, tokens_after_stages
 from pullback_ext.prune.strategies import NEEDS_SCORER, StageContext, lowest
+from pullback_ext.prune.token_maps import report
 from pullback_ext.prune.tokens import TokenState
 
 
@@ -140,6 +141,7 @@ class SingleStage(Method):
             if i in need_attention:
                 attentions.append(loop.attention_probs(block, state.x, bias))
             state.x = loop.call_block(block, state, bias)
+            report(i, state.holders)
             if i in take:
                 taken[i] = state.full()
         return state.full(), taken

@@ -25,6 +25,7 @@ from pullback_ext.grids import grid_shape
 from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, Method, Needs
 from pullback_ext.prune.recovery import recover_pruned
 from pullback_ext.prune.strategies import lowest
+from pullback_ext.prune.token_maps import report
 from pullback_ext.prune.tokens import TokenState
 from pullback_ext.tap.budget import BudgetPlan, keep_count, tokens_per_block
 from pullback_ext.tap.checkpoint import as_register
@@ -76,6 +77,7 @@ def run(reduction, x: torch.Tensor, blocks: Sequence, call_block: Callable, take
             state = state.restore(masked=True)
         bias = state.attention_bias(proportional=False)
         state.x = call(i, block, state, bias)
+        report(i, state.holders)
         if i in take:
             taken[i] = strip_register(state.full(), p)
     return strip_register(state.full(), p), taken
