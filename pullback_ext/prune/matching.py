@@ -114,9 +114,9 @@ def merge_drift(
     b, k, d = x.shape
     if patch_dist is None:
         patch_dist = patch_distances(x, num_prefix, matching, spn, eps)
-    allowed = torch.ones(k - num_prefix, k, dtype=torch.bool, device=x.device)
-    allowed[:, :num_prefix] = False
-    allowed[torch.arange(k - num_prefix, device=x.device), torch.arange(num_prefix, k, device=x.device)] = False
+    # another patch token: elementwise from two aranges (an index_put here syncs with the host on CUDA)
+    rows, cols = torch.arange(num_prefix, k, device=x.device)[:, None], torch.arange(k, device=x.device)[None, :]
+    allowed = (cols >= num_prefix) & (cols != rows)
     dist = patch_dist.masked_fill(~allowed, float("inf"))
     nearest = dist.argmin(dim=-1)  # [B, n]
     if matching == "pullback":
