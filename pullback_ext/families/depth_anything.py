@@ -9,5 +9,5 @@ ADAPTER = HFFamily(
     loops=dinov2.LOOPS, anchors=("DepthAnythingForDepthEstimation",), attention=dinov2.ATTENTION,
     branches=dinov2.SCALED_BRANCHES, lora_targets=dinov2.LORA_TARGETS,
     loads={"depth_anything": ("DepthAnythingForDepthEstimation",)}, depth=True, priority=15,
-    dense=("Dinov2Backbone", "Dinov2WithRegistersBackbone"), captures=True, checked=False,
+    dense=("Dinov2Backbone", "Dinov2WithRegistersBackbone"), captures=True,
 )

@@ -15,6 +15,6 @@ ADAPTER = HFFamily(
     name="dinov2", title="a Hugging Face DINOv2 model (Dinov2Encoder / Dinov2WithRegistersEncoder)", short_title="DINOv2",
     loops=LOOPS, attention=ATTENTION, branches=SCALED_BRANCHES, lora_targets=LORA_TARGETS,
     loads={"dinov2": ("Dinov2Model",), "dinov2_with_registers": ("Dinov2WithRegistersModel",)}, priority=20,
-    dense=("Dinov2Backbone", "Dinov2WithRegistersBackbone"), captures=True, checked=False,
+    dense=("Dinov2Backbone", "Dinov2WithRegistersBackbone"), captures=True,
     probe=ProbeReadout(("Dinov2Model", "Dinov2WithRegistersModel"), "dinov2", "encoder.layer", "layernorm"),
 )
