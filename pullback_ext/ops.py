@@ -308,6 +308,13 @@ def _gather_backward(ctx, grad: Tensor):
 
 def _merge_setup(ctx, inputs, output) -> None:
     x, w, src_idx, dst_idx = inputs
+    if not ctx.needs_input_grad[1]:
+        # w' = w_d + Σ w_s depends on w alone: without a gradient into w it has none, whatever x needs.
+        # (Marked differentiable, the merged sizes of ToMe's loop required grad whenever the tokens did,
+        # which turns the log-size attention mask into one that needs grad: the CPU's fused attention
+        # refuses such a mask and the math path returns another layout, so a trace made where the
+        # mask needed no grad (torch.export) failed to re-run where it did (ONNX's type promotion).)
+        ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(x, w, src_idx, dst_idx, *output)
 
 
