@@ -84,63 +84,6 @@ def require_onnx(runtime: bool = True) -> None:
 # --- the extension's ops in standard torch ops -------------------------------------------------
 
 
-def _kept_in_order(flag: Tensor, count: int) -> Tensor:
-    """Positions ``[B, count]`` of the ones of ``flag [B, n]`` (int64 0/1 with ``count`` ones per
-    row), in increasing order: each position's rank among its kind, inverted by one scatter."""
-    ones_first = flag.cumsum(1) - 1
-    zeros_after = count + (1 - flag).cumsum(1) - 1
-    slot = torch.where(flag == 1, ones_first, zeros_after)
-    positions = torch.arange(flag.shape[1], device=flag.device).expand_as(flag)
-    return torch.zeros_like(flag).scatter(1, slot, positions)[:, :count]
-
-
-def _token_index(idx: Tensor, width: int) -> Tensor:
-    return idx.unsqueeze(-1).expand(-1, -1, width)
-
-
-def merge_tokens(x: Tensor, w: Tensor, src_idx: Tensor, dst_idx: Tensor) -> tuple[Tensor, Tensor]:
-    """``ops.merge_tokens`` without data-dependent shapes: x [B,N,D], w [B,N], src_idx, dst_idx
-    [B,R] -> (x' [B,N-R,D], w' [B,N-R])."""
-    b, n, d = x.shape
-    r = src_idx.shape[1]
-    kept = _kept_in_order(torch.ones(b, n, dtype=torch.int64, device=x.device).scatter(1, src_idx, 0), n - r)
-    # w' from w alone, as the op's autograd has it: a w' that required grad with x would make the
-    # proportional-attention mask require grad too, and SDPA then takes another path (and layout).
-    w_new = torch.gather(w.scatter_add(1, dst_idx, torch.gather(w, 1, src_idx)), 1, kept)
-    weighted = x * w.unsqueeze(-1)
-    sums = weighted.scatter_add(1, _token_index(dst_idx, d), torch.gather(weighted, 1, _token_index(src_idx, d)))
-    positive = w_new > 0
-    merged = torch.gather(sums, 1, _token_index(kept, d)) / torch.where(positive, w_new, 1).unsqueeze(-1)
-    return torch.where(positive.unsqueeze(-1), merged, torch.gather(x, 1, _token_index(kept, d))), w_new
-
-
-def reinsert_tokens(kept: Tensor, kept_idx: Tensor, pruned: Tensor, pruned_idx: Tensor) -> Tensor:
-    """``ops.reinsert_tokens`` as one scatter: kept [B,K,D], pruned [B,R,D] -> [B,K+R,D]."""
-    tokens = torch.cat([kept, pruned], dim=1)
-    positions = torch.cat([kept_idx, pruned_idx], dim=1)
-    return torch.zeros_like(tokens).scatter(1, _token_index(positions, tokens.shape[-1]), tokens)
-
-
-def select_with_partners(order: Tensor, partner: Tensor, count: int) -> Tensor:
-    """``ops.select_with_partners`` unrolled over the first ``min(n, 2·count)`` candidates, with
-    int64 0/1 masks: order, partner [B,n] -> [B,count], increasing."""
-    n = order.shape[1]
-    partner_of_candidate = torch.gather(partner, 1, order)
-    chosen = torch.zeros_like(order)
-    spared = torch.zeros_like(order)
-    taken = torch.zeros_like(order[:, :1])
-    for j in range(min(n, 2 * count)):
-        candidate, its_partner = order[:, j:j + 1], partner_of_candidate[:, j:j + 1]
-        ok = (1 - torch.gather(spared, 1, candidate)) * (taken < count).long()  # [B,1]
-        chosen = chosen.scatter(1, candidate, ok)  # every candidate comes once: it was 0
-        spared = spared.scatter(1, its_partner, torch.maximum(torch.gather(spared, 1, its_partner), ok))
-        taken = taken + ok
-    left = 1 - torch.gather(chosen, 1, order)  # in candidate order
-    fill = left * (left.cumsum(1) <= count - taken).long()
-    chosen = torch.maximum(chosen, torch.zeros_like(chosen).scatter(1, order, fill))
-    return _kept_in_order(chosen, count)
-
-
 _NO_QR = ("block_orthonormalize has no ONNX form (ONNX has no QR); a model that calls it (an SPN importance head run "
           "without gradients) cannot be exported: give the patch a head that returns importance scores")
 
@@ -151,9 +94,9 @@ def decompositions() -> dict:
     pe = torch.ops.pullback_ext
     return {
         pe.gather_tokens.default: reference.gather_tokens,
-        pe.merge_tokens.default: merge_tokens,
-        pe.reinsert_tokens.default: reinsert_tokens,
-        pe.select_with_partners.default: select_with_partners,
+        pe.merge_tokens.default: reference.merge_tokens,
+        pe.reinsert_tokens.default: reference.reinsert_tokens,
+        pe.select_with_partners.default: reference.select_with_partners,
         pe.token_importance.default: reference.token_importance,
         pe.lowrank_metric_apply.default: reference.lowrank_metric_apply,
         pe.lowrank_metric_quadform.default: reference.lowrank_metric_quadform,

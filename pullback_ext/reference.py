@@ -62,57 +62,68 @@ def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
     return torch.gather(x, 1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
+def _kept_in_order(flag: Tensor, count: int) -> Tensor:
+    """Positions ``[B, count]`` of the ones of ``flag [B, n]`` (int64 0/1 with ``count`` ones per
+    row), in increasing order: each position's rank among its kind, inverted by one scatter (no
+    data-dependent shape, no sort: the form ``pullback_ext.export`` needs too)."""
+    ones_first = flag.cumsum(1) - 1
+    zeros_after = count + (1 - flag).cumsum(1) - 1
+    slot = torch.where(flag == 1, ones_first, zeros_after)
+    positions = torch.arange(flag.shape[1], device=flag.device).expand_as(flag)
+    return torch.zeros_like(flag).scatter(1, slot, positions)[:, :count]
+
+
+def _token_index(idx: Tensor, width: int) -> Tensor:
+    return idx.unsqueeze(-1).expand(-1, -1, width)
+
+
 def merge_tokens(x: Tensor, w: Tensor, src_idx: Tensor, dst_idx: Tensor) -> tuple[Tensor, Tensor]:
     """Weighted merge of src tokens into dst tokens with weight tracking.
 
     x [B,N,D], w [B,N], src_idx [B,R], dst_idx [B,R] -> (x' [B,N-R,D], w' [B,N-R]): the tokens not
     in src_idx in their original order; a dst token d becomes
     ``(w_d x_d + Σ_{s->d} w_s x_s) / (w_d + Σ_{s->d} w_s)`` (unchanged if that sum is 0) and its
-    weight ``w_d + Σ_{s->d} w_s``.
+    weight ``w_d + Σ_{s->d} w_s``. ``w'`` is computed from ``w`` alone, as the op's autograd has it
+    (a ``w'`` needing grad with ``x`` would make the proportional-attention mask need grad too).
     """
-    B, N, D = x.shape
-    R = src_idx.shape[1]
-    weighted = torch.cat([x * w.unsqueeze(-1), w.unsqueeze(-1)], dim=-1)
-    moved = torch.gather(weighted, 1, src_idx.unsqueeze(-1).expand(-1, -1, D + 1))
-    totals = weighted.scatter_add(1, dst_idx.unsqueeze(-1).expand(-1, -1, D + 1), moved)
-    keep = torch.ones(B, N, dtype=torch.bool, device=x.device)
-    keep[torch.arange(B, device=x.device).unsqueeze(1), src_idx] = False
-    totals = totals[keep].reshape(B, N - R, D + 1)
-    x_kept = x[keep].reshape(B, N - R, D)
-    w_new = totals[..., D]
+    b, n, d = x.shape
+    r = src_idx.shape[1]
+    kept = _kept_in_order(torch.ones(b, n, dtype=torch.int64, device=x.device).scatter(1, src_idx, 0), n - r)
+    w_new = torch.gather(w.scatter_add(1, dst_idx, torch.gather(w, 1, src_idx)), 1, kept)
+    weighted = x * w.unsqueeze(-1)
+    sums = weighted.scatter_add(1, _token_index(dst_idx, d), torch.gather(weighted, 1, _token_index(src_idx, d)))
     positive = w_new > 0
-    x_new = torch.where(positive.unsqueeze(-1), totals[..., :D] / torch.where(positive, w_new, 1).unsqueeze(-1), x_kept)
-    return x_new, w_new
+    merged = torch.gather(sums, 1, _token_index(kept, d)) / torch.where(positive, w_new, 1).unsqueeze(-1)
+    return torch.where(positive.unsqueeze(-1), merged, torch.gather(x, 1, _token_index(kept, d))), w_new
 
 
 def reinsert_tokens(kept: Tensor, kept_idx: Tensor, pruned: Tensor, pruned_idx: Tensor) -> Tensor:
-    """Every token back at its position: kept [B,K,D], pruned [B,R,D] -> [B,K+R,D]."""
+    """Every token back at its position, one scatter: kept [B,K,D], pruned [B,R,D] -> [B,K+R,D]."""
     tokens = torch.cat([kept, pruned], dim=1)
     positions = torch.cat([kept_idx, pruned_idx], dim=1)
-    order = torch.argsort(positions, dim=1)
-    return torch.gather(tokens, 1, order.unsqueeze(-1).expand(-1, -1, kept.shape[-1]))
+    return torch.zeros_like(tokens).scatter(1, _token_index(positions, tokens.shape[-1]), tokens)
 
 
 def select_with_partners(order: Tensor, partner: Tensor, count: int) -> Tensor:
-    """The greedy of ``ops.select_with_partners`` as a loop of tensor ops, one step per candidate:
-    order [B,n], partner [B,n] -> [B,count], the selected tokens in increasing order.
+    """The greedy of ``ops.select_with_partners`` as a loop of tensor ops, one step per candidate,
+    with int64 0/1 masks: order [B,n], partner [B,n] -> [B,count], the selected tokens in increasing
+    order.
 
     Each taken source spares one partner, so at most as many candidates are skipped as are taken:
     the first 2·count candidates always fill the budget unless n < 2·count (then the fill-up does).
     """
-    b, n = order.shape
+    n = order.shape[1]
     partner_of_candidate = torch.gather(partner, 1, order)
-    chosen = torch.zeros(b, n, dtype=torch.bool, device=order.device)
-    spared = torch.zeros_like(chosen)
-    taken = torch.zeros(b, dtype=torch.long, device=order.device)
-    rows = torch.arange(b, device=order.device)
+    chosen = torch.zeros_like(order)
+    spared = torch.zeros_like(order)
+    taken = torch.zeros_like(order[:, :1])
     for j in range(min(n, 2 * count)):
-        candidate = order[:, j]
-        ok = ~spared[rows, candidate] & (taken < count)
-        chosen[rows, candidate] |= ok
-        spared[rows, partner_of_candidate[:, j]] |= ok
-        taken += ok.long()
-    left = (~torch.gather(chosen, 1, order)).long()
-    fill = left.bool() & (left.cumsum(1) <= (count - taken)[:, None])
-    chosen |= torch.zeros_like(chosen).scatter(1, order, fill)
-    return torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)[:, :count]
+        candidate, its_partner = order[:, j:j + 1], partner_of_candidate[:, j:j + 1]
+        ok = (1 - torch.gather(spared, 1, candidate)) * (taken < count).long()  # [B,1]
+        chosen = chosen.scatter(1, candidate, ok)  # every candidate comes once: it was 0
+        spared = spared.scatter(1, its_partner, torch.maximum(torch.gather(spared, 1, its_partner), ok))
+        taken = taken + ok
+    left = 1 - torch.gather(chosen, 1, order)  # in candidate order
+    fill = left * (left.cumsum(1) <= count - taken).long()
+    chosen = torch.maximum(chosen, torch.zeros_like(chosen).scatter(1, order, fill))
+    return _kept_in_order(chosen, count)

@@ -13,7 +13,7 @@ import torch
 
 import pullback_ext.patch as patch
 from helpers.algm_reference import algm_reference, local_similarities
-from helpers.blocks import assert_zero_reduction_is_unpatched, small_timm, tokens_after_each_block
+from helpers.blocks import assert_zero_reduction_is_unpatched, matches_reference, small_timm, tokens_after_each_block
 from helpers.broken_merges import unweighted_averages
 from helpers.prune import images, tiny_vit
 from pullback_ext.comparison.cost import count_flops
@@ -105,13 +105,6 @@ BROKEN = {
 }
 
 
-def _matches(model, x, expected, expected_blocks) -> bool:
-    final, blocks = model.forward_intermediates(x, indices=list(range(len(model.blocks))), output_fmt="NLC")
-    p = model.num_prefix_tokens
-    return torch.allclose(model.forward_features(x), expected, rtol=1e-9, atol=1e-9) and all(
-        torch.allclose(got, want[:, p:], rtol=1e-9, atol=1e-9) for got, want in zip(blocks, expected_blocks))
-
-
 def grid_vit(depth: int = 5):
     """A float64 ViT with CLS and one register on 64×64 images, patch 8: an 8×8 grid of patch
     tokens (16 windows of 2×2), enough tokens that every rule of the global step shows."""
@@ -145,7 +138,7 @@ def test_algm_matches_the_reference_and_the_check_catches_broken_variants(broken
     if broken:
         BROKEN[broken](monkeypatch)
     patch.timm(model, strategy="algm", local_threshold=threshold, algm_layers=layers)
-    assert _matches(model, x, expected, expected_blocks) == (broken is None)
+    assert matches_reference(model, x, expected, expected_blocks) == (broken is None)
     if broken is None:
         counts = [c - 2 for c in tokens_after_each_block(model, x)]
         assert counts[:layers[0]] == [64] * layers[0] and counts[layers[0]] == 49 and counts[layers[1]] < 49
@@ -165,7 +158,7 @@ def test_the_authors_default_threshold_matches_the_reference():
     expected, expected_blocks = algm_reference(model, x, (0, 1))
     patch.timm(model, strategy="algm")
     assert patch.config(model).algm_layers == (0, 1) and patch.config(model).local_threshold == 0.88
-    assert _matches(model, x, expected, expected_blocks)
+    assert matches_reference(model, x, expected, expected_blocks)
 
 
 def test_with_proportional_attention_the_blocks_add_log_sizes_as_in_the_reference():
@@ -174,9 +167,9 @@ def test_with_proportional_attention_the_blocks_add_log_sizes_as_in_the_referenc
     threshold = pooling_threshold(local_similarities(model, x, 0), 1)
     expected, expected_blocks = algm_reference(model, x, (0, 2), threshold, prop_attn=True)
     patch.timm(model, strategy="algm", local_threshold=threshold, algm_layers=(0, 2), prop_attn=True)
-    assert _matches(model, x, expected, expected_blocks)
+    assert matches_reference(model, x, expected, expected_blocks)
     patch.timm(model, strategy="algm", local_threshold=threshold, algm_layers=(0, 2))
-    assert not _matches(model, x, expected, expected_blocks)
+    assert not matches_reference(model, x, expected, expected_blocks)
 
 
 LAYER_SCALE_MODELS = [("vit_small_patch14_reg4_dinov2", 56), ("deit3_small_patch16_224", 64)]
@@ -192,7 +185,7 @@ def test_layer_scale_and_register_models(name, size):
     threshold = pooling_threshold(local_similarities(model, x, 0), 2)
     patch.timm(model, strategy="algm", local_threshold=threshold, algm_layers=(0, 1))
     expected, blocks = algm_reference(model, x, (0, 1), threshold)
-    assert _matches(model, x, expected, blocks)
+    assert matches_reference(model, x, expected, blocks)
     patch.unpatch(model)
     assert torch.equal(model.forward_features(x), plain)
 

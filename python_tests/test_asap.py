@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from helpers.blocks import small_timm, tokens_after_each_block
+from helpers.blocks import matches_reference, small_timm, tokens_after_each_block
 from helpers.originals_reference import asap_reference
 from helpers.prune import images, tiny_dinov2, tiny_eva, tiny_vit
 from pullback_ext.errors import PullbackError
@@ -47,13 +47,6 @@ BROKEN = {"sink_removable": _sink_removable, "no_lazy_walk": _no_lazy_walk, "uni
 PRUNE_BROKEN = ("sink_removable", "no_lazy_walk")
 
 
-def _matches(model, x, expected, expected_blocks, p):
-    final = model.forward_features(x)
-    _, blocks = model.forward_intermediates(x, indices=list(range(len(model.blocks))), output_fmt="NLC")
-    return torch.allclose(final, expected, rtol=1e-9, atol=1e-9) and all(
-        torch.allclose(got, want[:, p:], rtol=1e-9, atol=1e-9) for got, want in zip(blocks, expected_blocks))
-
-
 @pytest.mark.parametrize("mode,broken", [("merge", None), *[("merge", b) for b in BROKEN], ("prune", None),
                                          *[("prune", b) for b in PRUNE_BROKEN]])
 def test_asap_matches_the_reference_and_the_check_catches_broken_variants(mode, broken, monkeypatch):
@@ -65,7 +58,7 @@ def test_asap_matches_the_reference_and_the_check_catches_broken_variants(mode, 
     if broken:
         BROKEN[broken](monkeypatch)
     patch.timm(model, strategy="asap", ratio=0.5, layers=2, rings=3, mode=mode)
-    assert _matches(model, x, expected, expected_blocks, 2) == (broken is None)
+    assert matches_reference(model, x, expected, expected_blocks, 2) == (broken is None)
 
 
 @pytest.mark.parametrize("llf", [False, "full"])
@@ -74,7 +67,7 @@ def test_prune_mode_with_and_without_last_layer_fusion(llf):
     x = images(2).double()
     expected, expected_blocks = asap_reference(model, x, layer=1, ratio=0.4, mode="prune", llf=llf)
     patch.timm(model, strategy="asap", ratio=0.4, layers=1, mode="prune", llf=llf)
-    assert _matches(model, x, expected, expected_blocks, 1)
+    assert matches_reference(model, x, expected, expected_blocks, 1)
 
 
 def test_one_ring_and_rings_clipped_to_the_room_left():
@@ -83,7 +76,7 @@ def test_one_ring_and_rings_clipped_to_the_room_left():
     for rings, ratio in ((1, 0.5), (6, 0.75)):  # 12 of 16 removed: 3 tokens besides the sink, so 3 rings
         expected, expected_blocks = asap_reference(model, x, layer=1, ratio=ratio, rings=rings)
         patch.timm(model, strategy="asap", ratio=ratio, layers=1, rings=rings)
-        assert _matches(model, x, expected, expected_blocks, 1)
+        assert matches_reference(model, x, expected, expected_blocks, 1)
 
 
 @pytest.mark.parametrize("reg_tokens,mode", [(0, "merge"), (2, "merge"), (0, "prune"), (2, "prune")])
@@ -131,7 +124,7 @@ def test_layer_scale_and_register_models(name, size):
     for mode, layer in (("merge", 2), ("prune", 1)):
         expected, expected_blocks = asap_reference(model, x, layer=layer, ratio=0.5, rings=2, mode=mode)
         patch.timm(model, strategy="asap", ratio=0.5, layers=layer, rings=2, mode=mode)
-        assert _matches(model, x, expected, expected_blocks, p)
+        assert matches_reference(model, x, expected, expected_blocks, p)
 
 
 def test_batch_rows_are_independent_and_dense_readers_get_pooled_tokens():

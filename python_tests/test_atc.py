@@ -17,7 +17,7 @@ import torch
 import pullback_ext.patch as patch
 from helpers.atc_reference import agglomerate as reference_agglomerate
 from helpers.atc_reference import atc_reference, cosine_distances as reference_distances
-from helpers.blocks import assert_zero_reduction_is_unpatched, small_timm, tokens_after_each_block
+from helpers.blocks import assert_zero_reduction_is_unpatched, matches_reference, small_timm, tokens_after_each_block
 from helpers.broken_merges import no_proportional_attention, unweighted_averages
 from helpers.host_sync import NoHostSync
 from helpers.prune import images, tiny_vit
@@ -109,13 +109,6 @@ def _break(broken, linkage, monkeypatch):
         BROKEN[broken](monkeypatch)
 
 
-def _matches(model, x, expected, expected_blocks) -> bool:
-    final, blocks = model.forward_intermediates(x, indices=list(range(len(model.blocks))), output_fmt="NLC")
-    p = model.num_prefix_tokens
-    return torch.allclose(model.forward_features(x), expected, rtol=1e-9, atol=1e-9) and all(
-        torch.allclose(got, want[:, p:], rtol=1e-9, atol=1e-9) for got, want in zip(blocks, expected_blocks))
-
-
 @pytest.mark.parametrize("broken,linkage", CASES)
 def test_atc_matches_the_reference_and_the_check_catches_broken_variants(broken, linkage, monkeypatch):
     """16 patch tokens, keep rate 0.8 at the default blocks 1, 2, 3 of 5: 12, 10, 8 clusters
@@ -126,7 +119,7 @@ def test_atc_matches_the_reference_and_the_check_catches_broken_variants(broken,
     _break(broken, linkage, monkeypatch)
     patch.timm(model, strategy="atc", keep_rate=0.8, linkage=linkage)
     assert patch.config(model).atc_layers == (1, 2, 3)
-    assert _matches(model, x, expected, expected_blocks) == (broken is None)
+    assert matches_reference(model, x, expected, expected_blocks) == (broken is None)
 
 
 def _size_weighted_anyway(monkeypatch):
@@ -144,7 +137,7 @@ def test_without_proportional_attention_later_clusters_are_plain_means(linkage, 
     if broken:
         _size_weighted_anyway(monkeypatch)
     patch.timm(model, strategy="atc", keep_rate=0.6, linkage=linkage, atc_layers=(0, 2, 3), prop_attn=False)
-    assert _matches(model, x, expected, blocks) == (broken is None)
+    assert matches_reference(model, x, expected, blocks) == (broken is None)
 
 
 LAYER_SCALE_MODELS = [("vit_small_patch14_reg4_dinov2", 56), ("deit3_small_patch16_224", 64)]
@@ -158,7 +151,7 @@ def test_layer_scale_and_register_models(name, size):
     plain = assert_zero_reduction_is_unpatched(model, x, patch.timm, strategy="atc", keep_rate=1.0, atc_layers=(0, 1, 2))
     patch.timm(model, strategy="atc", keep_rate=0.7, linkage="complete", atc_layers=(0, 1, 2))
     expected, blocks = atc_reference(model, x, 0.7, (0, 1, 2), "complete")
-    assert _matches(model, x, expected, blocks)
+    assert matches_reference(model, x, expected, blocks)
     patch.unpatch(model)
     assert torch.equal(model.forward_features(x), plain)
 

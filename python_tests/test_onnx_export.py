@@ -16,7 +16,7 @@ import torch
 
 import pullback_ext.patch as patch
 from helpers.prune import images, tiny_vit
-from pullback_ext import export, ops
+from pullback_ext import export, ops, reference
 from pullback_ext.errors import PullbackError
 
 compiled = pytest.mark.skipif(ops._C is None, reason="needs the compiled extension (its ops are what is decomposed)")
@@ -160,22 +160,22 @@ def test_a_per_block_merge_re_traced_runs_with_gradients():
 
 @compiled
 @pytest.mark.parametrize("seed", range(4))
-def test_the_export_forms_equal_the_compiled_ops(seed):
+def test_the_reference_forms_the_export_uses_equal_the_compiled_ops(seed):
     x, w, src, dst, perm = _token_case(seed)
     group = dst[0] == dst[0, 0]
     w[0, dst[0, 0]] = 0.0
     w[0, src[0][group]] = 0.0  # a zero-weight group: its destination stays unchanged
-    for got, expected in zip(export.merge_tokens(x, w, src, dst), ops.merge_tokens(x, w, src, dst)):
+    for got, expected in zip(reference.merge_tokens(x, w, src, dst), ops.merge_tokens(x, w, src, dst)):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     kept_idx, pruned_idx = perm[:, 3:], perm[:, :3]
     kept, pruned = torch.randn(3, 6, 5), torch.randn(3, 3, 5)
-    assert torch.equal(export.reinsert_tokens(kept, kept_idx, pruned, pruned_idx),
+    assert torch.equal(reference.reinsert_tokens(kept, kept_idx, pruned, pruned_idx),
                        ops.reinsert_tokens(kept, kept_idx, pruned, pruned_idx))
     g = torch.Generator().manual_seed(seed)
     for n, count in ((9, 0), (9, 3), (9, 5), (9, 9), (2, 1)):
         order = torch.stack([torch.randperm(n, generator=g) for _ in range(3)])
         partner = torch.randint(0, n, (3, n), generator=g)
-        assert torch.equal(export.select_with_partners(order, partner, count),
+        assert torch.equal(reference.select_with_partners(order, partner, count),
                            ops.select_with_partners(order, partner, count)), (n, count)
 
 

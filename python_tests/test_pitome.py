@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pullback_ext.patch as patch
-from helpers.blocks import assert_zero_reduction_is_unpatched, small_timm, tokens_after_each_block
+from helpers.blocks import assert_zero_reduction_is_unpatched, matches_reference, small_timm, tokens_after_each_block
 from helpers.prune import images, tiny_vit
 from helpers.broken_merges import merges_everywhere, unweighted_averages
 from helpers.originals_reference import pitome_reference
@@ -100,13 +100,6 @@ BROKEN = {
 }
 
 
-def _matches(model, x, expected, expected_blocks) -> bool:
-    final, blocks = model.forward_intermediates(x, indices=list(range(len(model.blocks))), output_fmt="NLC")
-    p = model.num_prefix_tokens
-    return torch.allclose(model.forward_features(x), expected, rtol=1e-9, atol=1e-9) and all(
-        torch.allclose(got, want[:, p:], rtol=1e-9, atol=1e-9) for got, want in zip(blocks, expected_blocks))
-
-
 @pytest.mark.parametrize("broken", [None, *BROKEN])
 def test_pitome_matches_the_reference_and_the_check_catches_broken_variants(broken, monkeypatch):
     model = tiny_vit(reg_tokens=1, depth=5).double()
@@ -115,7 +108,7 @@ def test_pitome_matches_the_reference_and_the_check_catches_broken_variants(brok
     if broken:
         BROKEN[broken](monkeypatch)
     patch.timm(model, strategy="pitome", r=3, block_range=(1, 4), margin=0.5)
-    assert _matches(model, x, expected, expected_blocks) == (broken is None)
+    assert matches_reference(model, x, expected, expected_blocks) == (broken is None)
 
 
 def test_the_authors_defaults_and_other_margin_alpha_and_proportional_attention_match_the_reference():
@@ -124,10 +117,10 @@ def test_the_authors_defaults_and_other_margin_alpha_and_proportional_attention_
     patch.timm(model, strategy="pitome", r=4)
     assert patch.config(model).margin == 0.75 and patch.config(model).prop_attn is False
     expected, blocks = pitome_reference(model, x, merges=[4, 4, 4, 4])
-    assert _matches(model, x, expected, blocks)
+    assert matches_reference(model, x, expected, blocks)
     patch.timm(model, strategy="pitome", r=4, energy_alpha=0.25, margin=0.3, prop_attn=True)
     expected, blocks = pitome_reference(model, x, merges=[4, 4, 4, 4], margin=0.3, alpha=0.25, prop_attn=True)
-    assert _matches(model, x, expected, blocks)
+    assert matches_reference(model, x, expected, blocks)
 
 
 LAYER_SCALE_MODELS = [("vit_small_patch14_dinov2", 56), ("deit3_small_patch16_224", 64), ("vit_small_patch14_reg4_dinov2", 56)]
@@ -141,7 +134,7 @@ def test_layer_scale_and_register_models(name, size):
     plain = assert_zero_reduction_is_unpatched(model, x, patch.timm, strategy="pitome", r=0)
     patch.timm(model, strategy="pitome", r=4, schedule="decreasing")
     expected, blocks = pitome_reference(model, x, merges=merging.merges_per_block(4, "decreasing", 3))
-    assert _matches(model, x, expected, blocks)
+    assert matches_reference(model, x, expected, blocks)
     patch.unpatch(model)
     assert torch.equal(model.forward_features(x), plain)
 

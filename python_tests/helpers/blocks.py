@@ -131,3 +131,13 @@ def assert_zero_reduction_is_unpatched(model, x: torch.Tensor, patch_fn, **optio
     final, inter = model.forward_intermediates(x, indices=[0, 2])
     assert torch.equal(final, plain_inter[0]) and all(torch.equal(a, b) for a, b in zip(inter, plain_inter[1]))
     return plain
+
+
+def matches_reference(model, x: torch.Tensor, expected: torch.Tensor, expected_blocks, num_prefix: int | None = None) -> bool:
+    """Whether a patched timm ``model`` gives, at 1e-9, the reference's final features ``expected``
+    and, after every block, its full-length features ``expected_blocks`` (patch tokens compared;
+    ``num_prefix``: the model's prefix tokens unless given)."""
+    p = model.num_prefix_tokens if num_prefix is None else num_prefix
+    _, blocks = model.forward_intermediates(x, indices=list(range(len(model.blocks))), output_fmt="NLC")
+    return torch.allclose(model.forward_features(x), expected, rtol=1e-9, atol=1e-9) and all(
+        torch.allclose(got, want[:, p:], rtol=1e-9, atol=1e-9) for got, want in zip(blocks, expected_blocks))
