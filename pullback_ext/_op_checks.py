@@ -259,6 +259,47 @@ def reinsert_tokens(kept: Tensor, kept_idx: Tensor, pruned: Tensor, pruned_idx: 
         _finite(kept=kept, pruned=pruned)
 
 
+MERGE_RULES = ("tome", "cosine", "bound", "pitome", "pitome_protected")
+
+
+def merge_step(x: Tensor, keys: Tensor, sizes, energy, owner, positions, num_prefix: int, r: int, rule: str, *,
+               finite: bool = False) -> None:
+    """x [B,K,D]; keys [B,H,K,hd] of x's dtype and device; sizes [B,K] of x's dtype (or None); energy
+    [B,K] in x's working precision (or None; required by the guarded rules); owner [B,N] and positions
+    [B,K] int64 (or None); 0 <= num_prefix <= K, r >= 0, rule one of :data:`MERGE_RULES`."""
+    _batch3(x, "x", "[B, K, D]")
+    B, K, _ = x.shape
+    _dims(keys, "keys", 4, "[B, H, K, hd]")
+    _shape(keys, "keys", (B, None, K, None), "[B, H, K, hd]")
+    _like(keys, "keys", x, "x")
+    if sizes is not None:
+        _shape(sizes, "sizes", (B, K), "[B, K]")
+        _like(sizes, "sizes", x, "x")
+    if energy is not None:
+        _shape(energy, "energy", (B, K), "[B, K]")
+        _require(energy.device == x.device, PullbackError,
+                 lambda: f"energy must be on the device of x ({x.device}), got {energy.device}")
+        working = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+        _require(energy.dtype == working, TypeError,
+                 lambda: f"energy must be {working} (x's working precision), got {energy.dtype}")
+    if owner is not None:
+        _index(owner, "owner", x, "x")
+    if positions is not None:
+        _index(positions, "positions", x, "x")
+        _shape(positions, "positions", (B, K), "[B, K]")
+    if not isinstance(num_prefix, int) or not 0 <= num_prefix <= K:
+        raise PullbackError(f"num_prefix must be an int in [0, K = {K}], got {num_prefix!r}")
+    if not isinstance(r, int) or r < 0:
+        raise PullbackError(f"r must be an int >= 0 (merges asked for), got {r!r}")
+    if rule not in MERGE_RULES:
+        raise PullbackError(f"rule must be one of {', '.join(MERGE_RULES)}, got {rule!r}")
+    if rule in ("cosine", "bound") and energy is None:
+        raise PullbackError(f"rule {rule!r} (importance_tome's guarded cost) needs energy [B, K], got None")
+    if finite:
+        _finite(x=x, keys=keys, **({} if sizes is None else {"sizes": sizes}),
+                **({} if energy is None else {"energy": energy}))
+
+
 def select_with_partners(order: Tensor, partner: Tensor, count: int, *, values: bool = False) -> None:
     """order [B,n] int64 with every row a permutation of 0..n-1, partner [B,n] int64 on order's device
     with every partner in [0, n), count an int with 0 <= count <= n."""

@@ -42,11 +42,14 @@ __all__ = [
     "merge_tokens",
     "reinsert_tokens",
     "select_with_partners",
+    "merge_step",
     "uses_compiled",
 ]
 
 _C = load_compiled()
 _CUDA_BUILT = bool(_C is not None and _C.cuda_available())
+# A build from before merge_step runs its reference (and the methods their unfused merges).
+_HAS_MERGE_STEP = bool(_C is not None and hasattr(torch.ops.pullback_ext, "merge_step"))
 _CPU_DTYPES = (torch.float32, torch.float64)
 _CUDA_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -60,6 +63,11 @@ def uses_compiled(t: Tensor) -> bool:
     if t.device.type == "cuda":
         return _CUDA_BUILT and t.dtype in _CUDA_DTYPES
     return t.device.type == "meta" and t.dtype in _CUDA_DTYPES
+
+
+def merge_step_compiled(x: Tensor) -> bool:
+    """Whether :func:`merge_step` on the tokens ``x`` runs the compiled op (else its reference)."""
+    return _HAS_MERGE_STEP and uses_compiled(x)
 
 
 def _run(name: str, main: Tensor, *args):
@@ -175,6 +183,38 @@ def select_with_partners(order: Tensor, partner: Tensor, count: int, *, check_va
     return reference.select_with_partners(order, partner, count)
 
 
+def merge_step(
+    x: Tensor, keys: Tensor, sizes: Tensor | None = None, energy: Tensor | None = None, owner: Tensor | None = None,
+    positions: Tensor | None = None, *, num_prefix: int, r: int, rule: str = "tome", guard: float = 0.0,
+    margin: float = 0.0, alpha: float = 1.0, check_finite: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One merge of ToMe's loop (ranking and applying) in one call: ``(x', sizes', energy', owner', positions')``.
+
+    x [B,K,D] (the first ``num_prefix`` tokens never merge), keys [B,H,K,hd] of x's dtype (their
+    head mean, normalised, is the metric), sizes [B,K] of x's dtype (None: all 1), energy [B,K]
+    (x's dtype in float32/float64, else float32; None: none carried), owner [B,N] int64 (the current
+    index of each original token; None: the identity), positions [B,K] int64 (the original place of
+    each current token; None: the identity). ``rule`` ranks the ``R`` merges (``r`` clipped):
+
+    - ``"tome"``: ToMe's split ``[prefix, A (even positions), B (odd)]``, each A token's most similar
+      B token, the ``R = min(r, |A|)`` most similar pairs (0 when B is empty);
+    - ``"cosine"`` / ``"bound"`` (energy required): importance_tome's guarded cost (ToMe's split, the
+      ``R`` cheapest pairs; ``guard`` the energies' exponent);
+    - ``"pitome"`` / ``"pitome_protected"``: PiToMe's energy order (``margin``, ``alpha``), ``R =
+      min(r, n // 2)`` of the n patch tokens, the protected form keeping all but the ``2R`` highest.
+
+    Returns x' [B,K-R,D] (the merged sequence, each destination the size-weighted mean of itself and
+    its sources), sizes' [B,K-R], energy' [B,K-R] (summed; an empty [0] without energy), owner' [B,N]
+    (the new index of each original token) and positions' [B,K-R] (a merged token keeps its
+    destination's). Ties are decided by position, exactly as the unfused path
+    (``pullback_ext.prune.methods.merging``) decides them. Forward-only (no gradient).
+    """
+    _op_checks.merge_step(x, keys, sizes, energy, owner, positions, num_prefix, r, rule, finite=check_finite)
+    args = (x, keys, sizes, energy, owner, positions, int(num_prefix), int(r), rule, float(guard), float(margin),
+            float(alpha))
+    return torch.ops.pullback_ext.merge_step(*args) if merge_step_compiled(x) else reference.merge_step(*args)
+
+
 # --- dispatcher registrations: fake (meta) kernels for torch.compile, autograd formulas ---------
 
 
@@ -221,10 +261,39 @@ def _register_fake_kernels() -> None:
         _op_checks.reinsert_tokens(kept, kept_idx, pruned, pruned_idx)
         return kept.new_empty((kept.shape[0], kept.shape[1] + pruned.shape[1], kept.shape[2]))
 
+    @(fake("merge_step") if _HAS_MERGE_STEP else (lambda f: f))
+    def _(x, keys, sizes, energy, owner, positions, num_prefix, r, rule, guard, margin, alpha):
+        _op_checks.merge_step(x, keys, sizes, energy, owner, positions, num_prefix, r, rule)
+        b, k, d = x.shape
+        kept = k - reference.merge_step_count(rule, r, num_prefix, k)
+        n = k if owner is None else owner.shape[1]
+        return (x.new_empty((b, kept, d)), x.new_empty((b, kept)),
+                x.new_empty(0) if energy is None else energy.new_empty((b, kept)),
+                x.new_empty((b, n), dtype=torch.int64), x.new_empty((b, kept), dtype=torch.int64))
+
     @fake("select_with_partners")
     def _(order, partner, count):
         _op_checks.select_with_partners(order, partner, count)
         return order.new_empty((order.shape[0], count))
+
+
+def _register_flop_formula() -> None:
+    """merge_step's FLOPs for ``torch.utils.flop_counter``: the similarity matmuls the unfused step
+    counts (``2 B |A| |B| hd``, and PiToMe's ``2 B n² hd`` of its energies), so that a FLOP ratio
+    is the same whichever path ran."""
+    from torch.utils.flop_counter import register_flop_formula
+
+    @register_flop_formula(torch.ops.pullback_ext.merge_step)
+    def _(x_shape, keys_shape, sizes, energy, owner, positions, num_prefix, r, rule, *args, out_shape=None, **kwargs):
+        b, k, hd, p = x_shape[0], x_shape[1], keys_shape[3], num_prefix
+        count, n = reference.merge_step_count(rule, r, p, k), k - p
+        if count == 0:
+            return 0
+        if rule.startswith("pitome"):
+            candidates = 2 * count if rule == "pitome_protected" else n
+            return 2 * b * hd * ((candidates + 1) // 2 * (candidates // 2) + n * n)
+        size_a = (k + 1) // 2 - (p + 1) // 2
+        return 2 * b * hd * size_a * (n - size_a)
 
 
 def _save_inputs(ctx, inputs, output) -> None:
@@ -295,6 +364,11 @@ def _qr_setup(ctx, inputs, output) -> None:
 
 def _qr_backward(ctx, grad_Q: Tensor, grad_R: Tensor):
     raise RuntimeError("block_orthonormalize is forward-only: it has no backward formula")
+
+
+def _merge_step_backward(ctx, *grads):
+    raise RuntimeError("merge_step is forward-only: it has no backward formula (the methods run the unfused merge "
+                       "where a gradient is needed)")
 
 
 def _gather_backward(ctx, grad: Tensor):
@@ -368,6 +442,9 @@ def _register_autograd() -> None:
     reg("pullback_ext::gather_tokens", _gather_backward, setup_context=_save_inputs)
     reg("pullback_ext::merge_tokens", _merge_backward, setup_context=_merge_setup)
     reg("pullback_ext::reinsert_tokens", _reinsert_backward, setup_context=_reinsert_setup)
+    if _HAS_MERGE_STEP:
+        reg("pullback_ext::merge_step", _merge_step_backward, setup_context=_qr_setup)
+        _register_flop_formula()
 
 
 if _C is not None:

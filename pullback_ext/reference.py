@@ -9,6 +9,8 @@ Shapes: B batch, N tokens, D channels, P = N·D ambient dimension, r rank, k vec
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -21,6 +23,7 @@ __all__ = [
     "merge_tokens",
     "reinsert_tokens",
     "select_with_partners",
+    "merge_step",
 ]
 
 
@@ -127,3 +130,169 @@ def select_with_partners(order: Tensor, partner: Tensor, count: int) -> Tensor:
     fill = left * (left.cumsum(1) <= count - taken).long()
     chosen = torch.maximum(chosen, torch.zeros_like(chosen).scatter(1, order, fill))
     return _kept_in_order(chosen, count)
+
+
+# --- one merge step of ToMe's loop (merge_step) -------------------------------------------------
+# The ranking rules' pieces are the library's one implementation: pullback_ext.prune.methods
+# (merging, tome, pitome, importance_tome) run them unfused, and merge_step composes them.
+
+def working_precision(x: Tensor) -> Tensor:
+    """``x`` itself in float32/float64; reduced-precision tokens are scored in float32."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def key_metric(keys: Tensor) -> Tensor:
+    """Unit vectors ``[B, K, hd]`` of the keys ``[B, H, K, hd]`` averaged over heads: ToMe's matching metric."""
+    return torch.nn.functional.normalize(working_precision(keys.mean(dim=1)), dim=-1)
+
+
+def bipartite_count(r: int, num_prefix: int, num_patch: int) -> int:
+    """Tokens one ToMe merge takes: ``r`` clipped to ``|A|``, 0 when B is empty (a lone patch token)."""
+    k = num_prefix + num_patch
+    size_a = (k + 1) // 2 - (num_prefix + 1) // 2  # even positions in [num_prefix, k)
+    return min(r, size_a) if num_patch - size_a > 0 else 0
+
+
+def pitome_count(r: int, num_patch: int) -> int:
+    """Tokens one PiToMe block merges: ``r`` clipped to half the ``num_patch`` current patch tokens (the
+    ``2k`` candidates of the later blocks must be patch tokens)."""
+    return min(r, num_patch // 2)
+
+
+def merge_step_count(rule: str, r: int, num_prefix: int, k: int) -> int:
+    """Tokens :func:`merge_step` merges away among ``k`` tokens (``num_prefix`` of them prefix) under ``rule``."""
+    return pitome_count(r, k - num_prefix) if rule.startswith("pitome") else bipartite_count(r, num_prefix, k - num_prefix)
+
+
+def alternating_order(num_prefix: int, k: int, batch: int, device) -> tuple[Tensor, int]:
+    """ToMe's split of ``k`` tokens: ``(order [batch, k], |A|)`` with the order ``[prefix, A, B]``,
+    A the even positions and B the odd ones among ``num_prefix .. k-1``."""
+    first_even = num_prefix + num_prefix % 2
+    set_a = torch.arange(first_even, k, 2, device=device)
+    set_b = torch.arange(num_prefix + 1 - num_prefix % 2, k, 2, device=device)
+    return torch.cat([torch.arange(num_prefix, device=device), set_a, set_b]).expand(batch, k), set_a.numel()
+
+
+def matching_from_scores(order: Tensor, a_start: int, size_a: int, score: Tensor, match: Tensor,
+                         count: int, descending: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """ToMe's rule on a split sequence ``order [B, K]`` ending with set A (``size_a`` positions from
+    ``a_start``) and then set B: ``(order, src, dst)``, the ``count`` A tokens of the highest ``score
+    [B, |A|]`` (lowest with ``descending=False``; ties by position) merging into their ``match [B, |A|]``
+    (an index into B)."""
+    src = torch.argsort(score, dim=1, descending=descending, stable=True)[:, :count]  # into A
+    dst = torch.gather(match, 1, src) + a_start + size_a
+    return order, src + a_start, dst
+
+
+def best_match(metric: Tensor, order: Tensor, a_start: int, size_a: int) -> tuple[Tensor, Tensor]:
+    """``(similarity [B, |A|], match [B, |A|])``: each A token's most similar B token by the unit
+    vectors ``metric [B, K, d]`` of the current tokens (``order``, ``a_start``, ``size_a`` as in
+    :func:`matching_from_scores`)."""
+    ordered = torch.gather(metric, 1, order[..., None].expand(-1, -1, metric.shape[-1]))
+    set_a, set_b = ordered[:, a_start:a_start + size_a], ordered[:, a_start + size_a:]
+    return (set_a @ set_b.transpose(1, 2)).max(dim=-1)
+
+
+def pair_costs(metric_a: Tensor, metric_b: Tensor, e_a: Tensor, e_b: Tensor, s_a: Tensor, s_b: Tensor, guard: float,
+               partner: str) -> tuple[Tensor, Tensor]:
+    """``(cost [B, |A|], match [B, |A|])``: each A token's merge cost and its partner in B.
+
+    ``metric_a [B, |A|, hd]``, ``metric_b [B, |B|, hd]``: unit head-mean keys; ``e_*``, ``s_*``
+    ``[B, |A|]`` / ``[B, |B|]``: energies and sizes. ``partner="cosine"``: ToMe's match (the largest
+    cosine), costing ``e_a^(guard/2) · (1 − cos)``; ``"bound"``: the B token of the smallest
+    ``((e_a s_b² + e_b s_a²) / (s_a + s_b)²)^(guard/2) · ‖a − b‖``."""
+    cos = metric_a @ metric_b.transpose(1, 2)  # [B, |A|, |B|]
+    if partner == "cosine":
+        best, match = cos.max(dim=-1)
+        return e_a.pow(guard / 2) * (1 - best), match
+    dist = (2 - 2 * cos).clamp_min(0).sqrt()
+    total = s_a[:, :, None] + s_b[:, None, :]
+    moved = (e_a[:, :, None] * s_b[:, None, :].square() + e_b[:, None, :] * s_a[:, :, None].square()) / total.square()
+    return (moved.pow(guard / 2) * dist).min(dim=-1)
+
+
+def pitome_energy(metric: Tensor, margin: float, alpha: float) -> Tensor:
+    """PiToMe's energy ``[B, n]`` of ``n`` tokens with unit vectors ``metric [B, n, hd]``: the mean
+    over all ``n`` tokens of ``ELU(cos − margin, alpha)``."""
+    cos = metric @ metric.transpose(1, 2)
+    return torch.nn.functional.elu(cos - margin, alpha=alpha).mean(dim=-1)
+
+
+def energy_order(ranked: Tensor, num_prefix: int, candidates: int) -> tuple[Tensor, int, int]:
+    """``(order [B, K], a_start, |A|)``: the current indices as ``[prefix, protected, A, B]`` from the
+    patch tokens ``ranked [B, n]`` by descending energy, the first ``candidates`` alternating
+    between A and B, the rest protected."""
+    prefix = torch.arange(num_prefix, device=ranked.device).expand(ranked.shape[0], num_prefix)
+    chosen, protected = ranked[:, :candidates], ranked[:, candidates:]
+    order = torch.cat([prefix, protected, chosen[:, 0::2], chosen[:, 1::2]], dim=1)
+    return order, num_prefix + protected.shape[1], (candidates + 1) // 2
+
+
+def positions_after_merge(order: Tensor, src: Tensor, dst: Tensor) -> Tensor:
+    """``[B, K]``: where each current token is after the merge. ``order [B, K]``: the current index
+    at each position of the reordered sequence; ``src``, ``dst [B, R]``: positions in it."""
+    kept = torch.ones_like(order).scatter(1, src, 0)
+    rank = kept.cumsum(1) - 1
+    rank = rank.scatter(1, src, torch.gather(rank, 1, dst))  # a merged token goes where its match goes
+    return torch.empty_like(rank).scatter(1, order, rank)
+
+
+def places_after_merge(order: Tensor, src: Tensor) -> Tensor:
+    """``[B, K - R]``: the current index at each position of the merged sequence (the reordered
+    ``order [B, K]`` without its merged-away positions ``src [B, R]``; a destination keeps its place)."""
+    kept = _kept_in_order(torch.ones_like(order).scatter(1, src, 0), order.shape[1] - src.shape[1])
+    return torch.gather(order, 1, kept)
+
+
+def guarded_ranking(metric: Tensor, sizes: Tensor, energy: Tensor, num_prefix: int, count: int, guard: float,
+                    partner: str) -> tuple[Tensor, Tensor, Tensor]:
+    """importance_tome's matching ``(order, src, dst)`` of ``count`` merges on the unit keys ``metric
+    [B, K, hd]``, ``sizes`` and ``energy [B, K]``: the order ``[prefix, A, B]``, the ``count`` A tokens of
+    the lowest :func:`pair_costs` into their partner."""
+    p, (b, k, hd) = num_prefix, metric.shape
+    order, size_a = alternating_order(p, k, b, metric.device)
+    metric = torch.gather(metric, 1, order[..., None].expand(-1, -1, hd))
+    sizes, energy = torch.gather(sizes, 1, order).to(metric.dtype), torch.gather(energy, 1, order)
+    a, bb = slice(p, p + size_a), slice(p + size_a, k)
+    cost, match = pair_costs(metric[:, a], metric[:, bb], energy[:, a], energy[:, bb], sizes[:, a], sizes[:, bb],
+                             guard, partner)
+    return matching_from_scores(order, p, size_a, cost, match, count, descending=False)
+
+
+def merge_step_ranking(keys: Tensor, sizes: Tensor, energy: Optional[Tensor], num_prefix: int, count: int, rule: str,
+                       guard: float, margin: float, alpha: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The matching ``(order [B, K], src, dst [B, count])`` of :func:`merge_step`'s ``rule`` (``count`` >= 1)."""
+    p, (b, _, k, _) = num_prefix, keys.shape
+    metric = key_metric(keys)
+    if rule in ("cosine", "bound"):
+        return guarded_ranking(metric, sizes, energy, p, count, guard, rule)
+    if rule == "tome":
+        (order, size_a), a_start = alternating_order(p, k, b, keys.device), p
+    else:
+        ranked = torch.argsort(pitome_energy(metric[:, p:], margin, alpha), dim=1, descending=True, stable=True) + p
+        order, a_start, size_a = energy_order(ranked, p, 2 * count if rule == "pitome_protected" else k - p)
+    best, match = best_match(metric, order, a_start, size_a)
+    return matching_from_scores(order, a_start, size_a, best, match, count)
+
+
+def merge_step(x: Tensor, keys: Tensor, sizes: Optional[Tensor], energy: Optional[Tensor], owner: Optional[Tensor],
+               positions: Optional[Tensor], num_prefix: int, r: int, rule: str, guard: float, margin: float,
+               alpha: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One merge of ToMe's loop on the tokens ``x [B, K, D]`` matched by ``rule`` on ``keys [B, H, K, hd]``
+    (see ``ops.merge_step``): ``(x', sizes', energy', owner', positions')``."""
+    b, k, _ = x.shape
+    count = merge_step_count(rule, r, num_prefix, k)
+    sizes = torch.ones(b, k, dtype=x.dtype, device=x.device) if sizes is None else sizes
+    index = torch.arange(k, device=x.device).expand(b, k)
+    if count == 0:
+        return (x.clone(), sizes.clone(), x.new_empty(0) if energy is None else energy.clone(),
+                index.clone() if owner is None else owner.clone(), index.clone() if positions is None else positions.clone())
+    order, src, dst = merge_step_ranking(keys, sizes, energy, num_prefix, count, rule, guard, margin, alpha)
+    x_out, sizes_out = merge_tokens(gather_tokens(x, order), torch.gather(sizes, 1, order), src, dst)
+    energy_out = x.new_empty(0)
+    if energy is not None:
+        ordered = torch.gather(energy, 1, order)
+        energy_out = merge_tokens(torch.ones_like(ordered[..., None]), ordered, src, dst)[1]
+    new_index, places = positions_after_merge(order, src, dst), places_after_merge(order, src)
+    owner_out = new_index if owner is None else torch.gather(new_index, 1, owner)
+    return x_out, sizes_out, energy_out, owner_out, places if positions is None else torch.gather(positions, 1, places)

@@ -107,6 +107,7 @@ def test_pitome_matches_the_reference_and_the_check_catches_broken_variants(brok
     expected, expected_blocks = pitome_reference(model, x, merges=[0, 3, 3, 3, 0], margin=0.5)
     if broken:
         BROKEN[broken](monkeypatch)
+        monkeypatch.setattr(merging, "FUSED", False)  # the variants break the unfused path's pieces
     patch.timm(model, strategy="pitome", r=3, block_range=(1, 4), margin=0.5)
     assert matches_reference(model, x, expected, expected_blocks) == (broken is None)
 

@@ -40,6 +40,7 @@ def test_tome_matches_the_reference_and_the_check_catches_broken_variants(broken
     expected, expected_blocks = tome_reference(model, x, merges=[0, 3, 3, 3, 0])
     if broken:
         BROKEN[broken](monkeypatch)
+        monkeypatch.setattr(merging, "FUSED", False)  # the variants break the unfused path's pieces
     patch.timm(model, strategy="tome", r=3, block_range=(1, 4))
     final, blocks = model.forward_intermediates(x, indices=list(range(5)), output_fmt="NLC")
     matches = torch.allclose(model.forward_features(x), expected, rtol=1e-9, atol=1e-9) and all(

@@ -61,6 +61,7 @@ from pullback_ext.prune.methods.base import BackboneShape, Needs
 from pullback_ext.prune.methods.merging import (Matching, MergeStep, MergingMethod, ToMeOptions, alternating_order,
                                                 bipartite_count, key_metric, matching_from_scores, merge_values)
 from pullback_ext.prune.option_checks import count, is_real
+from pullback_ext.reference import guarded_ranking, pair_costs  # noqa: F401  (shared with ops.merge_step)
 
 PARTNERS = ("cosine", "bound")
 AUTO = "auto"
@@ -197,22 +198,6 @@ def token_energy(head, x: torch.Tensor, sizes: Optional[torch.Tensor]) -> torch.
     return energy if sizes is None else energy * sizes.to(energy.dtype)
 
 
-def pair_costs(metric_a: torch.Tensor, metric_b: torch.Tensor, e_a: torch.Tensor, e_b: torch.Tensor,
-               s_a: torch.Tensor, s_b: torch.Tensor, guard: float, partner: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cost [B, |A|], match [B, |A|])``: each A token's merge cost and its partner in B.
-
-    ``metric_a [B, |A|, hd]``, ``metric_b [B, |B|, hd]``: unit head-mean keys; ``e_*``, ``s_*``
-    ``[B, |A|]`` / ``[B, |B|]``: energies and sizes (see the module docstring for the two rules)."""
-    cos = metric_a @ metric_b.transpose(1, 2)  # [B, |A|, |B|]
-    if partner == "cosine":
-        best, match = cos.max(dim=-1)
-        return e_a.pow(guard / 2) * (1 - best), match
-    dist = (2 - 2 * cos).clamp_min(0).sqrt()
-    total = s_a[:, :, None] + s_b[:, None, :]
-    moved = (e_a[:, :, None] * s_b[:, None, :].square() + e_b[:, None, :] * s_a[:, :, None].square()) / total.square()
-    return (moved.pow(guard / 2) * dist).min(dim=-1)
-
-
 def guarded_matching(state: MergedTokens, energy: torch.Tensor, keys: torch.Tensor, r: int,
                      guard: Guard) -> Optional[Matching]:
     """The guarded matching of ``r`` merges (clipped as ToMe's, :func:`~pullback_ext.prune.methods.merging.bipartite_count`)
@@ -222,14 +207,8 @@ def guarded_matching(state: MergedTokens, energy: torch.Tensor, keys: torch.Tens
     count = bipartite_count(r, p, k - p)
     if count == 0:
         return None
-    order, size_a = alternating_order(p, k, b, state.x.device)
-    metric = torch.gather(key_metric(keys), 1, order[..., None].expand(-1, -1, keys.shape[-1]))
     sizes = torch.ones(b, k, dtype=state.x.dtype, device=state.x.device) if state.sizes is None else state.sizes
-    sizes, energy = torch.gather(sizes, 1, order).to(metric.dtype), torch.gather(energy, 1, order)
-    a, bb = slice(p, p + size_a), slice(p + size_a, k)
-    cost, match = pair_costs(metric[:, a], metric[:, bb], energy[:, a], energy[:, bb], sizes[:, a], sizes[:, bb],
-                             guard.guard, guard.partner)
-    return matching_from_scores(order, p, size_a, cost, match, count, descending=False)
+    return Matching(*guarded_ranking(key_metric(keys), sizes, energy, p, count, guard.guard, guard.partner))
 
 
 class ImportanceToMe(MergingMethod):
@@ -290,6 +269,15 @@ class ImportanceToMe(MergingMethod):
         if energy is None:  # a block_range that starts at or before score_layer: ToMe's own rule there
             return tome.bipartite_matching(step.attended.k, step.state.num_prefix, step.r)
         return guarded_matching(step.state, energy, step.attended.k, step.r, step.carry["guard"])
+
+    def merge(self, step: MergeStep) -> MergedTokens:
+        energy, guard = step.carry["energy"], step.carry["guard"]
+        rule = ("tome",) if energy is None else (guard.partner, energy, guard.guard)
+        fused = merging.fused_merge(step, *rule)
+        if fused is None:
+            return super().merge(step)
+        step.carry["energy"] = fused[1]
+        return fused[0]
 
     def apply(self, step: MergeStep, matching: Matching) -> MergedTokens:
         if step.carry["energy"] is not None:

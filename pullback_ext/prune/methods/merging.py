@@ -24,13 +24,15 @@ from typing import ClassVar, Literal, NamedTuple, Optional
 
 import torch
 
-from pullback_ext import ops
+from pullback_ext import ops, reference
 from pullback_ext.errors import PullbackError
-from pullback_ext.prune.matching import working_precision
 from pullback_ext.prune.merged_tokens import MergedTokens, run_tracked
 from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, BlockLoopMethod, Reduction
 from pullback_ext.prune.option_checks import one_of
 from pullback_ext.prune.split_block import Attended
+# The unfused path's pieces (the pure-torch reference of ops.merge_step is made of them).
+from pullback_ext.reference import (alternating_order, best_match, bipartite_count, key_metric,  # noqa: F401
+                                    places_after_merge, positions_after_merge)
 
 SCHEDULES = ("constant", "decreasing")
 
@@ -143,64 +145,15 @@ class MergeStep(NamedTuple):
     carry: dict
 
 
-def key_metric(keys: torch.Tensor) -> torch.Tensor:
-    """Unit vectors ``[B, K, hd]`` of the keys ``[B, H, K, hd]`` averaged over heads: ToMe's matching metric."""
-    return torch.nn.functional.normalize(working_precision(keys.mean(dim=1)), dim=-1)
-
-
-def bipartite_count(r: int, num_prefix: int, num_patch: int) -> int:
-    """Tokens one ToMe merge takes: ``r`` clipped to ``|A|``, 0 when B is empty (a lone patch token)."""
-    k = num_prefix + num_patch
-    size_a = (k + 1) // 2 - (num_prefix + 1) // 2  # even positions in [num_prefix, k)
-    return min(r, size_a) if num_patch - size_a > 0 else 0
-
-
-def alternating_order(num_prefix: int, k: int, batch: int, device) -> tuple[torch.Tensor, int]:
-    """ToMe's split of ``k`` tokens: ``(order [batch, k], |A|)`` with the order ``[prefix, A, B]``,
-    A the even positions and B the odd ones among ``num_prefix .. k-1``."""
-    first_even = num_prefix + num_prefix % 2
-    set_a = torch.arange(first_even, k, 2, device=device)
-    set_b = torch.arange(num_prefix + 1 - num_prefix % 2, k, 2, device=device)
-    return torch.cat([torch.arange(num_prefix, device=device), set_a, set_b]).expand(batch, k), set_a.numel()
-
-
 def matching_from_scores(order: torch.Tensor, a_start: int, size_a: int, score: torch.Tensor, match: torch.Tensor,
                          count: int, descending: bool = True) -> Matching:
     """ToMe's rule on a split sequence ``order [B, K]`` ending with set A (``size_a`` positions from
     ``a_start``) and then set B: the ``count`` A tokens of the highest ``score [B, |A|]`` (lowest
     with ``descending=False``; ties by position) merge into their ``match [B, |A|]`` (an index into B)."""
-    src = torch.argsort(score, dim=1, descending=descending, stable=True)[:, :count]  # into A
-    dst = torch.gather(match, 1, src) + a_start + size_a
-    return Matching(order, src + a_start, dst)
-
-
-def best_match(metric: torch.Tensor, order: torch.Tensor, a_start: int, size_a: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(similarity [B, |A|], match [B, |A|])``: each A token's most similar B token by the unit
-    vectors ``metric [B, K, d]`` of the current tokens (``order``, ``a_start``, ``size_a`` as in
-    :func:`matching_from_scores`)."""
-    ordered = torch.gather(metric, 1, order[..., None].expand(-1, -1, metric.shape[-1]))
-    set_a, set_b = ordered[:, a_start:a_start + size_a], ordered[:, a_start + size_a:]
-    return (set_a @ set_b.transpose(1, 2)).max(dim=-1)
+    return Matching(*reference.matching_from_scores(order, a_start, size_a, score, match, count, descending))
 
 
 # applying
-
-def positions_after_merge(order: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """``[B, K]``: where each current token is after the merge. ``order [B, K]``: the current index
-    at each position of the reordered sequence; ``src``, ``dst [B, R]``: positions in it."""
-    kept = torch.ones_like(order).scatter(1, src, 0)
-    rank = kept.cumsum(1) - 1
-    rank = rank.scatter(1, src, torch.gather(rank, 1, dst))  # a merged token goes where its match goes
-    return torch.empty_like(rank).scatter(1, order, rank)
-
-
-def places_after_merge(order: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``[B, K - R]``: the current index at each position of the merged sequence (the reordered
-    ``order [B, K]`` without its merged-away positions ``src [B, R]``; a destination keeps its place)."""
-    merged_away = torch.zeros_like(order, dtype=torch.int8).scatter(1, src, 1)
-    kept = torch.argsort(merged_away, dim=1, stable=True)[:, :order.shape[1] - src.shape[1]]
-    return torch.gather(order, 1, kept)
-
 
 def size_weighted(x: torch.Tensor, sizes: torch.Tensor, src: torch.Tensor, dst: torch.Tensor):
     """The merge every method but ToFu uses: ``(x [B, K - R, D], sizes [B, K - R])`` from the
@@ -227,6 +180,36 @@ def merge_values(values: torch.Tensor, matching: Matching) -> torch.Tensor:
     order, src, dst = matching
     ordered = torch.gather(values, 1, order)
     return ops.merge_tokens(torch.ones_like(ordered[..., None]), ordered, src, dst, check_values=False)[1]
+
+
+# fused: one compiled op per merge
+
+# Whether a method whose ranking the fused op covers runs its merges as one call of
+# ops.merge_step (where the compiled op takes the tokens); False: always the unfused path (rank,
+# then apply_matching), which stays the reference. Read at every merge.
+FUSED = True
+
+
+def fused_merge(step: MergeStep, rule: str, energy: Optional[torch.Tensor] = None, guard: float = 0.0,
+                margin: float = 0.0, alpha: float = 1.0) -> Optional[tuple[MergedTokens, Optional[torch.Tensor]]]:
+    """``(state, energy)`` after the block's merge by ``rule`` (see ``ops.merge_step``) in one compiled
+    call, the energies ``energy [B, K]`` (None: not carried) merged along; None where the unfused
+    path runs instead: :data:`FUSED` off, tokens the compiled op does not take, extra tokens, or a
+    gradient asked of the tokens, keys, sizes or energies (the op is forward-only)."""
+    state, keys = step.state, step.attended.k
+    x, sizes = state.x, state.sizes
+    tensors = [t for t in (x, keys, sizes, energy) if t is not None]
+    if (not FUSED or state.num_extra or not ops.merge_step_compiled(x) or keys.dim() != 4 or keys.dtype != x.dtype
+            or (energy is not None and energy.dtype != reference.working_precision(x).dtype)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+        return None
+    if reference.merge_step_count(rule, step.r, state.num_prefix, x.shape[1]) == 0:
+        return state, energy
+    x, sizes, merged_energy, owner, positions = ops.merge_step(
+        x, keys, sizes, energy, state.owner, state.positions, num_prefix=state.num_prefix, r=step.r, rule=rule,
+        guard=guard, margin=margin, alpha=alpha)
+    return (MergedTokens(x=x, num_prefix=state.num_prefix, owner=owner, sizes=sizes, positions=positions),
+            None if energy is None else merged_energy)
 
 
 # the loop
@@ -269,6 +252,12 @@ class MergingMethod(BlockLoopMethod):
     def apply(self, step: MergeStep, matching: Matching) -> MergedTokens:
         return apply_matching(step.state, matching, self.average)
 
+    def merge(self, step: MergeStep) -> MergedTokens:
+        """The block's merge: :meth:`rank`, then :meth:`apply` (a method whose ranking
+        :func:`fused_merge` covers runs it as one op there)."""
+        matching = self.rank(step)
+        return step.state if matching is None else self.apply(step, matching)
+
     def run(self, reduction: Reduction, x: torch.Tensor, loop: BlockLoop, take=()):
         prop_attn, merges = reduction.options.prop_attn, self.block_merges(reduction)
         carry = self.begin(reduction, merges)
@@ -280,8 +269,7 @@ class MergingMethod(BlockLoopMethod):
             else:
                 attended = loop.split.attend(block, state, bias)
                 here = MergeStep(reduction, i, state.with_x(attended.x), attended, merges[i], carry)
-                matching = self.rank(here)
-                state = here.state if matching is None else self.apply(here, matching)
+                state = self.merge(here)
                 state = state.with_x(loop.split.feed_forward(block, state.x))
             self.after_block(reduction, i, state, carry)
             return state

@@ -53,15 +53,13 @@ import torch
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.methods.base import Needs
-from pullback_ext.prune.methods.merging import (Matching, MergeStep, MergingMethod, ToMeOptions, best_match, key_metric,
-                                                matching_from_scores)
+from pullback_ext.prune.methods.merging import (Matching, MergeStep, MergingMethod, ToMeOptions, best_match, fused_merge,
+                                                key_metric, matching_from_scores)
 from pullback_ext.prune.option_checks import is_real
-
-
-def merge_count(r: int, num_patch: int) -> int:
-    """Tokens one block merges: ``r`` clipped to half the ``num_patch`` current patch tokens (the
-    ``2k`` candidates of the later blocks must be patch tokens)."""
-    return min(r, num_patch // 2)
+# PiToMe's pieces, shared with the reference of the fused merge step (ops.merge_step)
+from pullback_ext.reference import energy_order as merge_order  # noqa: F401
+from pullback_ext.reference import pitome_count as merge_count  # noqa: F401
+from pullback_ext.reference import pitome_energy as energy  # noqa: F401
 
 
 def block_margins(margin: float, depth: int) -> list[float]:
@@ -75,13 +73,6 @@ def block_margins(margin: float, depth: int) -> list[float]:
 def bipartite_blocks(depth: int) -> int:
     """How many of a ``depth``-block model's first blocks match all tokens, unprotected: ``⌈depth/2⌉``."""
     return math.ceil(depth / 2)
-
-
-def energy(metric: torch.Tensor, margin: float, alpha: float) -> torch.Tensor:
-    """Energy ``[B, n]`` of ``n`` tokens with unit vectors ``metric [B, n, hd]``: the mean over all
-    ``n`` tokens of ``ELU(cos − margin, alpha)``."""
-    cos = metric @ metric.transpose(1, 2)
-    return torch.nn.functional.elu(cos - margin, alpha=alpha).mean(dim=-1)
 
 
 def energy_matching(keys: torch.Tensor, num_prefix: int, r: int, margin: float, alpha: float,
@@ -99,16 +90,6 @@ def energy_matching(keys: torch.Tensor, num_prefix: int, r: int, margin: float, 
     order, a_start, size_a = merge_order(ranked, p, 2 * count if protect else k - p)
     best, match = best_match(metric, order, a_start, size_a)
     return matching_from_scores(order, a_start, size_a, best, match, count)
-
-
-def merge_order(ranked: torch.Tensor, num_prefix: int, candidates: int) -> tuple[torch.Tensor, int, int]:
-    """``(order [B, K], a_start, |A|)``: the current indices as ``[prefix, protected, A, B]`` from the
-    patch tokens ``ranked [B, n]`` by descending energy, the first ``candidates`` alternating
-    between A and B, the rest protected."""
-    prefix = torch.arange(num_prefix, device=ranked.device).expand(ranked.shape[0], num_prefix)
-    chosen, protected = ranked[:, :candidates], ranked[:, candidates:]
-    order = torch.cat([prefix, protected, chosen[:, 0::2], chosen[:, 1::2]], dim=1)
-    return order, num_prefix + protected.shape[1], (candidates + 1) // 2
 
 
 @dataclass(frozen=True)
@@ -147,6 +128,12 @@ class PiToMe(MergingMethod):
         margin = block_margins(o.margin, depth)[step.block]
         protect = step.block >= bipartite_blocks(depth)
         return energy_matching(step.attended.k, step.state.num_prefix, step.r, margin, o.energy_alpha, protect)
+
+    def merge(self, step: MergeStep):
+        o, depth = step.reduction.options, step.reduction.backbone.depth
+        rule = "pitome_protected" if step.block >= bipartite_blocks(depth) else "pitome"
+        fused = fused_merge(step, rule, margin=block_margins(o.margin, depth)[step.block], alpha=o.energy_alpha)
+        return super().merge(step) if fused is None else fused[0]
 
 
 ORDER = 4

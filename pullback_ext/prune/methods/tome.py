@@ -33,8 +33,8 @@ import torch
 from pullback_ext.prune.merged_tokens import MergedTokens
 from pullback_ext.prune.methods.base import Needs
 from pullback_ext.prune.methods.merging import (Matching, MergeStep, MergingMethod, ToMeOptions, alternating_order,
-                                                apply_matching, best_match, bipartite_count, key_metric,
-                                                matching_from_scores)
+                                                apply_matching, best_match, bipartite_count, fused_merge,
+                                                key_metric, matching_from_scores)
 
 
 def bipartite_matching(keys: torch.Tensor, num_prefix: int, r: int) -> Optional[Matching]:
@@ -65,6 +65,10 @@ class ToMe(MergingMethod):
 
     def rank(self, step: MergeStep) -> Optional[Matching]:
         return bipartite_matching(step.attended.k, step.state.num_prefix, step.r)
+
+    def merge(self, step: MergeStep) -> MergedTokens:
+        fused = fused_merge(step, "tome")
+        return super().merge(step) if fused is None else fused[0]
 
 
 ORDER = 1

@@ -1,0 +1,303 @@
+// CPU kernel of merge_step (one merge of ToMe's loop: the ranking of its rule and the size-weighted
+// merge with every map merge-and-restore needs), its schema and its CPU registration.
+//
+// One image per at::parallel_for task. The ranking scores in double; only its decisions reach the
+// outputs, and they are taken as the unfused path takes them (csrc/merge_step.h). The merge adds
+// up exactly as merge_tokens's CPU kernel does (csrc/cpu/tokens.cpp), so that the fused and the
+// unfused step are bitwise equal: weights summed in double in the order of the sources, each row
+// c_d x_d + Σ c_s x_s with c = w / total rounded to the tokens' dtype.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+#include "invariants.h"
+#include "merge_step.h"
+
+namespace pullback {
+namespace cpu {
+
+namespace {
+
+// The decisions of one image: order[K] (the current index at each position of the reordered
+// sequence), src[R] and dst[R] (positions in it: src[j] merges into dst[j]).
+struct StepPlan {
+  std::vector<int64_t> order, src, dst;
+};
+
+// Unit head-mean keys [K, hd] of image b (torch.nn.functional.normalize's eps = 1e-12).
+template <typename T>
+std::vector<double> unit_keys(const at::TensorAccessor<T, 3>& keys) {
+  const int64_t H = keys.size(0), K = keys.size(1), hd = keys.size(2);
+  std::vector<double> m(K * hd, 0.0);
+  for (int64_t t = 0; t < K; ++t) {
+    double* row = m.data() + t * hd;
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t d = 0; d < hd; ++d) row[d] += static_cast<double>(keys[h][t][d]);
+    }
+    double norm = 0.0;
+    for (int64_t d = 0; d < hd; ++d) {
+      row[d] /= static_cast<double>(H);
+      norm += row[d] * row[d];
+    }
+    norm = std::max(std::sqrt(norm), 1e-12);
+    for (int64_t d = 0; d < hd; ++d) row[d] /= norm;
+  }
+  return m;
+}
+
+// x^y as torch's pow(Tensor, Scalar) computes it (its exact special cases, then std::pow).
+double torch_pow(double x, double y) {
+  if (y == 0.0) return 1.0;
+  if (y == 1.0) return x;
+  if (y == 0.5) return std::sqrt(x);
+  if (y == 2.0) return x * x;
+  if (y == 3.0) return x * x * x;
+  return std::pow(x, y);
+}
+
+double dot(const double* a, const double* b, int64_t n) {
+  double s = 0.0;
+  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// `values` sorted (stable; descending, or ascending with `ascending`): the indices 0..n-1.
+std::vector<int64_t> stable_ranking(const std::vector<double>& values, bool ascending) {
+  std::vector<int64_t> idx(values.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) {
+    return ascending ? merge_greater(values[b], values[a]) : merge_greater(values[a], values[b]);
+  });
+  return idx;
+}
+
+// PiToMe's order [prefix, protected, A, B] from the energies of the patch tokens; sets a_start, size_a.
+std::vector<int64_t> energy_order(const std::vector<double>& m, int64_t hd, int64_t K, int64_t p, int64_t count,
+                                  bool protect, double margin, double alpha, int64_t& a_start, int64_t& size_a) {
+  const int64_t n = K - p;
+  std::vector<double> energy(n);
+  for (int64_t i = 0; i < n; ++i) {
+    double total = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double v = dot(m.data() + (p + i) * hd, m.data() + (p + j) * hd, hd) - margin;
+      total += v > 0 ? v : alpha * std::expm1(v);
+    }
+    energy[i] = total / static_cast<double>(n);
+  }
+  const std::vector<int64_t> ranked = stable_ranking(energy, false);
+  const int64_t candidates = protect ? 2 * count : n;
+  std::vector<int64_t> order(K);
+  std::iota(order.begin(), order.begin() + p, 0);
+  int64_t at = p;
+  for (int64_t i = candidates; i < n; ++i) order[at++] = ranked[i] + p;
+  for (int64_t i = 0; i < candidates; i += 2) order[at++] = ranked[i] + p;
+  for (int64_t i = 1; i < candidates; i += 2) order[at++] = ranked[i] + p;
+  a_start = p + n - candidates;
+  size_a = (candidates + 1) / 2;
+  return order;
+}
+
+// The decisions of `rule` on image b's unit keys m, sizes s and energies e (both [K], current order).
+StepPlan rank_image(MergeRule rule, const std::vector<double>& m, int64_t hd, const std::vector<double>& s,
+                    const std::vector<double>& e, int64_t K, int64_t p, int64_t count, double guard, double margin,
+                    double alpha) {
+  StepPlan plan;
+  int64_t a_start = p, size_a = 0;
+  if (merge_rule_is_pitome(rule)) {
+    plan.order = energy_order(m, hd, K, p, count, rule == MergeRule::PitomeProtected, margin, alpha, a_start, size_a);
+  } else {  // ToMe's split: [prefix, even positions, odd positions]
+    plan.order.resize(K);
+    std::iota(plan.order.begin(), plan.order.begin() + p, 0);
+    int64_t at = p;
+    for (int64_t t = p + p % 2; t < K; t += 2) plan.order[at++] = t;
+    size_a = at - p;
+    for (int64_t t = p + 1 - p % 2; t < K; t += 2) plan.order[at++] = t;
+  }
+  const int64_t b_start = a_start + size_a;
+  std::vector<double> score(size_a);
+  std::vector<int64_t> match(size_a);
+  for (int64_t i = 0; i < size_a; ++i) {
+    const int64_t a = plan.order[a_start + i];
+    double best = 0.0;
+    for (int64_t j = b_start; j < K; ++j) {
+      const int64_t bt = plan.order[j];
+      const double cos = dot(m.data() + a * hd, m.data() + bt * hd, hd);
+      double v = cos;  // tome, pitome: the largest cosine; bound: the smallest cost
+      if (rule == MergeRule::Bound) {
+        const double total = s[a] + s[bt];
+        const double moved = (e[a] * (s[bt] * s[bt]) + e[bt] * (s[a] * s[a])) / (total * total);
+        v = torch_pow(moved, guard / 2) * std::sqrt(std::max(2.0 - 2.0 * cos, 0.0));
+      }
+      const bool better = rule == MergeRule::Bound ? merge_greater(best, v) : merge_greater(v, best);
+      if (j == b_start || better) {
+        best = v;
+        match[i] = j;
+      }
+    }
+    score[i] = rule == MergeRule::Cosine ? torch_pow(e[a], guard / 2) * (1.0 - best) : best;
+  }
+  const std::vector<int64_t> chosen = stable_ranking(score, merge_rule_is_guarded(rule));
+  for (int64_t j = 0; j < count; ++j) {
+    plan.src.push_back(a_start + chosen[j]);
+    plan.dst.push_back(match[chosen[j]]);
+  }
+  return plan;
+}
+
+// Merged-sequence slots of image b: slot[pos] for every position of the reordered sequence (a
+// merged-away one: its destination's), kept[m] the position in slot m, members[m] its sources in
+// the order of src.
+struct Slots {
+  std::vector<int64_t> slot, kept;
+  std::vector<std::vector<int64_t>> members;
+};
+
+Slots merge_slots(const StepPlan& plan, int64_t K) {
+  Slots out;
+  const int64_t R = static_cast<int64_t>(plan.src.size());
+  out.slot.assign(K, 0);
+  for (const int64_t s : plan.src) out.slot[s] = -1;
+  for (int64_t pos = 0; pos < K; ++pos) {
+    if (out.slot[pos] < 0) continue;
+    out.slot[pos] = static_cast<int64_t>(out.kept.size());
+    out.kept.push_back(pos);
+  }
+  out.members.resize(out.kept.size());
+  for (int64_t j = 0; j < R; ++j) out.members[out.slot[plan.dst[j]]].push_back(plan.src[j]);
+  for (int64_t j = 0; j < R; ++j) out.slot[plan.src[j]] = out.slot[plan.dst[j]];
+  return out;
+}
+
+// merge_tokens's arithmetic (csrc/cpu/tokens.cpp) on one output row: the merged weight, and the
+// row itself unless `row` is null.
+template <typename T, typename W>
+W merged_row(const T* x, int64_t D, const W* w, int64_t t, const std::vector<int64_t>& sources, T* row) {
+  double total = static_cast<double>(w[t]);
+  for (const int64_t s : sources) total += static_cast<double>(w[s]);
+  if (row == nullptr) return static_cast<W>(total);
+  const T* xt = x + t * D;
+  if (sources.empty() || total == 0.0) {
+    std::copy(xt, xt + D, row);
+    return static_cast<W>(total);
+  }
+  const T c0 = static_cast<T>(static_cast<double>(w[t]) / total);
+  for (int64_t d = 0; d < D; ++d) row[d] = c0 * xt[d];
+  for (const int64_t s : sources) {
+    const T cs = static_cast<T>(static_cast<double>(w[s]) / total);
+    const T* xs = x + s * D;
+    for (int64_t d = 0; d < D; ++d) row[d] += cs * xs[d];
+  }
+  return static_cast<W>(total);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_step(
+    const at::Tensor& x_in, const at::Tensor& keys_in, const std::optional<at::Tensor>& sizes_in,
+    const std::optional<at::Tensor>& energy_in, const std::optional<at::Tensor>& owner_in,
+    const std::optional<at::Tensor>& positions_in, int64_t num_prefix, int64_t r, std::string rule_name,
+    double guard, double margin, double alpha) {
+  constexpr const char* op = "merge_step";
+  const int code = merge_rule_code(rule_name);
+  expect_that(code >= 0, op, "unknown rule ", rule_name);
+  const MergeRule rule = static_cast<MergeRule>(code);
+  expect_tensor(op, x_in, "x", {-1, -1, -1}, x_in.device(), x_in.scalar_type());
+  const int64_t B = x_in.size(0), K = x_in.size(1), D = x_in.size(2);
+  expect_that(0 <= num_prefix && num_prefix <= K && r >= 0, op, "num_prefix = ", num_prefix, ", r = ", r);
+  expect_tensor(op, keys_in, "keys", {B, -1, K, -1}, x_in.device(), x_in.scalar_type());
+  const bool has_sizes = sizes_in.has_value() && sizes_in->defined();
+  const bool has_energy = energy_in.has_value() && energy_in->defined();
+  const bool has_owner = owner_in.has_value() && owner_in->defined();
+  const bool has_positions = positions_in.has_value() && positions_in->defined();
+  if (has_sizes) expect_tensor(op, *sizes_in, "sizes", {B, K}, x_in.device(), x_in.scalar_type());
+  if (has_energy) expect_tensor(op, *energy_in, "energy", {B, K}, x_in.device(), x_in.scalar_type());
+  expect_that(has_energy || !merge_rule_is_guarded(rule), op, "rule ", rule_name, " needs energy");
+  if (has_owner) expect_tensor(op, *owner_in, "owner", {B, -1}, x_in.device(), at::kLong);
+  if (has_positions) expect_tensor(op, *positions_in, "positions", {B, K}, x_in.device(), at::kLong);
+
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor sizes = has_sizes ? sizes_in->contiguous() : at::ones({B, K}, x.options());
+  const at::Tensor energy = has_energy ? energy_in->contiguous() : at::Tensor();
+  const at::Tensor owner = has_owner ? owner_in->contiguous() : at::Tensor();
+  const at::Tensor positions = has_positions ? positions_in->contiguous() : at::Tensor();
+  const int64_t R = merge_step_count(rule, r, num_prefix, K), M = K - R;
+  const int64_t N = has_owner ? owner.size(1) : K;
+  at::Tensor x_out = at::empty({B, M, D}, x.options());
+  at::Tensor sizes_out = at::empty({B, M}, x.options());
+  at::Tensor energy_out = has_energy ? at::empty({B, M}, x.options()) : at::empty({0}, x.options());
+  at::Tensor owner_out = at::empty({B, N}, x.options().dtype(at::kLong));
+  at::Tensor positions_out = at::empty({B, M}, x.options().dtype(at::kLong));
+
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "merge_step_cpu", [&] {
+    const auto keys = keys_in.accessor<scalar_t, 4>();
+    const scalar_t* xs = x.const_data_ptr<scalar_t>();
+    const scalar_t* ss = sizes.const_data_ptr<scalar_t>();
+    const scalar_t* es = has_energy ? energy.const_data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, B, 1, [&](int64_t first, int64_t last) {
+      for (int64_t b = first; b < last; ++b) {
+        std::vector<double> s(K), e(has_energy ? K : 0);
+        for (int64_t t = 0; t < K; ++t) s[t] = static_cast<double>(ss[b * K + t]);
+        for (int64_t t = 0; t < static_cast<int64_t>(e.size()); ++t) e[t] = static_cast<double>(es[b * K + t]);
+        StepPlan plan;
+        if (R > 0) {
+          const std::vector<double> m = unit_keys<scalar_t>(keys[b]);
+          plan = rank_image(rule, m, keys.size(3), s, e, K, num_prefix, R, guard, margin, alpha);
+        } else {
+          plan.order.resize(K);
+          std::iota(plan.order.begin(), plan.order.end(), 0);
+        }
+        const Slots slots = merge_slots(plan, K);
+        // the tokens, sizes and energies gathered into the reordered sequence, then merged
+        std::vector<scalar_t> grouped(K * D), w(K), ew(has_energy ? K : 0);
+        for (int64_t pos = 0; pos < K; ++pos) {
+          const int64_t t = plan.order[pos];
+          std::copy(xs + (b * K + t) * D, xs + (b * K + t + 1) * D, grouped.begin() + pos * D);
+          w[pos] = ss[b * K + t];
+          if (has_energy) ew[pos] = es[b * K + t];
+        }
+        scalar_t* xo = x_out.mutable_data_ptr<scalar_t>() + b * M * D;
+        for (int64_t j = 0; j < M; ++j) {
+          const int64_t pos = slots.kept[j];
+          sizes_out.mutable_data_ptr<scalar_t>()[b * M + j] =
+              merged_row<scalar_t, scalar_t>(grouped.data(), D, w.data(), pos, slots.members[j], xo + j * D);
+          if (has_energy) {
+            energy_out.mutable_data_ptr<scalar_t>()[b * M + j] =
+                merged_row<scalar_t, scalar_t>(nullptr, D, ew.data(), pos, slots.members[j], nullptr);
+          }
+          const int64_t place = plan.order[pos];
+          positions_out.mutable_data_ptr<int64_t>()[b * M + j] =
+              has_positions ? positions.const_data_ptr<int64_t>()[b * K + place] : place;
+        }
+        std::vector<int64_t> new_index(K);
+        for (int64_t pos = 0; pos < K; ++pos) new_index[plan.order[pos]] = slots.slot[pos];
+        int64_t* oo = owner_out.mutable_data_ptr<int64_t>() + b * N;
+        for (int64_t n = 0; n < N; ++n) {
+          const int64_t t = has_owner ? owner.const_data_ptr<int64_t>()[b * N + n] : n;
+          oo[n] = t >= 0 && t < K ? new_index[t] : -1;  // an unchecked owner out of range: -1
+        }
+      }
+    });
+  });
+  return {x_out, sizes_out, energy_out, owner_out, positions_out};
+}
+
+}  // namespace
+
+}  // namespace cpu
+}  // namespace pullback
+
+TORCH_LIBRARY_FRAGMENT(pullback_ext, m) {
+  m.set_python_module("pullback_ext.ops");
+  m.def(
+      "merge_step(Tensor x, Tensor keys, Tensor? sizes, Tensor? energy, Tensor? owner, Tensor? positions, "
+      "int num_prefix, int r, str rule, float guard, float margin, float alpha) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pullback_ext, CPU, m) {
+  m.impl("merge_step", &pullback::cpu::merge_step);
+}
