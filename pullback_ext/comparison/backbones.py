@@ -1,7 +1,8 @@
 """Adapters that give the evaluation one view of a model: unpruned outputs, reduced outputs.
 
 Outputs are dicts with ``embedding [B, E]`` (CLS task) and, for models with a dense decoder,
-``depth [B, H, W]``. ``full`` and ``reduced`` give every output the errors read; the cost of a
+``depth [B, H, W]`` (and for the demo with its segmentation head, ``segmentation`` logits
+``[B, C, H, W]``). ``full`` and ``reduced`` give every output the errors read; the cost of a
 task is that of ``task_forward(task)``: the forward that task needs and nothing else (the demo's CLS
 task runs the backbone and the CLS head, not the depth decoder; its depth task the backbone and the
 depth decoder on the hooked layers, not the CLS head).
@@ -50,40 +51,58 @@ class Backbone:
         return (self.full, self.reduced) if self.task_forward is None else self.task_forward(task)
 
 
-def demo_backbone(model) -> Backbone:
-    """The demo model (timm backbone + CLS head + DPT depth head reading ``hook_layers``)."""
+def demo_backbone(model, segmentation_head=None) -> Backbone:
+    """The demo model (timm backbone + CLS head + DPT depth head reading ``hook_layers``).
+
+    ``segmentation_head``: a :class:`~pullback_ext.embedded.model.SegmentationHead` for it
+    (``pullback_ext.embedded.load_segmentation_head(model=model)``); with one, the outputs gain
+    ``segmentation`` logits ``[B, C, H, W]`` and the tasks ``segmentation``.
+    """
     bb = model.backbone
 
+    def decode(final: torch.Tensor, hooked: dict) -> dict:
+        out = model.decode(final, hooked)
+        if segmentation_head is not None:
+            out["segmentation"] = segmentation_head(model.hook_maps(hooked), model.image_size)
+        return out
+
     def full(images: torch.Tensor) -> dict:
-        return model(images)
+        hooked: dict = {}
+        final = model.run_blocks(model.embed(images), 0, len(bb.blocks), hooked)
+        return decode(final, hooked)
 
     def reduced(reduction: Reduction, images: torch.Tensor) -> dict:
         final, hooked = run_blocks(reduction, model.embed(images), bb.blocks, timm_vit.call_block, timm_vit.attention_probs,
                                    take=set(model.hook_layers), split=timm_vit.SPLIT)
-        return model.decode(final, hooked)
+        return decode(final, hooked)
 
     def block_tokens(images: torch.Tensor, layer: int) -> torch.Tensor:
         return model.run_blocks(model.embed(images), 0, layer + 1)[:, int(bb.num_prefix_tokens):]
 
+    tasks = ("cls", "depth") + (("segmentation",) if segmentation_head is not None else ())
     return Backbone(
         name="demo", depth=len(bb.blocks), num_prefix=int(bb.num_prefix_tokens), has_cls=bb.cls_token is not None,
-        image_size=int(model.image_size), tasks=("cls", "depth"), full=full, reduced=reduced, features_dim=int(bb.embed_dim),
+        image_size=int(model.image_size), tasks=tasks, full=full, reduced=reduced, features_dim=int(bb.embed_dim),
         block_tokens=block_tokens, preprocess=unit_range_preprocess(int(model.image_size)), eta=lambda options: eta(options, bb),
-        task_forward=lambda task: _demo_task_forward(model, task), num_patches=int(bb.patch_embed.num_patches),
+        task_forward=lambda task: _demo_task_forward(model, task, segmentation_head), num_patches=int(bb.patch_embed.num_patches),
     )
 
 
-def _demo_task_forward(model, task: str) -> tuple[Callable, Callable]:
+def _demo_task_forward(model, task: str, segmentation_head=None) -> tuple[Callable, Callable]:
     """The demo's forward of one task on ``images [B, 3, H, W]``: ``cls`` -> ``{"embedding" [B, E]}``
     (backbone, final norm, CLS head), ``depth`` -> ``{"depth" [B, H, W]}`` (backbone, the hooked
-    layers through the final norm, depth head)."""
+    layers through the final norm, depth head), ``segmentation`` -> ``{"segmentation" [B, C, H, W]}``
+    (the same hooked layers, ``segmentation_head``). Reduced, the hooked layers are read at full
+    length (merged tokens restored) as the depth head reads them."""
     bb, hooks = model.backbone, tuple(model.hook_layers)
-    take = set(hooks) if task == "depth" else set()
+    take = set(hooks) if task in ("depth", "segmentation") else set()
 
     def decode(final: torch.Tensor, hooked: dict) -> dict:
         if task == "cls":
             return {"embedding": model.cls_head(bb.norm(final)[:, 0])[0]}
-        return {"depth": model.depth_head([bb.norm(hooked[i]) for i in hooks], model.image_size)}
+        if task == "segmentation":
+            return {"segmentation": segmentation_head(model.hook_maps(hooked), model.image_size)}
+        return {"depth": model.depth_head(model.hook_maps(hooked), model.image_size)}
 
     def full(images: torch.Tensor) -> dict:
         hooked: dict = {}
@@ -165,14 +184,15 @@ def load_backbone(spec: ModelSpec, weights: Optional[str] = None) -> tuple[Backb
     return backbone_of(model, spec.name if spec.kind == "hf" else None, who="--model"), model
 
 
-def backbone_of(model, folder: Optional[str] = None, who: str = "model") -> Backbone:
+def backbone_of(model, folder: Optional[str] = None, who: str = "model", segmentation_head=None) -> Backbone:
     """The :class:`Backbone` of a loaded ``model``: the demo model, a timm VisionTransformer or a
     Hugging Face model of a supported family (``folder``: its image processor config; ``who``:
-    what the model is called in the error for an unknown one)."""
+    what the model is called in the error for an unknown one; ``segmentation_head``: the demo's,
+    see :func:`demo_backbone`)."""
     from pullback_ext.embedded.model import DemoModel
 
     if isinstance(model, DemoModel):
-        return demo_backbone(model)
+        return demo_backbone(model, segmentation_head)
     if isinstance(detect(model, who=who), TimmFamily):
         return timm_backbone(model)
     return hf_backbone(model, folder)

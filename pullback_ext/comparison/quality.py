@@ -38,6 +38,64 @@ def silog_x100(reduced: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return 100.0 * var.sqrt()
 
 
+def pixel_kl_x100(reduced: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Per-pixel KL divergence of the class distributions, ×100, per image: logits
+    ``[B, C, H, W]`` -> ``[B]``, ``100 · mean over pixels of KL(p_full ‖ p_reduced)`` (nats), the
+    softmaxes over ``C`` taken in float64. Exactly 0 for equal logits."""
+    _same_shape(reduced, full, "pixel_kl")
+    if reduced.dim() != 4:
+        raise PullbackError(f"pixel_kl: expected logits [B, C, H, W], got shape {tuple(reduced.shape)}")
+    log_p = torch.log_softmax(full.double(), dim=1)
+    log_q = torch.log_softmax(reduced.double(), dim=1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(dim=1).clamp_min(0.0)
+    return 100.0 * kl.flatten(1).mean(dim=1)
+
+
+def confusion_matrices(pred: torch.Tensor, target: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Per-image confusion counts: class maps ``pred``, ``target`` ``[B, H, W]`` (ints in
+    ``[0, num_classes)``) -> int64 ``[B, C, C]``, entry ``[b, t, p]`` = pixels of image b with
+    target class t predicted as p. Sum over the batch for a data set's matrix."""
+    _same_shape(pred, target, "confusion")
+    if pred.dim() != 3:
+        raise PullbackError(f"confusion: expected class maps [B, H, W], got shape {tuple(pred.shape)}")
+    pred, target = pred.long(), target.long()
+    for what, values in (("pred", pred), ("target", target)):
+        if values.numel() and (int(values.min()) < 0 or int(values.max()) >= num_classes):
+            raise PullbackError(f"confusion: {what} classes must lie in [0, {num_classes}), got {int(values.min())}..{int(values.max())}")
+    b = pred.shape[0]
+    cell = (torch.arange(b)[:, None] * num_classes + target.flatten(1)) * num_classes + pred.flatten(1)
+    return torch.bincount(cell.flatten(), minlength=b * num_classes * num_classes).reshape(b, num_classes, num_classes)
+
+
+def class_iou(confusion: torch.Tensor) -> torch.Tensor:
+    """IoU of each class from a confusion matrix ``[..., C, C]`` -> float64 ``[..., C]``:
+    ``tp / (tp + fp + fn)``; NaN for a class absent from both maps."""
+    confusion = confusion.double()
+    tp = confusion.diagonal(dim1=-2, dim2=-1)
+    union = confusion.sum(dim=-1) + confusion.sum(dim=-2) - tp
+    return torch.where(union > 0, tp / union.clamp_min(1.0), torch.full_like(tp, math.nan))
+
+
+def mean_iou(confusion: torch.Tensor) -> torch.Tensor:
+    """Mean IoU over the classes present in either map: confusion ``[..., C, C]`` -> float64 ``[...]``."""
+    return class_iou(confusion).nanmean(dim=-1)
+
+
+def argmax_miou(reduced: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Agreement of the argmax class maps, per image: logits ``[B, C, H, W]`` -> mIoU ``[B]`` of
+    the reduced model's map against the unreduced one's (classes present in either map of that
+    image; 1 for identical maps)."""
+    _same_shape(reduced, full, "argmax_miou")
+    if reduced.dim() != 4:
+        raise PullbackError(f"argmax_miou: expected logits [B, C, H, W], got shape {tuple(reduced.shape)}")
+    return mean_iou(confusion_matrices(reduced.argmax(dim=1), full.argmax(dim=1), reduced.shape[1]))
+
+
+def miou_gap_x100(reduced: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``100 · (1 − argmax_miou)`` per image: the argmax agreement as an error (0 when equal)."""
+    return 100.0 * (1.0 - argmax_miou(reduced, full))
+
+
 def knn_top1(
     bank: torch.Tensor,
     bank_labels: torch.Tensor,

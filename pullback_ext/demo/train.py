@@ -49,23 +49,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def render_training_set(num_images: int, seed: int, chunk: int = 256) -> dict:
-    """Render the training scenes (seeds below the held-out range) into a compact cache."""
+def render_training_set(num_images: int, seed: int, chunk: int = 256, classes: bool = False) -> dict:
+    """Render the training scenes (seeds below the held-out range) into a compact cache;
+    ``classes``: with the per-pixel class maps (uint8) too."""
     import torch
     from pullback_ext.progress import progress_bar
 
     from pullback_ext.embedded.scenes import render
 
-    images, depth, labels = [], [], []
+    keys = ("images", "depth", "labels", "classes") if classes else ("images", "depth", "labels")
+    parts: dict = {key: [] for key in keys}
     for index in progress_bar(range(0, num_images, chunk), desc="render training scenes", unit="chunk"):
-        part = render(min(chunk, num_images - index), seed * 100_000 + index // chunk)
-        images.append((part["images"] * 255).round().to(torch.uint8))
-        depth.append(part["depth"].to(torch.float16))
-        labels.append(part["labels"])
-    return {"images": torch.cat(images), "depth": torch.cat(depth), "labels": torch.cat(labels)}
+        part = render(min(chunk, num_images - index), seed * 100_000 + index // chunk, classes=classes)
+        part["images"] = (part["images"] * 255).round().to(torch.uint8)
+        part["depth"] = part["depth"].to(torch.float16)
+        if classes:
+            part["classes"] = part["classes"].to(torch.uint8)
+        for key in keys:
+            parts[key].append(part[key])
+    return {key: torch.cat(values) for key, values in parts.items()}
 
 
-def cached_training_set(num_images: int, seed: int, cache_dir: Path | None) -> dict:
+def cached_training_set(num_images: int, seed: int, cache_dir: Path | None, classes: bool = False) -> dict:
     """``render_training_set``, stored in / reused from ``cache_dir`` when given."""
     import io
 
@@ -74,29 +79,98 @@ def cached_training_set(num_images: int, seed: int, cache_dir: Path | None) -> d
     from pullback_ext.fileio import atomic_write_bytes
 
     if cache_dir is None:
-        return render_training_set(num_images, seed)
-    path = Path(cache_dir) / f"train_{num_images}_seed{seed}.pt"
+        return render_training_set(num_images, seed, classes=classes)
+    path = Path(cache_dir) / f"train_{num_images}_seed{seed}{'_classes' if classes else ''}.pt"
     if path.is_file():
         print(f"training scenes loaded from {path}", file=sys.stderr, flush=True)
         return torch.load(path)
-    data = render_training_set(num_images, seed)
+    data = render_training_set(num_images, seed, classes=classes)
     buffer = io.BytesIO()
     torch.save(data, buffer)
     atomic_write_bytes(path, buffer.getvalue())
     return data
 
 
-def reproduce_command(args: argparse.Namespace) -> str:
-    """The training command with every setting that affects the weights spelled out."""
+def command_flags(args: argparse.Namespace, loss_flags: list[str]) -> list[str]:
+    """The flags of a training command shared by the demo's training scripts, ``loss_flags``
+    (the script's own loss settings) after the weight decay."""
     flags = [f"--steps {args.steps}", f"--batch-size {args.batch_size}", f"--train-images {args.train_images}",
              f"--lr {args.lr:g}", f"--warmup {args.warmup}", f"--weight-decay {args.weight_decay:g}",
-             f"--depth-weight {args.depth_weight:g}", f"--seed {args.seed}", f"--threads {args.threads}",
-             f"--eval-images {args.eval_images}"]
-    if args.no_bf16:
-        flags.append("--no-bf16")
+             *loss_flags, f"--seed {args.seed}", f"--threads {args.threads}", f"--eval-images {args.eval_images}"]
+    return flags + (["--no-bf16"] if args.no_bf16 else [])
+
+
+def reproduce_command(args: argparse.Namespace) -> str:
+    """The training command with every setting that affects the weights spelled out."""
+    flags = command_flags(args, [f"--depth-weight {args.depth_weight:g}"])
     if args.init is not None:
         flags.append(f"--init {Path(args.init).name}")
     return "python -m pullback_ext.demo.train " + " ".join(flags)
+
+
+def start_run(args: argparse.Namespace) -> float:
+    """Thread count and seed of a training run; refuses seeds whose training scenes would reach
+    the held-out range. Returns the start time."""
+    import torch
+
+    from pullback_ext.embedded.scenes import HELDOUT_SEED_OFFSET
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if args.seed * 100_000 + args.train_images // 256 + 1 >= HELDOUT_SEED_OFFSET:
+        raise SystemExit("--seed: too large, training seeds would reach the held-out range")
+    return time.time()
+
+
+def flipped_batch(data: dict, keys: tuple, batch_size: int, order) -> dict:
+    """A random batch of ``data`` (drawn with the generator ``order``), each image flipped
+    horizontally with probability ½: ``keys`` of it (``images`` as float in [0, 1], the others
+    as stored), the maps ([B, ..., H, W]) flipped alike, per-image values ([B]) as they are."""
+    import torch
+
+    index = torch.randint(0, data["images"].shape[0], (batch_size,), generator=order)
+    flip = torch.rand(batch_size, generator=order) < 0.5
+    out = {}
+    for key in keys:
+        x = data[key][index].float() / 255 if key == "images" else data[key][index]
+        out[key] = torch.where(flip.reshape(-1, *[1] * (x.dim() - 1)), x.flip(-1), x) if x.dim() >= 3 else x
+    return out
+
+
+def adamw(module, decayed, args: argparse.Namespace):
+    """AdamW on ``module``'s parameters at ``args.lr``: weight decay ``args.weight_decay`` on those
+    where ``decayed(name, parameter)``, none on the others."""
+    import torch
+
+    named = list(module.named_parameters())
+    decay = [p for n, p in named if decayed(n, p)]
+    no_decay = [p for n, p in named if not decayed(n, p)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
+
+
+def optimiser_step(optimiser, loss, module) -> None:
+    """Backward of ``loss``, gradients of ``module`` clipped to norm 1, one step."""
+    import torch
+
+    optimiser.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    optimiser.step()
+
+
+def set_learning_rate(optimiser, step: int, args: argparse.Namespace) -> None:
+    for group in optimiser.param_groups:
+        group["lr"] = learning_rate(step, args)
+
+
+def run_stamp(args: argparse.Namespace, timing: dict) -> dict:
+    """Where and how long a training run ran: ``timing`` (``wall_clock_min``, ``data_seconds``),
+    threads, machine and torch version."""
+    import torch
+
+    return {"wall_clock_min": timing["wall_clock_min"], "data_seconds": timing["data_seconds"], "threads": args.threads,
+            "machine": platform.processor() or platform.machine(), "torch": torch.__version__}
 
 
 def learning_rate(step: int, args: argparse.Namespace) -> float:
@@ -155,7 +229,43 @@ def write_model_card(out: Path, card: dict) -> None:
     ]
     if card.get("notes"):
         lines += ["## Notes", *[f"- {note}" for note in card["notes"]], ""]
+    if card.get("segmentation"):
+        lines += segmentation_section(card["segmentation"])
     atomic_write_bytes(out / "MODEL_CARD.md", "\n".join(lines).encode())
+
+
+def segmentation_section(seg: dict) -> list[str]:
+    """The model card's lines on the segmentation head (``seg``: the card's ``segmentation`` record,
+    written by ``python -m pullback_ext.demo.train_segmentation``)."""
+    held = seg["heldout"]
+    iou = " | ".join("–" if v is None else f"{v:.3f}" for v in held["class_iou"].values())
+    return [
+        "## Segmentation head",
+        f"`{seg['weights']}` (sha256 `{seg['sha256'][:16]}…`, {seg['parameters']:,} parameters, fp16), trained on the",
+        f"frozen backbone (weights digest `{seg['backbone_weights']}`; `pullback_ext.embedded.load_segmentation_head`",
+        "refuses a model with other weights).",
+        "",
+        f"- architecture: {seg['architecture']}",
+        f"- classes ({len(seg['classes'])}): {', '.join(seg['classes'])}; {seg['classes_why']}",
+        f"- command: `{seg['command']}`",
+        f"- {seg['recipe']}",
+        f"- wall-clock: {seg['wall_clock_min']:.1f} min on {seg['threads']} CPU thread(s) ({seg['machine']}), of which "
+        f"{seg['data_seconds'] / 60:.1f} min rendering or loading the training scenes",
+        "",
+        f"Held-out quality on {held['num_images']} held-out scenes (`heldout(n, seed=0, classes=True)`), fp16 head as shipped:",
+        "",
+        "| pixel accuracy | mIoU |",
+        "|---|---|",
+        f"| {held['pixel_accuracy']:.3f} | {held['miou']:.3f} |",
+        "",
+        "Per-class IoU:",
+        "",
+        "| " + " | ".join(held["class_iou"]) + " |",
+        "|" + "---|" * len(held["class_iou"]),
+        f"| {iou} |",
+        "",
+        *([f"- {note}" for note in seg["notes"]] + [""] if seg.get("notes") else []),
+    ]
 
 
 def initial_model(args: argparse.Namespace):
@@ -183,32 +293,19 @@ def train_model(model, data: dict, args: argparse.Namespace, started: float) -> 
     from pullback_ext.progress import progress_bar
 
     decayed = lambda n, p: p.dim() > 1 and "pos_embed" not in n and "token" not in n  # noqa: E731
-    decay = [p for n, p in model.named_parameters() if decayed(n, p)]
-    no_decay = [p for n, p in model.named_parameters() if not decayed(n, p)]
-    optimiser = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
+    optimiser = adamw(model, decayed, args)
     order = torch.Generator().manual_seed(args.seed + 1)
-    n_train = data["labels"].shape[0]
     running = None
     progress = progress_bar(range(args.steps), desc="train", unit="step")
     for step in progress:
-        index = torch.randint(0, n_train, (args.batch_size,), generator=order)
-        flip = torch.rand(args.batch_size, generator=order) < 0.5
-        images = data["images"][index].float() / 255
-        depth = data["depth"][index].float()
-        images = torch.where(flip[:, None, None, None], images.flip(-1), images)
-        depth = torch.where(flip[:, None, None], depth.flip(-1), depth)
-        for group in optimiser.param_groups:
-            group["lr"] = learning_rate(step, args)
+        batch = flipped_batch(data, ("images", "depth", "labels"), args.batch_size, order)
+        depth = batch["depth"].float()
+        set_learning_rate(optimiser, step, args)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.no_bf16):
-            out = model(images)
-        ce = Fn.cross_entropy(out["logits"].float(), data["labels"][index], label_smoothing=0.1)
+            out = model(batch["images"])
+        ce = Fn.cross_entropy(out["logits"].float(), batch["labels"], label_smoothing=0.1)
         depth_l1 = (out["depth"].float().log() - depth.log()).abs().mean()
-        loss = ce + args.depth_weight * depth_l1
-        optimiser.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimiser.step()
+        optimiser_step(optimiser, ce + args.depth_weight * depth_l1, model)
         values = torch.stack([ce.detach(), depth_l1.detach()])
         running = values if running is None else 0.98 * running + 0.02 * values
         if step % 10 == 0:
@@ -221,8 +318,6 @@ def train_model(model, data: dict, args: argparse.Namespace, started: float) -> 
 def model_card(args: argparse.Namespace, shipped, held: dict, n_train: int, timing: dict, weights_name: str) -> dict:
     """The model card of the shipped model: architecture, data, training record, held-out quality.
     ``timing``: ``wall_clock_min`` and ``data_seconds`` of the run."""
-    import torch
-
     from pullback_ext.embedded.scenes import CLASS_NAMES
 
     return {
@@ -250,11 +345,7 @@ def model_card(args: argparse.Namespace, shipped, held: dict, n_train: int, timi
             "recipe": f"{args.steps} AdamW steps of {args.batch_size} images, lr {args.lr} (warm-up {args.warmup}, cosine), "
                       f"weight decay {args.weight_decay}, CE (label smoothing 0.1) + {args.depth_weight} x L1(log depth), "
                       f"random horizontal flips, {'float32' if args.no_bf16 else 'bf16 autocast'}, seed {args.seed}",
-            "wall_clock_min": timing["wall_clock_min"],
-            "data_seconds": timing["data_seconds"],
-            "threads": args.threads,
-            "machine": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
+            **run_stamp(args, timing),
         },
         "heldout": held,
     }
@@ -262,18 +353,11 @@ def model_card(args: argparse.Namespace, shipped, held: dict, n_train: int, timi
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
     from pullback_ext.demo.metrics import evaluate
     from pullback_ext.embedded import heldout, load
-    from pullback_ext.embedded.scenes import HELDOUT_SEED_OFFSET
     from pullback_ext.embedded.weights_io import save_weights
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    started = time.time()
-    if args.seed * 100_000 + args.train_images // 256 + 1 >= HELDOUT_SEED_OFFSET:
-        raise SystemExit("--seed: too large, training seeds would reach the held-out range")
+    started = start_run(args)
     data = cached_training_set(args.train_images, args.seed, args.cache_dir)
     render_seconds = time.time() - started
     model, previous_stage = initial_model(args)

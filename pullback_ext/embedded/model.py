@@ -8,6 +8,9 @@ width 192, 8 blocks, 3 heads. Decoders:
   through the backbone's final norm), reassembles each into a 14×14 map resampled to 56/28/14/7,
   fuses them coarse-to-fine with residual conv units, and predicts log-depth at 56×56, upsampled
   bilinearly to 112×112. Output: metric depth in metres.
+- ``SegmentationHead`` (separate weights, trained on the frozen backbone): the same DPT trunk
+  (:class:`DPTDecoder`) on the same hooks, predicting per-pixel logits over ground, wall and the
+  nine object classes at 56×56, upsampled bilinearly to 112×112.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Sequence
 import torch.nn.functional as Fn
 from torch import Tensor, nn
 
-from pullback_ext.embedded.scenes import CLASS_NAMES
+from pullback_ext.embedded.scenes import CLASS_NAMES, SEGMENT_CLASS_NAMES
 from pullback_ext.errors import PullbackError
 
 IMAGE_SIZE = 112
@@ -31,6 +34,10 @@ HOOK_LAYERS = (1, 3, 5, 7)
 PIXEL_MEAN, PIXEL_STD = 0.5, 0.25
 # Log-depth offset so that a zero head output predicts a typical scene depth (metres).
 LOG_DEPTH_BIAS = 1.8
+# The segmentation head: one class per renderer surface kind (see ``scenes.SEGMENT_CLASS_NAMES``).
+NUM_SEGMENT_CLASSES = len(SEGMENT_CLASS_NAMES)
+SEGMENTATION_FEATURES = 32
+SEGMENTATION_CHANNELS = (32, 48, 64, 96)
 
 
 def build_backbone() -> nn.Module:
@@ -84,12 +91,13 @@ class FusionBlock(nn.Module):
         return self.project(x)
 
 
-class DepthHead(nn.Module):
-    """DPT-style decoder: four token maps [B,N,D] -> depth[B,H,W] (metres).
+class DPTDecoder(nn.Module):
+    """The DPT trunk shared by the dense heads: four token maps [B,N,D] -> fused map [B,F,4g,4g].
 
-    Reassemble: drop prefix tokens, reshape to [B,D,14,14], 1×1 conv, resample to
+    Reassemble: drop prefix tokens, reshape to [B,D,g,g] (g = ``grid``), 1×1 conv, resample to
     4×/2×/1×/0.5× (transpose conv, transpose conv, identity, strided conv), 3×3 conv to
-    ``features`` channels. Fusion from the coarsest map up, then the head.
+    ``features`` channels. Fusion from the coarsest map up; the finest fusion stays at 4g×4g
+    (56×56 for the demo). A subclass adds its ``head`` on the fused map.
     """
 
     def __init__(self, dim: int, grid: int, num_prefix_tokens: int, features: int = 32,
@@ -105,10 +113,8 @@ class DepthHead(nn.Module):
             nn.Conv2d(channels[3], channels[3], 3, stride=2, padding=1),
         ])
         self.to_features = nn.ModuleList(nn.Conv2d(c, features, 3, padding=1, bias=False) for c in channels)
-        # The finest fusion stays at 56×56; the head upsamples the prediction bilinearly.
         self.fusion = nn.ModuleList([FusionBlock(features), FusionBlock(features), FusionBlock(features),
                                      FusionBlock(features, upsample=False)])
-        self.head = nn.Sequential(nn.Conv2d(features, features, 3, padding=1), nn.ReLU(), nn.Conv2d(features, 1, 1))
 
     def reassemble(self, index: int, tokens: Tensor) -> Tensor:
         patches = tokens[:, self.num_prefix_tokens:]
@@ -116,20 +122,58 @@ class DepthHead(nn.Module):
         x = patches.transpose(1, 2).reshape(b, d, self.grid, self.grid)
         return self.to_features[index](self.resample[index](self.project[index](x)))
 
-    def forward(self, hooked: Sequence[Tensor], image_size: int = IMAGE_SIZE) -> Tensor:
+    def fuse(self, hooked: Sequence[Tensor]) -> Tensor:
+        """The four hooked token maps (shallowest first) -> the fused map [B,F,4g,4g]."""
         maps = [self.reassemble(i, t) for i, t in enumerate(hooked)]
         path = self.fusion[0](maps[3])
         path = self.fusion[1](maps[2], path)
         path = self.fusion[2](maps[1], path)
-        path = self.fusion[3](maps[0], path)
-        log_depth = self.head(path) + LOG_DEPTH_BIAS
+        return self.fusion[3](maps[0], path)
+
+
+class DepthHead(DPTDecoder):
+    """DPT-style depth decoder: four token maps [B,N,D] -> depth[B,H,W] (metres).
+
+    The :class:`DPTDecoder` trunk, then 3×3 conv, ReLU, 1×1 conv to log-depth at 56×56 (plus
+    ``LOG_DEPTH_BIAS``), upsampled bilinearly to ``image_size`` and exponentiated.
+    """
+
+    def __init__(self, dim: int, grid: int, num_prefix_tokens: int, features: int = 32,
+                 channels: Sequence[int] = (32, 64, 96, 128)) -> None:
+        super().__init__(dim, grid, num_prefix_tokens, features, channels)
+        self.head = nn.Sequential(nn.Conv2d(features, features, 3, padding=1), nn.ReLU(), nn.Conv2d(features, 1, 1))
+
+    def forward(self, hooked: Sequence[Tensor], image_size: int = IMAGE_SIZE) -> Tensor:
+        log_depth = self.head(self.fuse(hooked)) + LOG_DEPTH_BIAS
         log_depth = Fn.interpolate(log_depth, size=(image_size, image_size), mode="bilinear", align_corners=False)
         return log_depth.squeeze(1).exp()
 
 
+class SegmentationHead(DPTDecoder):
+    """DPT-style segmentation decoder: four token maps [B,N,D] -> class logits[B,C,H,W].
+
+    The :class:`DPTDecoder` trunk (narrower by default than the depth head's: reassemble
+    channels 32/48/64/96), then 3×3 conv, ReLU, 1×1 conv to ``num_classes`` logits at 56×56,
+    upsampled bilinearly to ``image_size``. Classes: :data:`SEGMENT_CLASS_NAMES` (ground, wall
+    and the nine object classes).
+    """
+
+    def __init__(self, dim: int = WIDTH, grid: int = IMAGE_SIZE // PATCH_SIZE, num_prefix_tokens: int = 1,
+                 num_classes: int = NUM_SEGMENT_CLASSES, features: int = SEGMENTATION_FEATURES,
+                 channels: Sequence[int] = SEGMENTATION_CHANNELS) -> None:
+        super().__init__(dim, grid, num_prefix_tokens, features, channels)
+        self.num_classes = num_classes
+        self.head = nn.Sequential(nn.Conv2d(features, features, 3, padding=1), nn.ReLU(), nn.Conv2d(features, num_classes, 1))
+
+    def forward(self, hooked: Sequence[Tensor], image_size: int = IMAGE_SIZE) -> Tensor:
+        logits = self.head(self.fuse(hooked))
+        return Fn.interpolate(logits, size=(image_size, image_size), mode="bilinear", align_corners=False)
+
+
 class DemoModel(nn.Module):
     """Backbone + CLS head + DPT depth head. ``forward(images[B,3,112,112] in [0,1])`` returns
-    dict(logits[B,C], embedding[B,E], depth[B,112,112])."""
+    dict(logits[B,C], embedding[B,E], depth[B,112,112]). The segmentation head is kept apart (its
+    own weights file, not in this state dict): ``segment(images, head)``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -166,12 +210,23 @@ class DemoModel(nn.Module):
                 hooked[i] = x
         return x
 
+    def hook_maps(self, hooked: dict) -> list[Tensor]:
+        """Raw hooked block outputs {layer: [B,N,D]} -> what the DPT heads read: each through the
+        final norm, in ``hook_layers`` order."""
+        return [self.backbone.norm(hooked[i]) for i in self.hook_layers]
+
     def decode(self, final: Tensor, hooked: dict) -> dict:
         """Final block output[B,N,D] and raw hooked block outputs -> model outputs."""
-        norm = self.backbone.norm
-        embedding, logits = self.cls_head(norm(final)[:, 0])
-        depth = self.depth_head([norm(hooked[i]) for i in self.hook_layers], self.image_size)
+        embedding, logits = self.cls_head(self.backbone.norm(final)[:, 0])
+        depth = self.depth_head(self.hook_maps(hooked), self.image_size)
         return {"logits": logits, "embedding": embedding, "depth": depth}
+
+    def segment(self, images: Tensor, head: "SegmentationHead") -> Tensor:
+        """images[B,3,H,W] in [0,1] -> class logits[B,C,H,W] of ``head`` (see
+        ``pullback_ext.embedded.load_segmentation_head``), reading the hooked blocks."""
+        hooked: dict = {}
+        self.run_blocks(self.embed(images), 0, max(self.hook_layers) + 1, hooked)
+        return head(self.hook_maps(hooked), self.image_size)
 
     def forward(self, images: Tensor) -> dict:
         hooked: dict = {}

@@ -35,6 +35,9 @@ MAX_OBJECTS = 6
 
 # Segment ids in the returned ``segment`` map; object k has id OBJECT_ID0 + k.
 GROUND_ID, WALL_ID, OBJECT_ID0 = 0, 1, 2
+# Per-pixel semantic classes (``render(..., classes=True)``): ground, wall, then the class of the
+# object hit (class_id = 2 + type * 3 + colour family, the image labels shifted by two).
+SEGMENT_CLASS_NAMES = ("ground", "wall", *CLASS_NAMES)
 
 _HUE_CENTRES = (0.0, 1.0 / 3.0, 0.62)
 _AMBIENT = 0.3
@@ -231,14 +234,26 @@ def intersect_objects(origin: torch.Tensor, direction: torch.Tensor, scenes: Sce
     return t, _rotate_y(normal, angle), local
 
 
-def render_scenes(scenes: SceneBatch, size: int = 112, chunk: int = 32) -> dict:
+def render_scenes(scenes: SceneBatch, size: int = 112, chunk: int = 32, classes: bool = False) -> dict:
     """Render a :class:`SceneBatch`; see :func:`render` for the returned dictionary."""
     if not isinstance(size, int) or size < 8:
         raise PullbackError(f"size: expected an int >= 8, got {size!r}")
     parts = [_render_chunk(scenes.slice(s, s + chunk), size) for s in range(0, len(scenes), chunk)]
     out = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
     out["class_names"] = CLASS_NAMES
+    if classes:
+        out["classes"] = pixel_classes(scenes, out["segment"])
     return out
+
+
+def pixel_classes(scenes: SceneBatch, segment: torch.Tensor) -> torch.Tensor:
+    """Semantic class of every pixel, int64 [n,H,W] in [0, len(SEGMENT_CLASS_NAMES)): 0 ground,
+    1 wall, ``2 + type * 3 + colour family`` of the object whose id ``segment`` holds."""
+    n = segment.shape[0]
+    object_class = 2 + scenes.kind * len(COLOURS) + scenes.colour_family  # [n,K]; absent slots are never hit
+    index = (segment - OBJECT_ID0).clamp(min=0).reshape(n, -1)
+    per_pixel = torch.gather(object_class, 1, index).reshape(segment.shape)
+    return torch.where(segment >= OBJECT_ID0, per_pixel, segment)
 
 
 def _render_chunk(scenes: SceneBatch, size: int) -> dict:
@@ -304,12 +319,12 @@ def _render_chunk(scenes: SceneBatch, size: int) -> dict:
     }
 
 
-def render(n: int, seed: int, size: int = 112) -> dict:
+def render(n: int, seed: int, size: int = 112, classes: bool = False) -> dict:
     """Render ``n`` random scenes from ``seed``.
 
     Returns a dict with images[n,3,size,size] (float32 in [0,1]), depth[n,size,size] (float32,
     metres, camera-z), labels[n] (int64 in [0, NUM_CLASSES)), segment[n,size,size] (0 ground,
     1 wall, 2+k object k), object_pixels[n,K], cam_height[n], pitch[n], fov[n] (radians) and
-    class_names.
+    class_names; with ``classes``, also classes[n,size,size] (int64, :func:`pixel_classes`).
     """
-    return render_scenes(sample_scenes(n, seed), size)
+    return render_scenes(sample_scenes(n, seed), size, classes=classes)
