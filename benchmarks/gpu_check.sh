@@ -3,14 +3,19 @@
 # kernels for the local GPU's arch, runs the CUDA tests (ops, compiled patched forward, CUDA
 # graphs, sync-debug mode), then the op benchmark on the GPU (without the torch.compile column;
 # then profiled, each call split into its kernels and launch gaps), then the end-to-end pruning
-# benchmark's headline cells (bench_prune.py --device cuda). BENCH_FULL=1 adds the op benchmark's
-# torch.compile column and the full pruning matrix (tens of minutes: not for a 10-minute slot).
+# benchmark's batch-1 latency cells (bench_prune.py --device cuda --preset latency: ViT-S/16 and
+# ViT-B/16 at 224 px, batch 1, bf16, eager with aten ops, kernels and launches per forward and
+# where the time goes; ViT-S also under torch.compile(mode="reduce-overhead"), three models
+# compiled). BENCH_PRUNE=headline runs the pruning benchmark's headline cells eager instead,
+# BENCH_PRUNE=both runs both. BENCH_FULL=1 adds the op benchmark's torch.compile column and the
+# full pruning matrix (tens of minutes: not for a 10-minute slot).
 # Prints everything; exits non-zero when any step failed (later steps still run).
 #
 #   bash benchmarks/gpu_check.sh            # uses .venv/bin/python when present
 #   PYTHON=python3 BENCH_OUT=/tmp/bench.json bash benchmarks/gpu_check.sh
-# Step limits: 240 s build, 2 x 60 s error path, 150 s tests, 60 s + 90 s op benchmarks, 300 s pruning
-# benchmark; a run in which nothing crashes takes about 7 minutes (the pruning cells compile 5 models).
+# Step limits: 240 s build, 2 x 60 s error path, 150 s tests, 60 s + 90 s op benchmarks, 240 s
+# latency cells (150 s headline cells); a run in which nothing crashes takes about 8 minutes
+# (the latency cells about 3, most of it compiling three ViT-S/16 models).
 # The profiled and compiled-reference benchmarks write BENCH_OUT with ".kernels" / ".compile" before
 # its extension.
 set -uo pipefail
@@ -63,15 +68,22 @@ for dev in cpu cuda; do
   fi
 done
 
-tests=(python_tests/test_cuda_build.py python_tests/test_compile_patched.py)
+tests=(python_tests/test_cuda_build.py python_tests/test_compile_patched.py python_tests/test_bench_prune_rows.py)
 for f in python_tests/test_ops*.py; do [ -e "$f" ] && tests+=("$f"); done
 step "CUDA kernel tests" 150 "$PYTHON" -m pytest "${tests[@]}" -q --maxfail=10 -k "cuda or gpu" -p no:cacheprovider
 bench_out=${BENCH_OUT:-out/bench_ops_cuda.json}
 step "CUDA op benchmark" 60 "$PYTHON" benchmarks/bench_ops.py --device cuda --no-compile --out "$bench_out"
 step "CUDA kernel breakdown" 90 "$PYTHON" benchmarks/bench_ops.py --device cuda --no-compile --kernels --repeats 20 \
   --out "${bench_out%.*}.kernels.${bench_out##*.}"
-step "end-to-end pruning benchmark (headline cells)" 300 "$PYTHON" benchmarks/bench_prune.py --device cuda --quiet \
-  --out out/bench_prune_cuda.json
+prune=${BENCH_PRUNE:-latency}
+if [ "$prune" = latency ] || [ "$prune" = both ]; then
+  step "end-to-end pruning benchmark (batch-1 latency cells)" 240 "$PYTHON" benchmarks/bench_prune.py --device cuda \
+    --preset latency --repeats 5 --no-overhead --quiet --out out/bench_prune_cuda_latency.json
+fi
+if [ "$prune" = headline ] || [ "$prune" = both ]; then
+  step "end-to-end pruning benchmark (headline cells, eager)" 150 "$PYTHON" benchmarks/bench_prune.py --device cuda \
+    --compile off --quiet --out out/bench_prune_cuda.json
+fi
 if [ -n "${BENCH_FULL:-}" ]; then
   step "CUDA op benchmark with torch.compile" 150 "$PYTHON" benchmarks/bench_ops.py --device cuda \
     --out "${bench_out%.*}.compile.${bench_out##*.}"

@@ -44,10 +44,14 @@ def test_sweep_rows_cover_every_method_with_consistent_ratios(tiny):
         assert r["kernel_share"] is None or 0 < r["kernel_share"] < 1
     assert all(isinstance(r["aten_ops"], int) and r["aten_ops"] > 0 for r in rows)  # every row, the unpruned one too
     checks = prune_report.headline_checks(rows)
-    assert [c["target"] for c in checks] == [0.9, 1.0, 0.9]
-    assert checks[1]["value"] == pytest.approx(matched["images_per_s"] / tome["images_per_s"])
+    assert [c["target"] for c in checks] == [0.9, 0.9, 1.0, 0.9, 1.0]  # prune, merge, matched merge, importance_tome ×2
+    assert checks[1]["check"].startswith("importance merge η=0.5 @2: ")
+    assert checks[2]["value"] == pytest.approx(matched["images_per_s"] / tome["images_per_s"])
     every = next(r for r in rows if r["method"].startswith("importance_tome r=2"))
-    assert checks[2]["value"] == every["speedup_over_flop_ratio"] and checks[2]["check"].startswith("importance_tome r=2")
+    assert checks[3]["value"] == every["speedup_over_flop_ratio"] and checks[3]["check"].startswith("importance_tome r=2")
+    ratios = [t / e for t, e in zip(tome["times_s"], every["times_s"])]  # one round: the interval is the point
+    assert checks[4]["check"].startswith("importance_tome r=2 (ToMe r=2's token counts) over ToMe r=2 constant")
+    assert checks[4]["value"] == pytest.approx(ratios[0]) and checks[4]["interval"] == pytest.approx([ratios[0]] * 2)
 
 
 def test_flop_ratio_of_a_single_prune_matches_the_token_counts(tiny):
@@ -113,13 +117,25 @@ def test_the_page_renders_its_json(tiny, tmp_path):
     assert "| unpruned | " in page and " | 1.00× [1.00, 1.00] | " in page  # every speed-up with its interval
     assert "## Headline checks" in page and "≥ 0.9" in page
     assert "importance prune+LLF η=0.5 @2" in prune_report.format_rows(rows)
-    header = next(line for line in page.splitlines() if line.startswith("| method |"))
-    assert header.endswith("| our ops | aten ops per forward |")
-    assert all(line.split("|")[-2].strip().replace(",", "").isdigit() for line in page.splitlines()
-               if line.startswith("| unpruned |") or line.startswith("| importance prune+LLF"))
-    older = prune_report.render(dict(result, rows=[{k: v for k, v in r.items() if k != "aten_ops"} for r in rows]))
-    assert "| importance prune+LLF η=0.5 @2 |" in older  # rows recorded before the column render with a dash there
-    assert all(line.endswith("| – |") for line in older.splitlines() if line.startswith("| importance prune+LLF"))
+    table = _section(page, "## tiny timm ViT, 64 px, batch 1, float32, eager")
+    header = next(line for line in table if line.startswith("| method |"))
+    assert header.endswith("| our ops | aten ops per forward | aten ops ÷ unpruned |")
+    body = [line for line in table if line.startswith("| unpruned |") or line.startswith("| importance prune+LLF")]
+    assert len(body) == 3 and all(line.split("|")[-3].strip().replace(",", "").isdigit() for line in body)
+    assert body[0].endswith("| 1.00× |") and all(line.split("|")[-2].strip().endswith("×") for line in body)
+    older = prune_report.render(dict(result, rows=[{k: v for k, v in r.items() if k not in ("aten_ops", "aten_ops_ratio")}
+                                                   for r in rows]))
+    assert "| importance prune+LLF η=0.5 @2 |" in older  # rows recorded before the columns render with dashes there
+    assert all(line.endswith("| – | – |") for line in _section(older, "## tiny timm ViT, 64 px, batch 1, float32, eager")
+               if line.startswith("| importance prune+LLF"))
+
+
+def _section(page: str, heading: str) -> list[str]:
+    """The lines of the page's section under ``heading`` (to the next heading of any level)."""
+    lines = page.splitlines()
+    start = lines.index(heading) + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("#")), len(lines))
+    return lines[start:end]
 
 
 def test_the_aten_op_column_counts_the_eager_forward(tiny):

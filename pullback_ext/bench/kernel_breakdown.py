@@ -1,4 +1,5 @@
-"""Where the device time of one CUDA call goes: each kernel's duration and the gaps between them.
+"""Where the device time of one CUDA call goes: each kernel's duration and the gaps between them;
+and how many kernels a call runs and launches (:func:`count_launches`).
 
 The op benchmark times a call with CUDA events as one number. This module runs the same call
 under ``torch.profiler`` and splits that number into its parts, so that a call that misses its
@@ -25,6 +26,11 @@ from typing import Callable
 # Device activity categories of a torch.profiler (Kineto) chrome trace.
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _SPIN = "spin_kernel"
+# Host activity categories of the CUDA runtime and driver APIs, and the calls among them that launch work.
+_HOST_API = ("cuda_runtime", "cuda_driver")
+KERNEL_LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel",
+                                 "cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel"})
+GRAPH_LAUNCH_CALLS = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
 
 
 @dataclass(frozen=True)
@@ -157,9 +163,28 @@ def cuda_kernel_breakdown(fn: Callable[[], object], repeats: int = 20, flush_mby
             fn()
         torch.cuda._sleep(1)
         torch.cuda.synchronize()
+    return summarize(split_calls(device_activities(trace_events(prof))))
+
+
+def trace_events(prof) -> list[dict]:
+    """The ``traceEvents`` of a finished ``torch.profiler.profile``'s chrome trace."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    return summarize(split_calls(device_activities(events)))
+            return json.load(f)["traceEvents"]
+
+
+def count_launches(events: list[dict], calls: int = 1) -> dict:
+    """Per call (of ``calls`` profiled ones): ``kernels``, the CUDA kernels that ran (the trace's device
+    activities of category ``kernel``); ``launches``, the host's launch calls (CUDA runtime or
+    driver API: a kernel launch, or one replay of a CUDA graph, which runs all its kernels);
+    ``graph_launches``, those of them that replay a graph. What a launch-bound forward pays is the
+    launches: a forward captured in a CUDA graph runs as many kernels with one launch."""
+    if calls < 1:
+        raise ValueError(f"calls: expected a positive count, got {calls}")
+    kernels = sum(1 for e in events if e.get("cat") == "kernel" and e.get("ph", "X") == "X")
+    host = [str(e.get("name", "")) for e in events if e.get("cat") in _HOST_API and e.get("ph", "X") == "X"]
+    graphs = sum(1 for name in host if name in GRAPH_LAUNCH_CALLS)
+    launches = graphs + sum(1 for name in host if name in KERNEL_LAUNCH_CALLS)
+    return {"kernels": kernels / calls, "launches": launches / calls, "graph_launches": graphs / calls}
