@@ -19,7 +19,7 @@ import sys
 COMMANDS = {
     "demo": ("pullback_ext.commands.demo", "run everything the library does on the embedded demo model"),
     "diagnose": ("pullback_ext.commands.diagnose", "matrix-free tractability diagnostic of a backbone-decoder pair"),
-    "train": ("pullback_ext.commands.train", "train an SPN, importance head, feature VAE, TAP register or DTEM"),
+    "train": ("pullback_ext.commands.train", "SPN, importance head, VAE, TAP, DTEM, or fine-tune a head"),
     "eval-head": ("pullback_ext.commands.eval_head", "Spearman rho of an importance head against imp*"),
     "evaluate": ("pullback_ext.commands.evaluate", "token pruning / merging quality and cost against baselines"),
     "subprobe": ("pullback_ext.commands.subprobe", "interventions on a linear token probe's geometric subspace (Geosubprobe)"),

@@ -150,8 +150,8 @@ def _help(*argv: str) -> str:
 def test_the_top_level_help_names_every_train_target_tap_included():
     line = next(line for line in _help().splitlines() if line.strip().startswith("train "))
     train = next(a for a in SUBPARSERS["train"]._actions if a.dest == "kind")
-    assert set(train.choices) == {"spn", "head", "vae", "tap", "dtem"}
-    for words in ("SPN", "importance head", "VAE", "TAP", "DTEM"):
+    assert set(train.choices) == {"spn", "head", "vae", "tap", "dtem", "finetune"}
+    for words in ("SPN", "importance head", "VAE", "TAP", "DTEM", "fine-tune"):
         assert words in line, line
 
 

@@ -236,7 +236,8 @@ def _one_round(monkeypatch):
 def _inference_parity(monkeypatch):
     """A the odd positions after the prefix (the inference split) instead of the authors' training split."""
     window = relaxed._window
-    monkeypatch.setattr(relaxed, "_window", lambda tokens, metric, p, count, relax: window(tokens, metric, p + 1, count, relax))
+    monkeypatch.setattr(relaxed, "_window", lambda tokens, scores, p, count, relax, tome_split=False:
+                        window(tokens, scores, p + 1, count, relax))
 
 
 def _no_soft_restore(monkeypatch):

@@ -20,7 +20,7 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
                          images_help=f"a folder of images (training images first, then held-out) or a built-in set: {BUILTIN_HELP}",
                          img_size=True)
     parser.add_argument("--layer", type=int, default=None, help="probe layer ℓ (0-based block index; F is its output)")
-    add_task_argument(parser, "; train tap, train dtem: cls or depth, the task the register or embeddings serve (default cls)")
+    add_task_argument(parser, "; train tap, dtem, finetune: cls or depth, the task the register, embeddings or fine-tuned head serve (default cls)")
     parser.add_argument("--output-size", type=positive_int, default=None, help="resize dense outputs to S×S (M = S²)")
     parser.add_argument("--vae", default=None, metavar="DIR", help="take the probe at the latent of this trained feature VAE")
     parser.add_argument("--heldout", type=positive_int, default=32, help="held-out images for the final evaluation")
@@ -31,8 +31,9 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pullback_ext.commands.arguments import add_overwrite_argument, add_renamed, positive_int
 
-    parser.add_argument("kind", choices=["spn", "head", "vae", "tap", "dtem"],
-                        help="what to train (tap: a TAP task register, docs/tap.md; dtem: DTEM's decoupled embeddings, docs/prune.md)")
+    parser.add_argument("kind", choices=["spn", "head", "vae", "tap", "dtem", "finetune"],
+                        help="what to train (tap: a TAP task register, docs/tap.md; dtem: DTEM's decoupled embeddings, docs/prune.md; "
+                             "finetune: an importance head (--init-head) fine-tuned through importance_tome's relaxed merging, docs/prune.md)")
     add_probe_arguments(parser)
     parser.add_argument("--stages", default=None, metavar="L1,L2,...",
                         help="head: one head per stage of a schedule instead of --layer: the stage at layer ℓ (0-based block, "
@@ -65,10 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--beta", type=float, default=1e-3, help="vae: KL weight")
     model.add_argument("--diagnose-images", type=int, default=2,
                        help="vae: held-out images diagnosed at the features and at the latent afterwards (0: skip)")
-    from pullback_ext.commands import train_dtem, train_tap
+    from pullback_ext.commands import train_dtem, train_finetune, train_tap
 
     train_tap.add_arguments(parser)
     train_dtem.add_arguments(parser)
+    train_finetune.add_arguments(parser)
     train = parser.add_argument_group("optimisation")
     train.add_argument("--steps", type=positive_int, default=1000)
     train.add_argument("--batch-size", type=positive_int, default=16, help="global batch (split over torchrun ranks)")
@@ -109,10 +111,10 @@ def run(args: argparse.Namespace) -> int:
         from pullback_ext.commands import train_tap
 
         return train_tap.run(args)
-    if args.kind == "dtem":
-        from pullback_ext.commands import train_dtem
+    if args.kind in ("dtem", "finetune"):
+        from pullback_ext.commands import train_dtem, train_finetune
 
-        return train_dtem.run(args)
+        return (train_dtem if args.kind == "dtem" else train_finetune).run(args)
     _check(args)
     if args.stages is not None:
         from pullback_ext.commands import train_schedule

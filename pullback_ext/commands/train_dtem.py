@@ -42,7 +42,7 @@ def _config(args: argparse.Namespace):
                       feat_dim=args.feat_dim)
 
 
-def _image_sets(args: argparse.Namespace, spec, backbone):
+def image_sets(args: argparse.Namespace, spec, backbone):
     """``(training images, held-out images)`` ``[n, 3, H, W]`` prepared for ``backbone``."""
     from pullback_ext.commands.arguments import image_source
     from pullback_ext.sources.images import open_images
@@ -61,7 +61,9 @@ def _report(backbone, embedding, config, held, seconds: float, args: argparse.Na
     from pullback_ext.dtem_training.training import heldout_report
     from pullback_ext.fileio import atomic_write_json
 
-    rows = heldout_report(backbone, embedding, config.task, held.load()["images"], sorted({max(1, config.r // 2), config.r}))
+    embedding.eval()
+    rows = heldout_report(backbone, {"dtem": {"strategy": "dtem", "head": embedding}, "tome": {"strategy": "tome"}}, config.task, held.load()["images"],
+                          sorted({max(1, config.r // 2), config.r}))
     out = Path(args.out) / "results.json"
     atomic_write_json(out, {"task": config.task, "r": config.r, "steps": args.steps, "train_seconds": seconds,
                             "command": args.command_line, "heldout": rows})
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     config, spec, out = _config(args), model_spec(args), training_folder(args)
     backbone, model = load_backbone(spec, args.weights)
-    train_set, held = _image_sets(args, spec, backbone)
+    train_set, held = image_sets(args, spec, backbone)
     source = {"model": str(spec), "images": dict(train_set.describe(), count=len(train_set))}
     info = distributed.init_from_env()
     try:

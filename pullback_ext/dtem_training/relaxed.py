@@ -31,7 +31,7 @@ authors train a class-token head only and keep no such matrix; it is ours.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -65,12 +65,14 @@ class Relaxation:
 class SoftTokens(NamedTuple):
     """The relaxed token state: ``x [B, N, D]`` all tokens, ``sizes [B, N]`` their effective sizes,
     ``source [B, N, N]`` (original token, current token) shares, ``active`` the tokens that still
-    take part in merging (prefix included)."""
+    take part in merging (prefix included); ``energy [B, N]`` (or None) an additive quantity merged
+    as the sizes are (the guarded merge's energies, :mod:`pullback_ext.dtem_training.importance`)."""
 
     x: torch.Tensor
     sizes: torch.Tensor
     source: torch.Tensor
     active: int
+    energy: Optional[torch.Tensor] = None
 
     def full(self) -> torch.Tensor:
         """Full-length features ``[B, N, D]``: original token t is ``Σ_j S_tj x_j``."""
@@ -78,8 +80,8 @@ class SoftTokens(NamedTuple):
 
 
 def soft_group(scores: torch.Tensor, count: int, relax: Relaxation) -> torch.Tensor:
-    """``assign [B, |A|, |B|]``: the soft selection of ``count`` (A, B) edges from the cosine
-    ``scores [B, |A|, |B|]`` (see the module docstring, step 2)."""
+    """``assign [B, |A|, |B|]``: the soft selection of ``count`` (A, B) edges from the scores
+    ``scores [B, |A|, |B|]`` (higher: a better merge; DTEM's cosines, see the module docstring, step 2)."""
     s = working_precision(scores)
     top = torch.argsort(s, dim=-1, descending=True, stable=True)[..., :relax.k2]
     z = torch.gather(s, -1, top) / relax.tau1
@@ -93,12 +95,29 @@ def soft_group(scores: torch.Tensor, count: int, relax: Relaxation) -> torch.Ten
     return torch.zeros_like(s).scatter_add(-1, top, khot / total)
 
 
-def _window(tokens: SoftTokens, metric: torch.Tensor, p: int, count: int, relax: Relaxation):
-    """``(x, sizes, source)`` of the merged A and B tokens, in the order ``[A, B]``."""
-    x, sizes, source, n = tokens
-    a, b = slice(p, n, 2), slice(p + 1, n, 2)
+# scores [B, |A|, |B|] of a window's A tokens (first slice) against its B tokens (second slice)
+Scores = Callable[[SoftTokens, slice, slice], torch.Tensor]
+
+
+def cosine_scores(metric: torch.Tensor) -> Scores:
+    """DTEM's scores: ``m̂_a · m̂_b`` of the unit embeddings ``metric [B, N, d]`` of the current tokens."""
     unit = F.normalize(working_precision(metric), dim=-1)
-    assign = soft_group(unit[:, a] @ unit[:, b].transpose(1, 2), count, relax).to(x.dtype)
+    return lambda tokens, a, b: unit[:, a] @ unit[:, b].transpose(1, 2)
+
+
+def _soft_sum(w: torch.Tensor, a: slice, b: slice, assign: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """An additive quantity ``w [B, N]`` (sizes, energies) after the soft merge, in the order ``[A, B]``."""
+    return torch.cat([w[:, a] * keep, w[:, b] + (assign.transpose(1, 2) @ w[:, a, None])[..., 0]], dim=1)
+
+
+def _window(tokens: SoftTokens, scores: Scores, p: int, count: int, relax: Relaxation, tome_split: bool = False):
+    """``(x, sizes, source, energy)`` of the merged A and B tokens, in the order ``[A, B]``; A the
+    positions ``p, p+2, …`` (DTEM's split) or, with ``tome_split``, the even positions from ``p`` on
+    (ToMe's inference split, :func:`~pullback_ext.prune.methods.merging.alternating_order`)."""
+    x, sizes, source, n, energy = tokens
+    first = p + p % 2 if tome_split else p
+    a, b = slice(first, n, 2), slice(2 * p + 1 - first, n, 2)
+    assign = soft_group(scores(tokens, a, b), count, relax).to(x.dtype)
     w_a, w_b = sizes[:, a], sizes[:, b]
     given = assign.transpose(1, 2)
     w_b_new = w_b + (given @ w_a[..., None])[..., 0]
@@ -107,24 +126,30 @@ def _window(tokens: SoftTokens, metric: torch.Tensor, p: int, count: int, relax:
     keep = left + (left.clamp(0.0, 1.0) - left).detach()
     s_a = source[:, :, a]
     return (torch.cat([x[:, a], x_b], dim=1), torch.cat([w_a * keep, w_b_new], dim=1),
-            torch.cat([s_a * keep[:, None, :], source[:, :, b] + s_a @ assign], dim=2))
+            torch.cat([s_a * keep[:, None, :], source[:, :, b] + s_a @ assign], dim=2),
+            None if energy is None else _soft_sum(energy, a, b, assign, keep))
 
 
-def soft_merge(tokens: SoftTokens, metric: torch.Tensor, p: int, r: int, relax: Relaxation) -> SoftTokens:
+def soft_merge(tokens: SoftTokens, scores: Scores, p: int, r: int, relax: Relaxation, tome_split: bool = False) -> SoftTokens:
     """One relaxed merge of ``r`` tokens (clipped to ``(n − p) // 2``) of ``tokens`` (``p`` prefix
-    tokens), matched on the decoupled embedding ``metric [B, N, d]``; the tokens reordered
-    ``[prefix, A ∪ B by size descending, the rest]`` and ``active`` lowered by the count."""
+    tokens), the edges chosen by ``scores`` (:func:`cosine_scores` of DTEM's decoupled embedding),
+    A and B split as :func:`_window` says;
+    the tokens reordered ``[prefix, A ∪ B by size descending, the rest]`` and ``active`` lowered by
+    the count."""
     n = tokens.active
     count = min(int(r), (n - p) // 2)
-    x, sizes, source = _window(tokens, metric, p, count, relax)
+    x, sizes, source, energy = _window(tokens, scores, p, count, relax, tome_split)
     order = torch.argsort(sizes, dim=1, descending=True, stable=True)
     x = torch.gather(x, 1, order[..., None].expand(-1, -1, x.shape[-1]))
     source = torch.gather(source, 2, order[:, None, :].expand(-1, source.shape[1], -1))
     head, tail = slice(0, p), slice(n, None)
-    return SoftTokens(x=torch.cat([tokens.x[:, head], x, tokens.x[:, tail]], dim=1),
-                      sizes=torch.cat([tokens.sizes[:, head], torch.gather(sizes, 1, order), tokens.sizes[:, tail]], dim=1),
+
+    def placed(w: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        return torch.cat([old[:, head], torch.gather(w, 1, order), old[:, tail]], dim=1)
+
+    return SoftTokens(x=torch.cat([tokens.x[:, head], x, tokens.x[:, tail]], dim=1), sizes=placed(sizes, tokens.sizes),
                       source=torch.cat([tokens.source[:, :, head], source, tokens.source[:, :, tail]], dim=2),
-                      active=n - count)
+                      active=n - count, energy=None if energy is None else placed(energy, tokens.energy))
 
 
 def start(x: torch.Tensor) -> SoftTokens:
@@ -144,7 +169,7 @@ def run_relaxed(embedding, x: torch.Tensor, loop, num_prefix: int, r: int, relax
         bias = tokens.sizes.clamp_min(tiny).log()[:, None, None, :]
         attended = loop.split.attend(block, MergedTokens(x=tokens.x, num_prefix=num_prefix), bias)
         metric = embedding.metric(i, tokens.x.detach())
-        tokens = soft_merge(tokens._replace(x=attended.x), metric, num_prefix, r, relax)
+        tokens = soft_merge(tokens._replace(x=attended.x), cosine_scores(metric), num_prefix, r, relax)
         tokens = tokens._replace(x=loop.split.feed_forward(block, tokens.x))
         if i in take:
             taken[i] = tokens.full()

@@ -157,18 +157,20 @@ def train(model, images: torch.Tensor, config: DTEMConfig, out: Path, resume: bo
 
 
 @torch.no_grad()
-def heldout_report(backbone: Backbone, embedding: DecoupledEmbedding, task: str, images: torch.Tensor,
-                   rs: Sequence[int], batch: int = 16) -> list[dict]:
-    """Mean distortion ×100 of the deployed (hard) DTEM and of ToMe at each ``r`` (every block),
-    against the unreduced model on ``images``: CLS ``100·(1 − cos)``, depth SILog ×100."""
-    embedding.eval()
+def heldout_report(backbone: Backbone, methods: dict, task: str, images: torch.Tensor, rs: Sequence[int],
+                   batch: int = 16) -> list[dict]:
+    """Mean distortion ×100 against the unreduced model on ``images`` (CLS ``100·(1 − cos)``, depth
+    SILog ×100) of each deployed row of ``methods`` (``{row: reduction options but r}``, e.g.
+    ``{"dtem": {"strategy": "dtem", "head": embedding}, "tome": {"strategy": "tome"}}``) at each ``r``."""
+    from pullback_ext.comparison.pareto import resolve
+
     full = targets(backbone, task, images, batch)
     reduced = backbone.forwards(task)[1]
     rows = []
     for r in rs:
-        for strategy, head in (("dtem", embedding), ("tome", None)):
-            reduction = ReductionOptions(strategy=strategy, head=head, r=int(r)).resolve(shape_of(backbone))
+        for row, options in methods.items():
+            reduction = resolve(ReductionOptions(**options, r=int(r)), backbone)
             out = torch.cat([reduced(reduction, images[s:s + batch])[output_key(task)] for s in range(0, len(images), batch)])
-            rows.append({"strategy": strategy, "r": int(r), "metric": "cosine x100" if task == "cls" else "SILog x100",
+            rows.append({"strategy": row, "r": int(r), "metric": "cosine x100" if task == "cls" else "SILog x100",
                          "value": float(distortion_x100(task, out, full).mean()), "images": int(len(images))})
     return rows
