@@ -182,3 +182,22 @@ def test_the_command_refuses_a_missing_or_wrong_start(tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_head_scores_the_block_it_was_trained_on_unless_told(start_head, tmp_path):
+    """importance_tome's score_layer defaults to the head checkpoint's probe layer (a block-0 head
+    guards every block after block 0), else block 1; an explicit value wins."""
+    from pullback_ext.metric import checkpoint
+
+    shape = BackboneShape(depth=8, num_prefix=1, has_cls=True, num_patch=196)
+    head, config = checkpoint.load_model(start_head, kind="head")
+    assert head.probe_layer == config["probe"]["layer"] == 1
+    head.probe_layer = 0
+    resolved = ReductionOptions(strategy="importance_tome", head=head, r=4).resolve(shape).options
+    assert (resolved.score_layer, resolved.block_range) == (0, (1, 8))
+    assert ReductionOptions(strategy="importance_tome", head=head, r=4, score_layer=2).resolve(shape).options.score_layer == 2
+    assert ReductionOptions(strategy="importance_tome", head=_head(), r=4).resolve(shape).options.score_layer == 1
+    assert ReductionOptions(strategy="importance_tome", r=4).resolve(shape).options.score_layer == 1
+    head.probe_layer = 7
+    with pytest.raises(PullbackError, match=r"score_layer must be a block index in \[0, 6\].*got 7 \(the layer the head was trained on\)"):
+        ReductionOptions(strategy="importance_tome", head=head, r=4).resolve(shape)

@@ -173,6 +173,9 @@ def load_model(path: str | os.PathLike, kind: str | None = None, dtype: torch.dt
     stored_dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
     model.to(stored_dtype)
     model.load_state_dict(tensors)
+    layer = config.get("probe", {}).get("layer") if stored == "head" else None
+    if isinstance(layer, int) and not isinstance(layer, bool):
+        model.probe_layer = layer  # the block it scores by default (importance_tome's score_layer)
     if dtype is not None:
         model.to(dtype)
     return model.eval(), config

@@ -15,12 +15,14 @@ class ImportanceHead(nn.Module):
     Token encoder + per-token scalar; 331,521 parameters at D = 768 with the defaults (docs/metric.md
     compares them with the paper's ≈ 0.31 M).
     ``mlp_hidden > 0`` adds a per-token MLP of that width to each encoder block (≈ +2·2·H·mlp_hidden
-    parameters). ``importance(F)`` returns exp(scores), comparable to imp* itself.
+    parameters). ``importance(F)`` returns exp(scores), comparable to imp* itself. ``probe_layer``:
+    the block whose output it was trained on, where the checkpoint records it (else None).
     """
 
     def __init__(self, dim: int, hidden: int = 256, heads: int = 4, mlp_hidden: int = 0) -> None:
         super().__init__()
         self.dim, self.hidden, self.heads, self.mlp_hidden = dim, hidden, heads, mlp_hidden
+        self.probe_layer = None  # the block whose output it was trained on (set by the checkpoint loader)
         self.encoder = TokenEncoder(dim, hidden, heads, mlp_hidden=mlp_hidden)
         self.score = nn.Linear(hidden, 1)
 

@@ -77,14 +77,16 @@ AUTO_SCHEDULE = "constant"
 # ToMe's (docs/importance_tome_findings.md, §5): a wrong importance on an image unlike the head's
 # training scenes then cannot make a merge of dissimilar tokens nearly free.
 SHRINK = 0.2
+# The block a head of unknown provenance (or no head) scores: block 1's output, the docs' recipe.
+DEFAULT_SCORE_LAYER = 1
 
 
 @dataclass(frozen=True)
 class ImportanceToMeOptions(ToMeOptions):
     """ToMe's ``r`` (required) and ``schedule`` (``auto``: chosen from ``r``, :func:`auto_setting`);
     ``block_range``: the blocks that merge (None: every block after ``score_layer``, or every block
-    with ``early_merges``); ``score_layer``: the block whose output the head scores (the layer it
-    was trained on); ``guard``: the exponent of the energies in the merge cost, in [0, 8] (0:
+    with ``early_merges``); ``score_layer``: the block whose output the head scores (None: the layer
+    it was trained on, :func:`head_layer`); ``guard``: the exponent of the energies in the merge cost, in [0, 8] (0:
     ToMe's own ranking); ``partner``: ``bound`` (the smallest first-order error of the pair) or
     ``cosine`` (ToMe's match); ``early_merges``: with ``block_range=None``, the blocks up to
     ``score_layer`` merge too, by ToMe's rule (further reach, at a cost); ``auto``: chosen from
@@ -94,7 +96,7 @@ class ImportanceToMeOptions(ToMeOptions):
 
     schedule_auto = True
     schedule: Literal["constant", "decreasing", "auto"] = AUTO
-    score_layer: int = 1
+    score_layer: Optional[int] = None
     guard: float = 1.0
     partner: Literal["bound", "cosine"] = "bound"
     early_merges: bool | Literal["auto"] = AUTO
@@ -111,7 +113,8 @@ class ImportanceToMeOptions(ToMeOptions):
             raise PullbackError(f"partner must be one of {', '.join(PARTNERS)}; got {self.partner!r}")
         if not isinstance(self.early_merges, bool) and self.early_merges != AUTO:
             raise PullbackError(f"early_merges must be True, False or 'auto' (chosen from r); got {self.early_merges!r}")
-        object.__setattr__(self, "score_layer", count("score_layer", self.score_layer, 0))
+        if self.score_layer is not None:
+            object.__setattr__(self, "score_layer", count("score_layer", self.score_layer, 0))
         object.__setattr__(self, "guard", float(self.guard))
         object.__setattr__(self, "shrink", float(self.shrink))
 
@@ -147,6 +150,13 @@ def auto_setting(options, backbone: BackboneShape) -> tuple[str, bool]:
         raise PullbackError("early_merges='auto' chooses from r and the model's patch-token count, which this model does not "
                             "state; give early_merges=True or False")
     return schedule, tome_reach(options.r, schedule, backbone) > GUARDED_REACH
+
+
+def head_layer(head) -> int:
+    """The block a head scores by default: the one it was trained on (``head.probe_layer``, which the
+    checkpoint loader sets from the checkpoint's probe), else :data:`DEFAULT_SCORE_LAYER`."""
+    layer = getattr(head, "probe_layer", None)
+    return DEFAULT_SCORE_LAYER if layer is None else int(layer)
 
 
 class Plan(NamedTuple):
@@ -231,13 +241,14 @@ class ImportanceToMe(MergingMethod):
         return head
 
     def resolve(self, options, backbone: BackboneShape) -> dict:
-        if options.score_layer >= backbone.depth - 1:
+        score = head_layer(options.head) if options.score_layer is None else options.score_layer
+        if score >= backbone.depth - 1:
             raise PullbackError(f"score_layer must be a block index in [0, {backbone.depth - 2}] (a later block must merge); "
-                                f"got {options.score_layer}")
-        choices = super().resolve(options, backbone)
+                                f"got {score}" + (" (the layer the head was trained on)" if options.score_layer is None else ""))
+        choices = dict(super().resolve(options, backbone), score_layer=score)
         if options.block_range is None:
             early = auto_setting(options, backbone)[1]
-            choices["block_range"] = (0 if early else options.score_layer + 1, backbone.depth)
+            choices["block_range"] = (0 if early else score + 1, backbone.depth)
         elif options.early_merges == AUTO:
             choices["early_merges"] = False  # a given block_range leaves it nothing to choose
         return choices
