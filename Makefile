@@ -36,11 +36,14 @@ results-demo: setup
 # forward) and every method, importance_tome and DTEM included; a page needs a clean checkout. The
 # importance heads and DTEM's embeddings they use are trained first, each step skipped when its output exists. Hours on a 2-core machine;
 # the depth page times batch 16 rather than 64 (its targets are FLOP ratios; a quarter of the time).
-PARETO_PHOTOS = $(VENV)/bin/pullback evaluate --model demo --images builtin:photos --pareto --layers 2 --num-images 110 --seeds 1 --threads 1 --overwrite
+PARETO_PHOTOS = $(VENV)/bin/pullback evaluate --model demo --images builtin:photos --pareto --num-images 110 --seeds 1 --threads 1 --overwrite
 PARETO_CLS_METHODS ?= importance,importance_tome,tome,pitome,mctf,tofu,atc,dtem,evit,asap,random
 PARETO_DEPTH_METHODS ?= importance,importance_tome,tome,pitome,mctf,tofu,atc,dtem,evit,expedite,asap,random
 # The small head docs/importance_tome_findings.md chose (38k parameters, 1.2% of the backbone's FLOPs: the size `pullback train head` gives the demo by default).
-TRAIN_HEAD = $(VENV)/bin/pullback train head --model demo --layer 1 --targets randnla --steps 400 --mlp-hidden 64 --hidden 64 --heads 2
+TRAIN_HEAD = $(VENV)/bin/pullback train head --model demo --targets randnla --steps 400 --mlp-hidden 64 --hidden 64 --heads 2
+# A head fine-tuned through importance_tome's relaxed merging from its distilled weights
+# (docs/importance_tome_findings.md §5c: the CLS page's head is the block-0 head fine-tuned).
+TRAIN_FINETUNE = $(VENV)/bin/pullback train finetune --model demo --steps 280 --batch-size 16 --lr 3e-4 --warmup 20
 
 # DTEM's per-block embeddings, trained on the same scenes as the heads with the same steps and batch
 # (a step here is a relaxed forward and backward through the frozen model: ~1.5 s on 2 cores).
@@ -53,14 +56,20 @@ runs/dtem_depth/results.json: | setup
 	$(TRAIN_DTEM) --task depth --num-images 64 --out runs/dtem_depth
 
 runs/head_cls/results.json: | setup
-	$(TRAIN_HEAD) --task cls --num-images 96 --out runs/head_cls
+	$(TRAIN_HEAD) --layer 1 --task cls --num-images 96 --out runs/head_cls
+
+runs/head_cls_l0/results.json: | setup
+	$(TRAIN_HEAD) --layer 0 --task cls --num-images 96 --out runs/head_cls_l0
+
+runs/head_cls_l0_ft/results.json: runs/head_cls_l0/results.json
+	$(TRAIN_FINETUNE) --task cls --init-head runs/head_cls_l0 --num-images 96 --out runs/head_cls_l0_ft
 
 runs/head_depth/results.json: | setup
-	$(TRAIN_HEAD) --task depth --num-images 64 --out runs/head_depth
+	$(TRAIN_HEAD) --layer 1 --task depth --num-images 64 --out runs/head_depth
 
-results-pareto: setup runs/head_cls/results.json runs/head_depth/results.json runs/dtem_cls/results.json runs/dtem_depth/results.json
-	$(PARETO_PHOTOS) --task cls --head runs/head_cls --trained dtem=runs/dtem_cls --methods $(PARETO_CLS_METHODS) --ratios 0.1,0.2,0.3,0.4,0.5,0.6,0.7 \
+results-pareto: setup runs/head_cls_l0_ft/results.json runs/head_depth/results.json runs/dtem_cls/results.json runs/dtem_depth/results.json
+	$(PARETO_PHOTOS) --task cls --layers 1 --head runs/head_cls_l0_ft --trained dtem=runs/dtem_cls --methods $(PARETO_CLS_METHODS) --ratios 0.1,0.2,0.3,0.4,0.5,0.6,0.7 \
 		--results-page pareto-cls-photos --out out/pareto_cls_photos
-	$(PARETO_PHOTOS) --task depth --head runs/head_depth --trained dtem=runs/dtem_depth --methods $(PARETO_DEPTH_METHODS) --ratios 0.1,0.2,0.3,0.5,0.7 \
+	$(PARETO_PHOTOS) --task depth --layers 2 --head runs/head_depth --trained dtem=runs/dtem_depth --methods $(PARETO_DEPTH_METHODS) --ratios 0.1,0.2,0.3,0.5,0.7 \
 		--sweep importance_tome:head=trained,none --time-batches 1,16 \
 		--results-page pareto-depth-photos --out out/pareto_depth_photos
