@@ -4,7 +4,7 @@ VENV ?= .venv
 OUT ?= out/demo
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-quick bench results results-pareto results-demo
+.PHONY: setup demo test test-quick bench results results-pareto results-pareto-segmentation results-demo
 setup:
 	bash .ci/bootstrap.sh
 
@@ -73,3 +73,15 @@ results-pareto: setup runs/head_cls_l0_ft/results.json runs/head_depth/results.j
 	$(PARETO_PHOTOS) --task depth --layers 2 --head runs/head_depth --trained dtem=runs/dtem_depth --methods $(PARETO_DEPTH_METHODS) --ratios 0.1,0.2,0.3,0.5,0.7 \
 		--sweep importance_tome:head=trained,none --time-batches 1,16 \
 		--results-page pareto-depth-photos --out out/pareto_depth_photos
+
+# The segmentation photo page docs/results/pareto-segmentation-photos: the depth page's recipe on the demo's
+# shipped segmentation head (primary error: per-pixel KL ×100 of the class distributions), its importance head
+# trained on the segmentation logits as the depth one is on the depth map; DTEM trains for cls and depth only.
+PARETO_SEGMENTATION_METHODS ?= importance,importance_tome,tome,pitome,mctf,tofu,atc,algm,expedite,evit,asap,random
+runs/head_seg/results.json: | setup
+	$(TRAIN_HEAD) --layer 1 --task segmentation --num-images 64 --out runs/head_seg
+
+results-pareto-segmentation: setup runs/head_seg/results.json
+	$(PARETO_PHOTOS) --task segmentation --layers 2 --head runs/head_seg --methods $(PARETO_SEGMENTATION_METHODS) --ratios 0.1,0.2,0.3,0.5,0.7 \
+		--sweep importance_tome:head=trained,none --time-batches 1,16 \
+		--results-page pareto-segmentation-photos --out out/pareto_segmentation_photos

@@ -198,7 +198,7 @@ def test_the_summary_names_the_task_and_explains_r90(out_dir, capsys):
 
 
 @pytest.mark.parametrize("argv,names", [
-    (["evaluate", "--task", "segmentation"], ["--task", "segmentation", "cls"]),
+    (["evaluate", "--task", "panoptic"], ["--task", "panoptic", "cls", "segmentation"]),
     (["evaluate", "--model", "demo", "--threads", "0"], ["--threads", "positive"]),
     (["diagnose", "--rank", "many"], ["--rank", "many"]),
     (["train", "tap", "--steps"], ["--steps"]),

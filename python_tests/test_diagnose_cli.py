@@ -160,7 +160,7 @@ def bad_cases(image_dir, weights, tmp):
         "garbage_weights": (swap("--weights", str(garbage)), "--weights"),
         "wrong_weights": (swap("--weights", str(other)), "does not fit"),
         "missing_weights": (swap("--weights", str(tmp / "none.pt")), "--weights"),
-        "decoder": (swap("--task", "segmentation") if "--task" in base else base + ["--task", "segmentation"], "--task"),
+        "decoder": (swap("--task", "panoptic") if "--task" in base else base + ["--task", "panoptic"], "--task"),
         "model": (swap("--model", "resnet:50"), "--model"),
         "probes": (swap("--probes", "1"), "probes: expected an int >= 2"),
         "chunk_size": (base + ["--chunk-size", "0"], "chunk_size: expected a positive int"),

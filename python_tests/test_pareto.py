@@ -221,6 +221,7 @@ def test_cls_flop_ratio_counts_the_backbone_and_the_cls_head_only():
     from pullback_ext import patch
     from pullback_ext.comparison.backbones import load_backbone
     from pullback_ext.comparison.cost import count_flops
+    from pullback_ext.embedded import load_segmentation_head
     from pullback_ext.comparison.pareto import Point, measure_cost, resolve
     from pullback_ext.prune.reduction_options import ReductionOptions
     from pullback_ext.sources.models import ModelSpec
@@ -244,8 +245,13 @@ def test_cls_flop_ratio_counts_the_backbone_and_the_cls_head_only():
     assert torch.equal(full(x)["embedding"], backbone.full(x)["embedding"])
     depth_full, _ = backbone.forwards("depth")
     assert count_flops(depth_full, x[:1]) > count_flops(full, x[:1])  # the depth task counts its decoder
-    with pytest.raises(PullbackError, match="supports cls, depth"):
+    with pytest.raises(PullbackError, match="supports cls, depth$"):  # the segmentation head comes with --task segmentation
         backbone.forwards("segmentation")
+    segmented, _ = load_backbone(ModelSpec("demo"), task="segmentation")
+    assert segmented.tasks == ("cls", "depth", "segmentation")
+    segmentation_full, _ = segmented.forwards("segmentation")
+    head = load_segmentation_head(model=model)
+    assert count_flops(segmentation_full, x[:1]) == count_flops(lambda images: model.segment(images, head), x[:1])
 
 
 def test_speedup_interval_against_a_numpy_bootstrap_and_by_hand():

@@ -179,7 +179,7 @@ def _old_dest(old: str) -> str:
 
 
 TASK_HELP = ("cls (the CLS embedding, every model) | logits (the classifier output; the demo model) | tokens | pooled | "
-             "depth | depth-multi | linear:FILE")
+             "depth | depth-multi | segmentation (the class logits of the demo's segmentation head) | linear:FILE")
 _DEMO_DECODERS = {"cls": "embedding", "logits": "cls"}  # --task on the demo model -> the demo probe's decoder
 
 

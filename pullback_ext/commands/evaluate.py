@@ -14,15 +14,19 @@ LLF_CHOICES = {"on": (True,), "full": ("full",), "off": (False,), "both": (True,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pullback_ext.commands.arguments import BUILTIN_HELP, add_overwrite_argument, add_source_arguments
+    from pullback_ext.comparison.tasks import DENSE, TASKS
     from pullback_ext.results_pages import ALLOW_DIRTY_HELP
 
     add_source_arguments(parser, 32, "images per seed",
-                         model_help="demo (cls and depth tasks), timm:NAME (random weights unless --weights; cls task) or hf:DIR, "
+                         model_help="demo (cls, depth and segmentation tasks), timm:NAME (random weights unless --weights; cls task) or hf:DIR, "
                                     "a local transformers folder (DINOv2, ViT, CLIP, SigLIP, DINOv3: cls; DPT / Depth Anything: depth)",
                          images_help=f"a folder of images (class subfolders give k-NN labels) or a built-in set: {BUILTIN_HELP}")
     red = parser.add_argument_group("reduction")
-    red.add_argument("--task", choices=("cls", "depth"), default="cls")
-    red.add_argument("--mode", choices=("auto", "merge", "prune"), default="auto", help="auto: merge for cls, prune for depth")
+    red.add_argument("--task", choices=tuple(TASKS), default="cls",
+                     help="the output compared with the unreduced model's: cls (the CLS embedding), depth (the depth map), "
+                          "segmentation (the demo's class logits: per-pixel KL and argmax mIoU; with the shipped segmentation head)")
+    red.add_argument("--mode", choices=("auto", "merge", "prune"), default="auto",
+                     help=f"auto: merge for cls, prune for the dense tasks ({', '.join(DENSE)})")
     red.add_argument("--head", help="importance head or SPN checkpoint (enables strategy 'importance'); a comma list gives one per stage, "
                                     "a schedule folder (pullback train head --stages) one per stage at its layers")
     red.add_argument("--spn", help="SPN checkpoint for pullback-distance matching in merge mode (default: --head if it is an SPN)")
@@ -91,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     from pullback_ext.commands import evaluate_plan
     from pullback_ext.commands.arguments import comma_floats, comma_ints, image_source, model_spec, results_folder, warn_if_busy
     from pullback_ext.comparison.backbones import load_backbone
-    from pullback_ext.comparison.evaluation import Plan, check_plan, markdown_table, run_cost, run_quality
+    from pullback_ext.comparison.evaluation import Plan, check_plan, check_task, markdown_table, run_cost, run_quality
+    from pullback_ext.comparison.tasks import resolve_mode
     from pullback_ext.comparison.report import plot_quality, write_json, write_text
     from pullback_ext.errors import PullbackError
 
@@ -107,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
             raise PullbackError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
     ratios = comma_floats(args.ratios, "--ratios")
     time_batches = comma_ints(args.time_batches, "--time-batches")
-    backbone, model = load_backbone(spec, args.weights)
+    from pullback_ext.commands.evaluate_pareto import device
+
+    backbone, model = load_backbone(spec, args.weights, args.task, device(args.device) if args.pareto else "cpu")
+    check_task(args.task, backbone)
     if args.pareto and args.recovery is not None:
         raise PullbackError("--recovery is an option of the plain evaluation, not of --pareto")
     if args.pareto:
@@ -118,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         if given:
             raise PullbackError(f"{flag} needs --pareto (its rows are part of the matched-cost comparison)")
     layers = evaluate_plan.reduction_layers(args, backbone.depth)
-    mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
+    mode = resolve_mode(args.mode, args.task)
     scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, args.oracle)
     strategies = evaluate_plan.strategy_list(args.strategies, scorers)
     llf = LLF_CHOICES[args.llf or ("full" if args.preset == "paper" else "on")]
@@ -197,7 +205,8 @@ def _run_pareto(args: argparse.Namespace, backbone, model, images) -> int:
     loaded = [s.load() for s in sets]
     pixels = torch.cat([d["images"] for d in loaded]).to(device)
     names = [name for s in sets for name in s.names()]
-    result = evaluate_pareto.run(args, backbone, model, pixels, names)
+    classes = torch.cat([d["classes"] for d in loaded]).to(device) if all("classes" in d for d in loaded) else None
+    result = evaluate_pareto.run(args, backbone, model, pixels, names, classes)
     result |= {"command": args.command_line, "model": backbone.name, "images": images.spec}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -180,18 +180,22 @@ def _tap_ratios(given: dict):
     return ratios
 
 
-def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
+def run(args: argparse.Namespace, backbone, model, images, names: list, classes=None) -> dict:
     """Quality and cost of every point on ``images [n, 3, H, W]`` (``names``: one per image) for
-    ``backbone`` (``model``: the module it wraps, which the scorer checkpoints are checked against)."""
+    ``backbone`` (``model``: the module it wraps, which the scorer checkpoints are checked against).
+    The primary metric of the task gives the matched tables; its other metrics are summarised per
+    point (``other_errors``), and with ``classes [n, H, W]`` (rendered scenes) a segmentation run
+    adds each point's ``label_miou`` and the unpruned model's."""
     from pullback_ext.commands import evaluate_plan
     from pullback_ext.commands.arguments import comma_floats, comma_ints, warn_if_busy
     from pullback_ext.prune import row_rules
     from pullback_ext.comparison import pareto
-    from pullback_ext.comparison.evaluation import PRIMARY
+    from pullback_ext.comparison.evaluation import METRICS, PRIMARY
+    from pullback_ext.comparison.tasks import resolve_mode
 
     ratios = comma_floats(args.ratios, "--ratios")
     layers = evaluate_plan.reduction_layers(args, backbone.depth)
-    mode = ("merge" if args.task == "cls" else "prune") if args.mode == "auto" else args.mode
+    mode = resolve_mode(args.mode, args.task)
     scorers, spn = evaluate_plan.load_scorers(args.head, args.spn, model, backbone, layers, args.task, False)
     scorers = {name: _on(s, images.device) for name, s in scorers.items()}
     spn = None if spn is None else spn.to(images.device)
@@ -211,14 +215,20 @@ def run(args: argparse.Namespace, backbone, model, images, names: list) -> dict:
     batches = () if args.no_timing else comma_ints(args.time_batches, "--time-batches")
     if batches:
         warn_if_busy(args)  # every option checked: the run starts
-    errors = [e[metric] for e in pareto.image_errors(backbone, images, points, args.task, args.batch_size, not args.quiet)]
+    measured = pareto.image_errors(backbone, images, points, args.task, args.batch_size, not args.quiet, classes)
     cost = pareto.measure_cost(backbone, images, points, args.task, batches, args.time_repeats, not args.quiet)
     etas = [None if backbone.eta is None else backbone.eta(p.options) for p in points]
-    result = pareto.summarise(points, labels, errors, cost, etas)
+    others = METRICS[args.task][1:]
+    extra = [{"other_errors": {m: pareto.error_summary(e[m]) for m in others}}
+             | ({"label_miou": e["label_miou"]} if "label_miou" in e else {}) for e in measured]
+    result = pareto.summarise(points, labels, [e[metric] for e in measured], cost, etas, extra=extra)
     for p in result["points"]:
-        p["error"]["worst_image_name"] = names[p["error"]["worst_image"]]
-    return result | {"metric": metric, "task": args.task, "mode": mode, "layers": list(layers), "preset": args.preset,
-                     "num_images": int(images.shape[0])}
+        for summary in (p["error"], *p["other_errors"].values()):
+            summary["worst_image_name"] = names[summary["worst_image"]]
+    if measured and "label_miou_unpruned" in measured[0]:
+        result["label_miou_unpruned"] = measured[0]["label_miou_unpruned"]
+    return result | {"metric": metric, "other_metrics": list(others), "task": args.task, "mode": mode, "layers": list(layers),
+                     "preset": args.preset, "num_images": int(images.shape[0])}
 
 
 def load_trained(texts, methods: tuple) -> dict:

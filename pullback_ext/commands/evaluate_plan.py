@@ -104,11 +104,12 @@ def load_scorers(head: Optional[str], spn: Optional[str], model, backbone: Backb
             raise PullbackError("--oracle needs --model demo (a probe map of the model's decoder)")
         if len(layers) != 1 or layers[0] < 1:
             raise PullbackError(f"--oracle scores the full token set: use a single stage at layer >= 1; got {layers}")
+        from pullback_ext.comparison.tasks import get
         from pullback_ext.embedded.probes import demo_probe
         from pullback_ext.prune.oracle import OracleScorer
 
-        decoder = "embedding" if task == "cls" else "depth"
-        scorers["oracle"] = OracleScorer(demo_probe(model, layers[0] - 1, decoder, output_size=16 if task == "depth" else None))
+        dense = get(task).dense  # a dense output is probed pooled to 16×16 (per class for segmentation)
+        scorers["oracle"] = OracleScorer(demo_probe(model, layers[0] - 1, task if dense else "embedding", output_size=16 if dense else None))
     return scorers, spn_model
 
 

@@ -176,12 +176,21 @@ def hf_backbone(model, folder: str | None = None) -> Backbone:
     )
 
 
-def load_backbone(spec: ModelSpec, weights: Optional[str] = None) -> tuple[Backbone, torch.nn.Module]:
+def load_backbone(spec: ModelSpec, weights: Optional[str] = None, task: Optional[str] = None,
+                  device: torch.device | str = "cpu") -> tuple[Backbone, torch.nn.Module]:
     """``(Backbone, model)`` of ``spec``: the demo model, a timm VisionTransformer without its
     classifier (random weights unless ``weights``), or a local transformers folder (a ViT-family CLS
-    model, DPT or Depth Anything; weights from ``weights`` or the folder)."""
+    model, DPT or Depth Anything; weights from ``weights`` or the folder). With ``task``
+    ``segmentation`` the demo gets its shipped segmentation head (checked against its weights), on
+    ``device`` with the model."""
     model, _ = load_model(spec, weights, headless=True)
-    return backbone_of(model, spec.name if spec.kind == "hf" else None, who="--model"), model
+    head = None
+    if task == "segmentation" and spec.kind == "demo":
+        from pullback_ext.embedded import load_segmentation_head
+
+        head = load_segmentation_head(model=model).to(device)
+    model.to(device)
+    return backbone_of(model, spec.name if spec.kind == "hf" else None, who="--model", segmentation_head=head), model
 
 
 def backbone_of(model, folder: Optional[str] = None, who: str = "model", segmentation_head=None) -> Backbone:

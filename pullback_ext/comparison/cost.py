@@ -8,12 +8,14 @@ from typing import Callable
 
 import torch
 
+from pullback_ext.comparison.tasks import TASKS
 from pullback_ext.errors import PullbackError
 
 FLOP_ACCOUNTING = ("FLOPs per image: torch's flop counter (torch.utils.flop_counter) over the task's whole forward at "
                    "batch 1, the same for every method: the backbone with the method's scoring, matching and importance "
-                   "head, and the task's decoder (CLS: the CLS head; depth: the depth decoder on its hooked layers); "
-                   "the other task's decoder is not counted.")
+                   "head, and the task's decoder (" + "; ".join(f"{'CLS' if t.name == 'cls' else t.name}: {t.decoder}"
+                                                              for t in TASKS.values()) +
+                   "); the other tasks' decoders are not counted.")
 
 
 def count_flops(fn: Callable, *args) -> int:

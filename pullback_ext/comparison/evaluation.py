@@ -1,8 +1,11 @@
 """Strategy × ratio evaluation: Table-2-style quality, significance and cost.
 
 Quality is always relative to the unpruned model on the same images: cosine ×100 of the CLS
-embedding, additional SILog ×100 of the depth map, k-NN top-1 (leave-one-out against the unpruned
-embeddings of the other images) when labels exist. Each seed is one image set; a cell reports the
+embedding, additional SILog ×100 of the depth map, per-pixel KL ×100 and the argmax mIoU gap of the
+segmentation logits (:data:`~pullback_ext.comparison.tasks.TASKS` says which a task reads), k-NN
+top-1 (leave-one-out against the unpruned embeddings of the other images) when labels exist, and
+for the segmentation task on images with per-pixel classes (rendered scenes) the mIoU of the
+argmax map against those classes, of each cell and of the unpruned model. Each seed is one image set; a cell reports the
 mean over seeds of the per-seed means, their standard deviation across seeds, and the standard
 deviation over all images.
 
@@ -21,6 +24,7 @@ from typing import Callable, Literal, Optional, Sequence
 import torch
 
 from pullback_ext.comparison import quality
+from pullback_ext.comparison.tasks import TASKS
 from pullback_ext.comparison.backbones import Backbone
 from pullback_ext.comparison.cost import FLOP_ACCOUNTING, count_flops, wall_clock
 from pullback_ext.errors import PullbackError
@@ -28,8 +32,11 @@ from pullback_ext.prune.reduction_options import MODES, PRESETS, BackboneShape, 
 from pullback_ext.prune.row_rules import describe
 from pullback_ext.prune.strategies import NEEDS_SCORER, TRAINING_FREE
 
-METRICS = {"cls": ("cosine_x100",), "depth": ("silog_x100", "cosine_x100")}
-PRIMARY = {"cls": "cosine_x100", "depth": "silog_x100"}
+METRICS = {name: task.metrics for name, task in TASKS.items()}
+PRIMARY = {name: task.primary for name, task in TASKS.items()}
+# metric -> (the output it compares, its per-image function)
+ERRORS = {"cosine_x100": ("embedding", quality.cosine_x100), "silog_x100": ("depth", quality.silog_x100),
+          "pixel_kl_x100": ("segmentation", quality.pixel_kl_x100), "miou_gap_x100": ("segmentation", quality.miou_gap_x100)}
 
 
 @dataclass
@@ -89,12 +96,17 @@ class Row:
     preset: str
 
 
+def check_task(task: str, backbone: Backbone) -> None:
+    """Refuse a ``--task`` the backbone has no decoder for."""
+    if task not in backbone.tasks:
+        raise PullbackError(f"--task {task} needs a model with that decoder; {backbone.name} supports {', '.join(backbone.tasks)}")
+
+
 def check_plan(plan: Plan, backbone: Backbone) -> None:
     """Fail early, with the offending option named, before any forward pass."""
     if plan.mode not in MODES:
         raise PullbackError(f"mode must be one of {', '.join(MODES)}; got {plan.mode!r}")
-    if plan.task not in backbone.tasks:
-        raise PullbackError(f"--task {plan.task} needs a model with that decoder; {backbone.name} supports {', '.join(backbone.tasks)}")
+    check_task(plan.task, backbone)
     if not plan.strategies:
         raise PullbackError("--strategies must name at least one strategy")
     if not plan.ratios:
@@ -134,11 +146,22 @@ def _prepare_scorers(plan: Plan, strategy: str):
 
 
 def output_errors(task: str, reduced: dict, full: dict) -> dict:
-    """Per-image errors ``{metric: [n]}`` of the ``reduced`` outputs against the ``full`` ones."""
-    out = {"cosine_x100": quality.cosine_x100(reduced["embedding"], full["embedding"])}
-    if task == "depth":
-        out["silog_x100"] = quality.silog_x100(reduced["depth"], full["depth"])
-    return out
+    """Per-image errors ``{metric: [n]}`` of the ``reduced`` outputs against the ``full`` ones, for
+    every metric of ``task`` (:data:`METRICS`)."""
+    return {metric: ERRORS[metric][1](reduced[ERRORS[metric][0]], full[ERRORS[metric][0]]) for metric in METRICS[task]}
+
+
+def label_miou(task: str, outputs: dict, data: dict) -> Optional[float]:
+    """mIoU of the argmax class map of ``outputs`` against the per-pixel classes of ``data``
+    (``classes [n, H, W]``, rendered scenes), over the confusion matrix summed over the ``n``
+    images (classes present in either map); None unless ``task`` is a segmentation task and
+    ``data`` has classes."""
+    classes = data.get("classes")
+    if task != "segmentation" or classes is None:
+        return None
+    logits = outputs["segmentation"]
+    confusion = quality.confusion_matrices(logits.argmax(dim=1), classes.to(logits.device), logits.shape[1]).sum(dim=0)
+    return float(quality.mean_iou(confusion))
 
 
 def _summary(per_seed: list) -> dict:
@@ -162,6 +185,7 @@ def run_quality(backbone: Backbone, image_sets: list, plan: Plan, progress: bool
     cells = [(llf, row, r) for llf in plan.llf for row in rows for r in plan.ratios]
     per_image: dict = {}
     knn: dict = {}
+    segment: dict = {}  # label mIoU per seed (segmentation on images with classes)
     bar = progress_bar(total=len(image_sets) * len(cells), desc="evaluate", enabled=progress, unit="cell")
     with torch.no_grad():
         for seed, data in enumerate(image_sets):
@@ -170,6 +194,9 @@ def run_quality(backbone: Backbone, image_sets: list, plan: Plan, progress: bool
             if labels is not None:
                 knn.setdefault("unpruned", []).append(
                     quality.knn_top1(full["embedding"], labels, full["embedding"], labels, plan.knn_k, exclude_self=True))
+            unpruned_miou = label_miou(plan.task, full, data)
+            if unpruned_miou is not None:
+                segment.setdefault("unpruned", []).append(unpruned_miou)
             for llf, row, ratio in cells:
                 reduction = plan.row_reduction(backbone, row, ratio, llf, seed)
                 reduced = batched_outputs(lambda x: backbone.reduced(reduction, x), images, plan.batch_size, _prepare_scorers(plan, row.strategy))
@@ -178,9 +205,11 @@ def run_quality(backbone: Backbone, image_sets: list, plan: Plan, progress: bool
                 if labels is not None:
                     knn.setdefault((llf, row.key, ratio), []).append(
                         quality.knn_top1(full["embedding"], labels, reduced["embedding"], labels, plan.knn_k, exclude_self=True))
+                if unpruned_miou is not None:
+                    segment.setdefault((llf, row.key, ratio), []).append(label_miou(plan.task, reduced, data))
                 bar.update(1)
     bar.close()
-    result = _assemble(plan, image_sets, per_image, knn)
+    result = _assemble(plan, image_sets, per_image, {"knn_top1": knn, "label_miou": segment})
     result["rules"] = {table_key(plan.mode, llf): {row.key: describe(plan.row_reduction(backbone, row, plan.ratios[-1], llf, 0)) for row in rows}
                        for llf in plan.llf}
     return result
@@ -194,24 +223,28 @@ def table_key(mode: str, llf) -> str:
     return {True: "llf", "masked": "llf", "full": "llf_full", False: "no_llf"}[llf]
 
 
-def _assemble(plan: Plan, image_sets: list, per_image: dict, knn: dict) -> dict:
+def _assemble(plan: Plan, image_sets: list, per_image: dict, per_seed: dict) -> dict:
+    """The results; ``per_seed``: ``{measure: {(llf, row, ratio) or "unpruned": [one value per seed]}}``
+    of the per-seed scores (k-NN top-1, label mIoU), each cell's mean and per-seed values beside the metrics."""
     tables: dict = {}
     for (llf, strategy, ratio, metric), values in per_image.items():
         cell = tables.setdefault(table_key(plan.mode, llf), {}).setdefault(strategy, {}).setdefault(f"{ratio:g}", {})
         cell[metric] = _summary(values)
-    for key, values in knn.items():
-        if key == "unpruned":
-            continue
-        llf, strategy, ratio = key
-        tables[table_key(plan.mode, llf)][strategy][f"{ratio:g}"]["knn_top1"] = {"mean": sum(values) / len(values), "per_seed": values}
+    for measure, scores in per_seed.items():
+        for key, values in scores.items():
+            if key == "unpruned":
+                continue
+            llf, strategy, ratio = key
+            tables[table_key(plan.mode, llf)][strategy][f"{ratio:g}"][measure] = {"mean": sum(values) / len(values), "per_seed": values}
     result = {
         "task": plan.task, "mode": plan.mode, "layers": list(plan.layers), "ratios": list(plan.ratios),
         "strategies": list(plan.strategies), "seeds": len(image_sets),
         "images_per_seed": [int(d["images"].shape[0]) for d in image_sets], "tables": tables,
         "wilcoxon": _wilcoxon(plan, per_image),
     }
-    if "unpruned" in knn:
-        result["knn_top1_unpruned"] = sum(knn["unpruned"]) / len(knn["unpruned"])
+    for measure, scores in per_seed.items():
+        if "unpruned" in scores:
+            result[f"{measure}_unpruned"] = sum(scores["unpruned"]) / len(scores["unpruned"])
     return result
 
 
@@ -298,7 +331,8 @@ def run_flop_ratios(backbone: Backbone, image: torch.Tensor, plan: Plan) -> dict
 def markdown_table(result: dict, llf_key: str, metrics: Optional[Sequence[str]] = None) -> str:
     """One quality table (``llf_key`` from :func:`table_key`) as markdown: one row per strategy and
     rule set (named with its selection and averaging), columns ratios, cells mean ± std across
-    seeds, for each of ``metrics`` (default the task's); then the Wilcoxon rows."""
+    seeds, for each of ``metrics`` (default the task's); then the label mIoU where it was measured
+    and the Wilcoxon rows."""
     metrics = METRICS[result["task"]] if metrics is None else metrics
     table = result["tables"][llf_key]
     rules = result.get("rules", {}).get(llf_key, {})
@@ -312,6 +346,14 @@ def markdown_table(result: dict, llf_key: str, metrics: Optional[Sequence[str]] 
             rule = rules.get(key, {})
             row = [f"{_fmt(cells[r][metric]['mean'])} ± {_fmt(cells[r][metric]['std'])}" for r in ratios]
             lines.append(f"| {key} | {rule.get('selection', '—')} | {rule.get('averaging', '—')} | " + " | ".join(row) + " |")
+        lines.append("")
+    if "label_miou_unpruned" in result:
+        lines.append(f"**label_miou** ({llf_key}: mIoU of the argmax map against the renderer's classes, data set of each seed; "
+                     f"unpruned {_fmt(result['label_miou_unpruned'])})\n")
+        lines.append("| row | " + " | ".join(f"η={r}" for r in ratios) + " |")
+        lines.append("|---|" + "---|" * len(ratios))
+        for key, cells in table.items():
+            lines.append(f"| {key} | " + " | ".join(_fmt(cells[r]["label_miou"]["mean"]) for r in ratios) + " |")
         lines.append("")
     if result.get("wilcoxon", {}).get(llf_key):
         lines.append("| η | best baseline | importance | baseline | Wilcoxon p (one-sided) |")

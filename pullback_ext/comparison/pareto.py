@@ -36,7 +36,8 @@ from typing import Optional, Sequence
 import torch
 
 from pullback_ext.comparison.cost import FLOP_ACCOUNTING, count_flops, interleaved_wall_clock, speedup_interval
-from pullback_ext.comparison.evaluation import batched_outputs, output_errors
+from pullback_ext.comparison.evaluation import batched_outputs, label_miou, output_errors
+from pullback_ext.comparison.tasks import TASKS
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.reduction_options import BackboneShape, Reduction, ReductionOptions
 
@@ -56,7 +57,7 @@ class Point:
 def resolve(options: ReductionOptions, backbone) -> Reduction:
     """``options`` resolved for a :class:`~pullback_ext.comparison.backbones.Backbone`."""
     return options.resolve(BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls,
-                                         dense_neck="depth" in backbone.tasks, num_patch=backbone.num_patches))
+                                         dense_neck=any(TASKS[t].dense for t in backbone.tasks), num_patch=backbone.num_patches))
 
 
 def error_summary(errors: torch.Tensor) -> dict:
@@ -67,17 +68,25 @@ def error_summary(errors: torch.Tensor) -> dict:
 
 
 def image_errors(backbone, images: torch.Tensor, points: Sequence[Point], task: str, batch_size: int = 16,
-                 progress: bool = True) -> list[dict]:
-    """Per point, ``{metric: errors [n]}`` on ``images [n, 3, H, W]`` against the unpruned model."""
+                 progress: bool = True, classes: Optional[torch.Tensor] = None) -> list[dict]:
+    """Per point, ``{metric: errors [n]}`` on ``images [n, 3, H, W]`` against the unpruned model
+    (every metric of ``task``). With the per-pixel ``classes [n, H, W]`` of the images (rendered
+    scenes) a segmentation task adds ``label_miou`` and ``label_miou_unpruned``: the mIoU of the
+    point's and of the unpruned model's argmax maps against them, over all ``n`` images
+    (:func:`~pullback_ext.comparison.evaluation.label_miou`)."""
     from pullback_ext.progress import progress_bar
 
     reductions = [resolve(p.options, backbone) for p in points]
+    data = {} if classes is None else {"classes": classes}
     out = []
     with torch.no_grad():
         full = batched_outputs(backbone.full, images, batch_size)
+        unpruned = label_miou(task, full, data)
         for reduction in progress_bar(reductions, desc="pareto quality", enabled=progress, unit="point"):
             reduced = batched_outputs(lambda x: backbone.reduced(reduction, x), images, batch_size)
             out.append(output_errors(task, reduced, full))
+            if unpruned is not None:
+                out[-1] |= {"label_miou": label_miou(task, reduced, data), "label_miou_unpruned": unpruned}
     return out
 
 
@@ -178,14 +187,17 @@ def mark_noise(matched: dict, points: Sequence[dict], rows: Sequence[str], axis:
 
 
 def summarise(points: Sequence[Point], labels: Sequence[str], errors: Sequence[torch.Tensor], cost: dict,
-              etas: Sequence[Optional[float]], targets: Sequence[float] = MATCHED_SPEEDUPS) -> dict:
-    """JSON-ready results: every point (row, knob, η, error summary, cost) and, per cost axis and
-    statistic, each row's matched error at every ``targets`` speed-up (:func:`matched_error`; on
-    the measured axes with ``band`` and ``within_noise``, :func:`mark_noise`)."""
+              etas: Sequence[Optional[float]], targets: Sequence[float] = MATCHED_SPEEDUPS,
+              extra: Optional[Sequence[dict]] = None) -> dict:
+    """JSON-ready results: every point (row, knob, η, error summary, cost; and the entries of its
+    ``extra`` dict, one per point, when given) and, per cost axis and statistic, each row's matched
+    error at every ``targets`` speed-up (:func:`matched_error`; on the measured axes with ``band``
+    and ``within_noise``, :func:`mark_noise`)."""
     entries = []
-    for p, label, e, c, eta in zip(points, labels, errors, cost["points"], etas):
+    for i, (p, label, e, c, eta) in enumerate(zip(points, labels, errors, cost["points"], etas)):
         entries.append({"row": label, "knob": dict(p.knob), "options": p.options.to_dict(), "eta": eta,
-                        "error": error_summary(e), "per_image": [float(v) for v in e.double().flatten()], "cost": c})
+                        "error": error_summary(e), "per_image": [float(v) for v in e.double().flatten()], "cost": c}
+                       | ({} if extra is None else extra[i]))
     rows = list(dict.fromkeys(labels))
     matched: dict = {}
     for axis in cost_axes(cost["batches"]):

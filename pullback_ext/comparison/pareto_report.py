@@ -9,7 +9,9 @@ from pathlib import Path
 from pullback_ext.comparison.pareto import STATISTICS, cost_axes, frontier
 
 AXIS_TITLES = {"flop_ratio": "FLOP ratio (unpruned / reduced FLOPs)"}
-METRIC_TITLES = {"cosine_x100": "100·(1 − cos) of the CLS embedding", "silog_x100": "added SILog ×100 of the depth map"}
+METRIC_TITLES = {"cosine_x100": "100·(1 − cos) of the CLS embedding", "silog_x100": "added SILog ×100 of the depth map",
+                 "pixel_kl_x100": "100 · mean per-pixel KL(unreduced ‖ reduced) of the class distributions",
+                 "miou_gap_x100": "100·(1 − mIoU) of the argmax map against the unreduced one"}
 
 
 def axis_title(axis: str) -> str:
@@ -81,17 +83,23 @@ def _knob(point: dict) -> str:
 
 
 def points_table(result: dict) -> str:
-    """Every point: row, knob, η, cost (measured speed-ups with their 90% intervals) and its error statistics."""
+    """Every point: row, knob, η, cost (measured speed-ups with their 90% intervals), its error
+    statistics, the mean of each other metric of the task and, where measured, its label mIoU."""
     measured = [a for a in cost_axes(result["batches"]) if a != "flop_ratio"]
+    others = result.get("other_metrics", [])
+    labelled = "label_miou_unpruned" in result
     head = ["row", "knob", "η", "FLOP ratio"] + [f"speed-up b{a.removeprefix('speedup_batch')}" for a in measured] + \
-        ["mean", "median", "p95", "worst"]
+        ["mean", "median", "p95", "worst"] + [f"{m} mean" for m in others] + (["label mIoU"] if labelled else [])
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in result["points"]:
         eta = "–" if p["eta"] is None else f"{p['eta']:.3f}"
         cells = [p["row"], _knob(p), eta, f"{p['cost']['flop_ratio']:.2f}"] + [speedup_text(p["cost"], a) for a in measured] + \
-            [_fmt(p["error"][s]) for s in ("mean", "median", "p95", "worst")]
+            [_fmt(p["error"][s]) for s in ("mean", "median", "p95", "worst")] + \
+            [_fmt(p["other_errors"][m]["mean"]) for m in others] + ([_fmt(p["label_miou"])] if labelled else [])
         out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out) + "\n"
+    note = "" if not labelled else (f"\nlabel mIoU: the argmax map against the renderer's classes over all images "
+                                    f"(unpruned {_fmt(result['label_miou_unpruned'])}).\n")
+    return "\n".join(out) + "\n" + note
 
 
 def row_method(result: dict, row: str):

@@ -1,6 +1,7 @@
-"""Probe maps ψ_ℓ of the demo model: features after block ℓ -> CLS logits, embedding or depth.
+"""Probe maps ψ_ℓ of the demo model: features after block ℓ -> CLS logits, embedding, depth or
+segmentation logits.
 
-The depth decoder reads four hooked blocks. Hooks at or after ℓ are recomputed from F inside
+The dense decoders (depth, and segmentation with the shipped segmentation head) read four hooked blocks. Hooks at or after ℓ are recomputed from F inside
 ``forward`` (so the Jacobian sees them); hooks *before* ℓ do not depend on F: they are frozen
 constants of the image, returned by ``features(images)`` as context (``"block{h}"``: [B,N,D]).
 ``bind(context)`` gives the map of those images: row b of the context for row b of F, or one
@@ -25,7 +26,8 @@ from pullback_ext.probes.cls_row import run_blocks_for_cls_row
 from pullback_ext.probes.features import Features, context_rows
 from pullback_ext.errors import PullbackError
 
-DECODERS = ("cls", "embedding", "depth")
+DECODERS = ("cls", "embedding", "depth", "segmentation")
+DENSE = ("depth", "segmentation")  # decoders reading the hooked blocks; output_size pools their maps
 
 
 def _size_pair(output_size, name: str = "output_size") -> Optional[tuple[int, int]]:
@@ -41,19 +43,24 @@ class DemoProbe(Probe):
     """ψ_ℓ for the demo model: F[B,197,192] after block ``layer`` -> y[B,M].
 
     decoder "cls": logits (M = 9); "embedding": CLS embedding (M = 128); "depth": metric depth
-    map, average-pooled to ``output_size`` when given (M = h·w, default 112·112), row-major.
+    map, average-pooled to ``output_size`` when given (M = h·w, default 112·112), row-major;
+    "segmentation": the class logits of ``segmentation_head`` (default the shipped one,
+    ``pullback_ext.embedded.load_segmentation_head(model=model)``), each class's map average-pooled
+    to ``output_size`` as the depth map is (M = C·h·w, default 11·112·112), class-major then row-major.
     """
 
     def __init__(self, model: torch.nn.Module, layer: int, decoder: str = "cls", output_size=None,
-                 output_transform: Optional[Tensor] = None) -> None:
+                 output_transform: Optional[Tensor] = None, segmentation_head: Optional[torch.nn.Module] = None) -> None:
         depth = len(model.backbone.blocks)
         if not isinstance(layer, int) or not 0 <= layer < depth:
             raise PullbackError(f"layer: expected an int in [0, {depth - 1}] (a block of the demo model), got {layer!r}")
         if decoder not in DECODERS:
             raise PullbackError(f"decoder: expected one of {DECODERS}, got {decoder!r}")
         self.output_size = _size_pair(output_size)
-        if self.output_size is not None and decoder != "depth":
-            raise PullbackError(f"output_size: only meaningful for decoder='depth', got {output_size!r} with decoder={decoder!r}")
+        if self.output_size is not None and decoder not in DENSE:
+            raise PullbackError(f"output_size: only meaningful for the dense decoders {DENSE}, got {output_size!r} with decoder={decoder!r}")
+        if segmentation_head is not None and decoder != "segmentation":
+            raise PullbackError(f"segmentation_head: only read by decoder='segmentation', got decoder={decoder!r}")
         bb = model.backbone
         num_tokens = bb.patch_embed.num_patches + bb.num_prefix_tokens
         super().__init__(layer, num_tokens, bb.embed_dim, bb.num_prefix_tokens, output_transform)
@@ -61,7 +68,12 @@ class DemoProbe(Probe):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         for block in self.model.backbone.blocks:
             block.attn.fused_attn = False
-        self.frozen_layers = tuple(h for h in self.model.hook_layers if h < layer) if decoder == "depth" else ()
+        self.frozen_layers = tuple(h for h in self.model.hook_layers if h < layer) if decoder in DENSE else ()
+        if decoder == "segmentation" and segmentation_head is None:
+            from pullback_ext.embedded import load_segmentation_head
+
+            segmentation_head = load_segmentation_head(model=model)
+        self.segmentation_head = None if segmentation_head is None else copy.deepcopy(segmentation_head).eval().requires_grad_(False)
 
     @property
     def output_dim(self) -> int:
@@ -73,11 +85,11 @@ class DemoProbe(Probe):
         if self.decoder == "embedding":
             return self.model.cls_head.embedding.out_features
         h, w = self.output_size or (self.model.image_size, self.model.image_size)
-        return h * w
+        return h * w * (self.segmentation_head.num_classes if self.decoder == "segmentation" else 1)
 
     @property
     def context_keys(self) -> tuple[str, ...]:
-        """``"block{h}"`` for every hooked block h before the probe layer (depth decoder only)."""
+        """``"block{h}"`` for every hooked block h before the probe layer (dense decoders only)."""
         return tuple(f"block{h}" for h in self.frozen_layers)
 
     @torch.no_grad()
@@ -95,7 +107,7 @@ class DemoProbe(Probe):
         self.check_features(F)
         if self.frozen_layers:
             raise PullbackError(
-                f"F: the depth decoder reads blocks {list(self.frozen_layers)} before the probe layer "
+                f"F: the {self.decoder} decoder reads blocks {list(self.frozen_layers)} before the probe layer "
                 f"{self.layer} from the images; bind the probe to them first: probe.bind(features.context) "
                 "with the Features of probe.features(images)"
             )
@@ -108,21 +120,22 @@ class DemoProbe(Probe):
         if self.layer in model.hook_layers:
             hooked[self.layer] = F
         # the CLS and embedding heads read the CLS token alone: last block for that row only
-        final = run_blocks_for_cls_row(model.backbone.blocks[self.layer + 1:], F) if self.decoder != "depth" else None
+        final = run_blocks_for_cls_row(model.backbone.blocks[self.layer + 1:], F) if self.decoder not in DENSE else None
         if final is None:
             final = model.run_blocks(F, self.layer + 1, len(model.backbone.blocks), hooked)
-        if self.decoder == "depth":
-            norm = model.backbone.norm
-            y = model.depth_head([norm(hooked[h]) for h in model.hook_layers], model.image_size)
+        if self.decoder in DENSE:
+            maps = model.hook_maps(hooked)
+            y = model.depth_head(maps, model.image_size)[:, None] if self.decoder == "depth" else \
+                self.segmentation_head(maps, model.image_size)
             if self.output_size is not None:
-                y = Fn.adaptive_avg_pool2d(y[:, None], self.output_size)[:, 0]
+                y = Fn.adaptive_avg_pool2d(y, self.output_size)
             return y.flatten(1)
         embedding, logits = model.cls_head(model.backbone.norm(final)[:, 0])
         return logits if self.decoder == "cls" else embedding
 
 
 class _BoundDemoProbe(Probe):
-    """A depth ``DemoProbe`` with the frozen hooks fixed: frozen[h] is [B,N,D] for a batch F[B,N,D],
+    """A dense ``DemoProbe`` with the frozen hooks fixed: frozen[h] is [B,N,D] for a batch F[B,N,D],
     or [1,N,D] (one image) for any batch."""
 
     def __init__(self, parent: DemoProbe, frozen: dict[int, Tensor]) -> None:
@@ -142,6 +155,6 @@ class _BoundDemoProbe(Probe):
 
 
 def demo_probe(model: torch.nn.Module, layer: int, decoder: str = "cls", output_size=None,
-               output_transform: Optional[Tensor] = None) -> DemoProbe:
+               output_transform: Optional[Tensor] = None, segmentation_head: Optional[torch.nn.Module] = None) -> DemoProbe:
     """The probe map ψ_ℓ of the demo model at block ``layer`` for ``decoder`` (see :class:`DemoProbe`)."""
-    return DemoProbe(model, layer, decoder, output_size, output_transform)
+    return DemoProbe(model, layer, decoder, output_size, output_transform, segmentation_head)

@@ -19,7 +19,7 @@ from pullback_ext.sources.models import ModelSpec, load_model
 from pullback_ext.sources.preprocess import Preprocess, hf_crop_preprocess, hf_preprocess, timm_preprocess, unit_range_preprocess
 from pullback_ext.sources.weights import read_state_dict
 
-DECODERS = ("cls", "tokens", "pooled", "embedding", "depth", "depth-multi", "linear:FILE")
+DECODERS = ("cls", "tokens", "pooled", "embedding", "depth", "depth-multi", "segmentation", "linear:FILE")
 
 
 @dataclass
@@ -63,7 +63,7 @@ def _linear_probe(base, decoder: str, layer: int, dtype: torch.dtype, keep_grid:
 OFFERED = {
     "timm": (("cls", "tokens", "pooled"), "timm models offer cls, tokens, pooled and linear:FILE"),
     "hf-depth": (("depth", "depth-multi"), "hf depth models support depth and depth-multi"),
-    "demo": (("cls", "embedding", "depth"), "the demo model supports cls, logits, depth and linear:FILE"),
+    "demo": (("cls", "embedding", "depth", "segmentation"), "the demo model supports cls, logits, depth, segmentation and linear:FILE"),
 }
 
 
@@ -81,7 +81,8 @@ def _check_decoder(decoder: str, kind=None) -> None:
     Hugging Face family adapter) one it offers."""
     linear = decoder.startswith("linear:")
     if decoder not in DECODERS[:-1] and not linear:
-        raise PullbackError(f"--task: expected one of cls, logits (demo), tokens, pooled, depth, depth-multi, linear:FILE; got {decoder!r}")
+        raise PullbackError(f"--task: expected one of cls, logits (demo), tokens, pooled, depth, depth-multi, segmentation (demo), "
+                            f"linear:FILE; got {decoder!r}")
     if kind is not None:
         offered, message = _offered(kind)
         if decoder not in offered and not (linear and not getattr(kind, "depth", False)):
@@ -113,12 +114,12 @@ def _hf_probe(model, folder: str, layer: int, decoder: str, output_size: Optiona
 
 
 def _demo_probe(model, layer: int, decoder: str, output_size: Optional[int], dtype: torch.dtype):
-    from pullback_ext.embedded.probes import demo_probe
+    from pullback_ext.embedded.probes import DENSE, demo_probe
 
     preprocess = unit_range_preprocess(model.image_size)
     if decoder.startswith("linear:"):
         return _linear_probe(demo_probe(model, layer, "cls"), decoder, layer, dtype, keep_grid=False), preprocess
-    return demo_probe(model, layer, decoder, output_size if decoder == "depth" else None), preprocess
+    return demo_probe(model, layer, decoder, output_size if decoder in DENSE else None), preprocess
 
 
 def build_probe_setup(

@@ -4,7 +4,8 @@ Held-out scenes are ``pullback_ext.embedded.heldout(count, seed)`` (seed 0 for `
 0..k-1 for ``seed_sets``); training scenes are rendered in fixed blocks of 32 from a seed range
 of their own, so scene i does not depend on how many are asked for. Scenes are rendered at the
 preprocessing's resize side (no resampling), then centre-cropped and normalised as it says; they
-carry class labels and metric depth.
+carry class labels, metric depth and the per-pixel semantic classes (``classes [n, H, W]``, uint8, cropped
+as the images are: what the segmentation task is scored against).
 """
 
 from __future__ import annotations
@@ -20,8 +21,15 @@ TRAINING_SEED = 1_000
 TRAINING_BLOCK = 32
 
 
+KEYS = ("images", "labels", "depth", "classes")  # what a loaded set of scenes holds
+
+
 def _prepared(scenes: dict, preprocess: Preprocess) -> dict:
-    return {"images": preprocess.from_unit_tensor(scenes["images"]), "labels": scenes["labels"], "depth": scenes["depth"]}
+    images = preprocess.from_unit_tensor(scenes["images"])
+    h, w = images.shape[-2:]
+    top, left = (scenes["classes"].shape[-2] - h) // 2, (scenes["classes"].shape[-1] - w) // 2
+    return {"images": images, "labels": scenes["labels"], "depth": scenes["depth"],
+            "classes": scenes["classes"][:, top:top + h, left:left + w].to(torch.uint8)}  # 11 classes: a byte each
 
 
 def _select(scenes: dict, indices: Sequence[int]) -> dict:
@@ -43,8 +51,8 @@ class HeldoutScenes(ImageSet):
         from pullback_ext.embedded import heldout
 
         if self._rendered is None:
-            scenes = heldout(self.count, self.seed, self.preprocess.resize)
-            self._rendered = _prepared({k: scenes[k] for k in ("images", "labels", "depth")}, self.preprocess)
+            scenes = heldout(self.count, self.seed, self.preprocess.resize, classes=True)
+            self._rendered = _prepared({k: scenes[k] for k in KEYS}, self.preprocess)
         return dict(self._rendered) if indices is None else _select(self._rendered, indices)
 
     def names(self) -> list[str]:
@@ -68,8 +76,8 @@ class TrainingScenes(ImageSet):
 
         wanted = list(range(self.count)) if indices is None else list(indices)
         blocks = sorted({i // TRAINING_BLOCK for i in wanted})
-        parts = [render(TRAINING_BLOCK, TRAINING_SEED + b, self.preprocess.resize) for b in blocks]
-        rendered = {key: torch.cat([part[key] for part in parts]) for key in ("images", "labels", "depth")}
+        parts = [render(TRAINING_BLOCK, TRAINING_SEED + b, self.preprocess.resize, classes=True) for b in blocks]
+        rendered = {key: torch.cat([part[key] for part in parts]) for key in KEYS}
         position = {b: n * TRAINING_BLOCK for n, b in enumerate(blocks)}
         chosen = _select(rendered, [position[i // TRAINING_BLOCK] + i % TRAINING_BLOCK for i in wanted])
         return _prepared(chosen, self.preprocess)
