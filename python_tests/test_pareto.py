@@ -368,3 +368,101 @@ def test_the_standings_name_our_best_row_against_the_best_other_and_every_target
     assert "| 2× | p95 | – | 6.000 (tome) | only others reach it |" in text
     assert "Ours trails at 2× mean (behind dtem); 2× p95 (not reached by ours)." in text
     assert standings({**result, "rows": [r for r in rows if r.startswith("tome")]}) == ""
+
+
+def _varied_images() -> torch.Tensor:
+    """``[4, 3, 112, 112]`` of different content for the demo model: a smooth ramp (most 2 × 2
+    windows alike), uniform noise, patch-sized blocks of random colour, and half ramp half noise."""
+    g = torch.Generator().manual_seed(0)
+    ramp = torch.linspace(0, 1, 112)
+    smooth = torch.stack([ramp[None, :].expand(112, 112), ramp[:, None].expand(112, 112), 0.5 * torch.ones(112, 112)])
+    noise = torch.rand(3, 112, 112, generator=g)
+    blocks = torch.rand(3, 14, 14, generator=g).repeat_interleave(8, dim=1).repeat_interleave(8, dim=2)
+    half = torch.cat([smooth[:, :56], torch.rand(3, 56, 112, generator=g)], dim=1)
+    return torch.stack([smooth, noise, blocks, half])
+
+
+def _spied_segmentation_backbone():
+    """The demo backbone with its segmentation head, recording ``(strategy, batch)`` of every
+    reduced forward (those of the errors and those of the cost)."""
+    import dataclasses
+
+    from pullback_ext.comparison.backbones import load_backbone
+    from pullback_ext.sources.models import ModelSpec
+
+    backbone, _ = load_backbone(ModelSpec("demo"), task="segmentation")
+    calls = []
+
+    def recorded(fn):
+        def reduced(reduction, images):
+            calls.append((reduction.options.strategy, images.shape[0]))
+            return fn(reduction, images)
+        return reduced
+
+    full, reduced = backbone.forwards("segmentation")
+    spied = dataclasses.replace(backbone, reduced=recorded(backbone.reduced),
+                                task_forward=lambda task: (full, recorded(reduced)))
+    return backbone, spied, calls
+
+
+def test_a_batch_dependent_method_is_measured_one_image_at_a_time():
+    """ALGM's counts are the batch's smallest: each image's reported error is that of the image
+    reduced alone (not in its batch of 4), its FLOP ratio the unpruned count over the mean of the
+    images' counts each alone (not the first image's), and its time at batch 3 is three forwards
+    at batch 1; the page's cost note says so."""
+    from pullback_ext.comparison.cost import count_flops
+    from pullback_ext.comparison.evaluation import output_errors
+    from pullback_ext.comparison.pareto import Point, image_errors, measure_cost, resolve, summarise
+    from pullback_ext.comparison.pareto_report import cost_note
+    from pullback_ext.prune.methods import get
+    from pullback_ext.prune.reduction_options import ReductionOptions
+
+    assert get("algm").batch_dependent and get("tap").batch_dependent and not get("tome").batch_dependent
+    backbone, spied, calls = _spied_segmentation_backbone()
+    images = _varied_images()
+    points = [Point(options=ReductionOptions(strategy="algm", local_threshold=t)) for t in (0.9, 0.8)]
+    measured = image_errors(spied, images, points, "segmentation", batch_size=16, progress=False)
+    cost = measure_cost(spied, images, points, "segmentation", batches=(3,), repeats=1, progress=False)
+    assert calls == [("algm", 1)] * (2 * 4 + 2 * 4 + 2 * 2 * 3)  # errors, FLOPs, timing (warm-up and one round)
+    full, reduced = backbone.forwards("segmentation")
+    with torch.no_grad():
+        unpruned = backbone.full(images)
+        for point, errors, entry in zip(points, measured, cost["points"]):
+            r = resolve(point.options, backbone)
+            alone = torch.cat([output_errors("segmentation", backbone.reduced(r, x[None]), backbone.full(x[None]))
+                               ["pixel_kl_x100"] for x in images])
+            pooled = output_errors("segmentation", backbone.reduced(r, images), unpruned)["pixel_kl_x100"]
+            torch.testing.assert_close(errors["pixel_kl_x100"], alone, rtol=1e-4, atol=1e-6)
+            assert not torch.allclose(pooled, alone, rtol=1e-2, atol=1e-4)  # in a batch, an image gets another reduction
+            each = [count_flops(lambda x: reduced(r, x), x[None]) for x in images]
+            assert len(set(each)) > 1  # the images' counts differ: the first one's alone is not their mean
+            assert entry["flop_ratio"] == pytest.approx(count_flops(full, images[:1]) / (sum(each) / len(each)), rel=1e-12)
+            assert entry["gflops_per_image"] == pytest.approx(sum(each) / len(each) / 1e9, rel=1e-12)
+    result = summarise(points, ["algm"] * 2, [e["pixel_kl_x100"] for e in measured], cost, [None, None])
+    assert [p["one_image_at_a_time"] for p in result["points"]] == [True, True]
+    assert "ALGM: an image's token counts depend on the other images of its batch" in cost_note(result)
+    assert "same b images reduced one after another" in cost_note(result)
+
+
+def test_a_method_whose_counts_do_not_depend_on_the_batch_is_measured_as_before():
+    """ToMe: errors from one forward of the whole batch, FLOPs on the first image, time on the batch."""
+    from pullback_ext.comparison.cost import count_flops
+    from pullback_ext.comparison.evaluation import output_errors
+    from pullback_ext.comparison.pareto import Point, image_errors, measure_cost, resolve, summarise
+    from pullback_ext.comparison.pareto_report import cost_note
+    from pullback_ext.prune.reduction_options import ReductionOptions
+
+    backbone, spied, calls = _spied_segmentation_backbone()
+    images = _varied_images()
+    point = Point(options=ReductionOptions(strategy="tome", r=8, schedule="constant"))
+    measured = image_errors(spied, images, [point], "segmentation", batch_size=16, progress=False)
+    cost = measure_cost(spied, images, [point], "segmentation", batches=(3,), repeats=1, progress=False)
+    assert calls == [("tome", 4), ("tome", 1), ("tome", 3), ("tome", 3)]
+    full, reduced = backbone.forwards("segmentation")
+    r = resolve(point.options, backbone)
+    with torch.no_grad():
+        want = output_errors("segmentation", backbone.reduced(r, images), backbone.full(images))["pixel_kl_x100"]
+    assert torch.equal(measured[0]["pixel_kl_x100"], want)
+    assert cost["points"][0]["flop_ratio"] == count_flops(full, images[:1]) / count_flops(lambda x: reduced(r, x), images[:1])
+    result = summarise([point], ["tome"], [measured[0]["pixel_kl_x100"]], cost, [None])
+    assert result["points"][0]["one_image_at_a_time"] is False and "one image at a time" not in cost_note(result)

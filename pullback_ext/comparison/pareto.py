@@ -12,6 +12,18 @@ default), as speed-ups over the unpruned model: the median of the per-round rati
 bootstrap 90% interval (:func:`~pullback_ext.comparison.cost.speedup_interval`). The FLOP ratio is
 the stable axis; measured speed-ups move with the machine's load.
 
+A method whose token counts depend on the other images of a batch
+(:attr:`~pullback_ext.prune.methods.base.Method.batch_dependent`: ALGM reduces every image of a batch
+by the batch's smallest count, TAP splits its budget by the batch's mean share) is measured one
+image at a time, so that its cost and its errors describe one reduction, the one each image gets
+alone: its errors at batch 1; its FLOPs per image the mean over the images of each image's count at
+batch 1 (their FLOP ratio the unpruned count over that mean: the ratio of the total FLOPs over the
+images, not a mean of per-image ratios); its time at batch ``b`` that of the same ``b`` images as
+every other point, reduced one after another at batch 1, against the unpruned model's batch of
+``b`` (:func:`image_by_image`). Its batched run, where a batch shares its counts, is another
+reduction, whose errors are not measured, and is not timed. Every other method runs as before: its
+errors in batches, its FLOPs on one image, its time on the batch.
+
 A row's *frontier* on one cost axis and one error statistic is its set of points that no other
 point of the row beats on both (at least as fast and at most as wrong, one of them strictly).
 The error of a row at a matched speed-up ``s`` is read on that frontier: log-linearly
@@ -31,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -39,6 +51,7 @@ from pullback_ext.comparison.cost import FLOP_ACCOUNTING, count_flops, interleav
 from pullback_ext.comparison.evaluation import batched_outputs, label_miou, output_errors
 from pullback_ext.comparison.tasks import TASKS
 from pullback_ext.errors import PullbackError
+from pullback_ext.prune import methods
 from pullback_ext.prune.reduction_options import BackboneShape, Reduction, ReductionOptions
 
 MATCHED_SPEEDUPS = (1.1, 1.25, 1.5, 2.0, 3.0)  # 3×: near ToMe's reach on the demo (r = 24: 3.2×)
@@ -67,12 +80,19 @@ def error_summary(errors: torch.Tensor) -> dict:
             "worst": float(e.max()), "worst_image": int(e.argmax())}
 
 
+def image_by_image(fn: Callable) -> Callable:
+    """``fn`` (images -> outputs) run on each image of ``x [b, 3, H, W]`` alone (batch 1), in turn:
+    how a ``batch_dependent`` point is costed (see the module docstring). Returns the ``b`` outputs."""
+    return lambda x: [fn(x[i:i + 1]) for i in range(x.shape[0])]
+
+
 def image_errors(backbone, images: torch.Tensor, points: Sequence[Point], task: str, batch_size: int = 16,
                  progress: bool = True, classes: Optional[torch.Tensor] = None) -> list[dict]:
     """Per point, ``{metric: errors [n]}`` on ``images [n, 3, H, W]`` against the unpruned model
-    (every metric of ``task``). With the per-pixel ``classes [n, H, W]`` of the images (rendered
-    scenes) a segmentation task adds ``label_miou`` and ``label_miou_unpruned``: the mIoU of the
-    point's and of the unpruned model's argmax maps against them, over all ``n`` images
+    (every metric of ``task``), in batches of ``batch_size``, or of one image for a point whose
+    method is ``batch_dependent`` (see the module docstring). With the per-pixel ``classes [n, H, W]``
+    of the images (rendered scenes) a segmentation task adds ``label_miou`` and ``label_miou_unpruned``:
+    the mIoU of the point's and of the unpruned model's argmax maps against them, over all ``n`` images
     (:func:`~pullback_ext.comparison.evaluation.label_miou`)."""
     from pullback_ext.progress import progress_bar
 
@@ -83,7 +103,8 @@ def image_errors(backbone, images: torch.Tensor, points: Sequence[Point], task: 
         full = batched_outputs(backbone.full, images, batch_size)
         unpruned = label_miou(task, full, data)
         for reduction in progress_bar(reductions, desc="pareto quality", enabled=progress, unit="point"):
-            reduced = batched_outputs(lambda x: backbone.reduced(reduction, x), images, batch_size)
+            size = 1 if reduction.method.batch_dependent else batch_size
+            reduced = batched_outputs(lambda x: backbone.reduced(reduction, x), images, size)
             out.append(output_errors(task, reduced, full))
             if unpruned is not None:
                 out[-1] |= {"label_miou": label_miou(task, reduced, data), "label_miou_unpruned": unpruned}
@@ -94,17 +115,24 @@ def measure_cost(backbone, images: torch.Tensor, points: Sequence[Point], task: 
                  repeats: int = TIME_REPEATS, progress: bool = True) -> dict:
     """``{"unpruned": entry, "points": [entry per point]}`` of ``task``'s forward on ``images [n, 3, H, W]``
     (:meth:`~pullback_ext.comparison.backbones.Backbone.forwards`), each entry with ``gflops_per_image``
-    (batch 1) and ``batch{b}`` timings; the point entries add ``flop_ratio`` and, per batch,
-    ``speedup_batch{b}`` (the median over ``repeats`` interleaved rounds, every point and the unpruned
-    model in each round, of the round's unpruned / point time) and ``speedup_batch{b}_ci90``
-    (``[low, high]``, the bootstrap 90% interval of that median: :func:`~pullback_ext.comparison.cost.speedup_interval`)."""
+    (batch 1: the first image, or for a point whose method is ``batch_dependent`` the mean over the
+    ``n`` images, each alone) and ``batch{b}`` timings (the first ``b`` images, cycled; a
+    ``batch_dependent`` point runs them one at a time: :func:`image_by_image`); the point entries add
+    ``flop_ratio`` and, per batch, ``speedup_batch{b}`` (the median over ``repeats`` interleaved
+    rounds, every point and the unpruned model in each round, of the round's unpruned / point time)
+    and ``speedup_batch{b}_ci90`` (``[low, high]``, the bootstrap 90% interval of that median:
+    :func:`~pullback_ext.comparison.cost.speedup_interval`)."""
     from pullback_ext.progress import progress_bar
 
     full, reduced = backbone.forwards(task)
     reductions = [resolve(p.options, backbone) for p in points]
-    fns = {"unpruned": full} | {i: (lambda x, r=r: reduced(r, x)) for i, r in enumerate(reductions)}
-    one = images[:1]
-    entries = {key: {"gflops_per_image": count_flops(fn, one) / 1e9} for key, fn in fns.items()}
+    alone = {i for i, r in enumerate(reductions) if r.method.batch_dependent}
+    fns = {"unpruned": full}
+    for i, r in enumerate(reductions):
+        fn = lambda x, r=r: reduced(r, x)  # noqa: E731
+        fns[i] = image_by_image(fn) if i in alone else fn
+    counted = {key: images if key in alone else images[:1] for key in fns}
+    entries = {key: {"gflops_per_image": count_flops(fn, counted[key]) / counted[key].shape[0] / 1e9} for key, fn in fns.items()}
     for b in progress_bar(batches, desc="pareto timing", enabled=progress, unit="batch size"):
         x = images[torch.arange(b) % images.shape[0]]
         timed = interleaved_wall_clock({key: (lambda fn=fn: fn(x)) for key, fn in fns.items()}, repeats=repeats,
@@ -189,14 +217,16 @@ def mark_noise(matched: dict, points: Sequence[dict], rows: Sequence[str], axis:
 def summarise(points: Sequence[Point], labels: Sequence[str], errors: Sequence[torch.Tensor], cost: dict,
               etas: Sequence[Optional[float]], targets: Sequence[float] = MATCHED_SPEEDUPS,
               extra: Optional[Sequence[dict]] = None) -> dict:
-    """JSON-ready results: every point (row, knob, η, error summary, cost; and the entries of its
-    ``extra`` dict, one per point, when given) and, per cost axis and statistic, each row's matched
-    error at every ``targets`` speed-up (:func:`matched_error`; on the measured axes with ``band``
-    and ``within_noise``, :func:`mark_noise`)."""
+    """JSON-ready results: every point (row, knob, η, error summary, cost, ``one_image_at_a_time``:
+    whether its method is ``batch_dependent`` and so measured image by image, see the module
+    docstring; and the entries of its ``extra`` dict, one per point, when given) and, per cost axis
+    and statistic, each row's matched error at every ``targets`` speed-up (:func:`matched_error`; on
+    the measured axes with ``band`` and ``within_noise``, :func:`mark_noise`)."""
     entries = []
     for i, (p, label, e, c, eta) in enumerate(zip(points, labels, errors, cost["points"], etas)):
         entries.append({"row": label, "knob": dict(p.knob), "options": p.options.to_dict(), "eta": eta,
-                        "error": error_summary(e), "per_image": [float(v) for v in e.double().flatten()], "cost": c}
+                        "error": error_summary(e), "per_image": [float(v) for v in e.double().flatten()], "cost": c,
+                        "one_image_at_a_time": methods.get(p.options.strategy).batch_dependent}
                        | ({} if extra is None else extra[i]))
     rows = list(dict.fromkeys(labels))
     matched: dict = {}

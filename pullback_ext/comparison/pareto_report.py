@@ -45,7 +45,22 @@ def cost_note(result: dict) -> str:
         "interval of that median in brackets. On a measured axis ≈ marks a cell *within noise*: the row's error band at "
         "that speed-up (its matched error with every point at the high end of its interval, and with every point at the "
         "low end) overlaps another row's band there, so the two rows' order at that speed-up is not settled by this run.")
-    return f"{result['flops']} The FLOP ratio is the stable axis and its table comes first.{timing}\n"
+    return f"{result['flops']} The FLOP ratio is the stable axis and its table comes first.{timing}{alone_note(result)}\n"
+
+
+def alone_note(result: dict) -> str:
+    """What the rows measured one image at a time mean (:mod:`pullback_ext.comparison.pareto`), or ""
+    where there are none."""
+    names = list(dict.fromkeys(row_method(result, p["row"]).short for p in result["points"] if p.get("one_image_at_a_time")))
+    if not names:
+        return ""
+    timed = "" if not result["batches"] else (
+        "; their time at batch b is that of the same b images reduced one after another at batch 1, against the "
+        "unpruned model's batch of b")
+    return (f" {', '.join(names)}: an image's token counts depend on the other images of its batch, so these rows are "
+            "measured one image at a time, the reduction each image gets alone: their errors at batch 1, their FLOPs per "
+            f"image the mean over the images of each image's count at batch 1{timed}. Their batched run, where a batch "
+            "shares its counts, is another reduction and is not measured.")
 
 
 def stats(table: dict) -> list:

@@ -63,7 +63,9 @@ order. Ties go by position (the authors' ``topk`` and ``argsort`` are not stable
 fewer than two A tokens (no standard deviation) or no B token merges nothing. The counts depend on
 the images (and, through the minimum and the batch means, on the whole batch): they are read on
 the host at the two merging blocks, and η is not known before a forward pass
-(:meth:`ALGM.patch_tokens_per_block` gives None from the first merging block on).
+(:meth:`ALGM.patch_tokens_per_block` gives None from the first merging block on). The method is
+therefore ``batch_dependent``: a matched-cost comparison measures its errors, FLOPs and times one
+image at a time (:mod:`pullback_ext.comparison.pareto`), the reduction each image gets alone.
 """
 
 from __future__ import annotations
@@ -234,6 +236,7 @@ class ALGM(MergingMethod):
              "Segmenter with it)",
              "size-weighted means; no proportional attention")
     sweep = {"local_threshold": (0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.8, 0.75, 0.7)}
+    batch_dependent = True  # every image reduces the batch's smallest counts
 
     def resolve(self, options, backbone: BackboneShape) -> dict:
         layers = default_layers(backbone.depth) if options.algm_layers is None else options.algm_layers

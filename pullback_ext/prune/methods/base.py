@@ -130,6 +130,10 @@ class Method:
     head_from: Optional[str] = None  # the scorer its head= is ("importance": a trained head, "oracle": imp*)
     head_optional: bool = False  # runs without a head too
     trained_by: Optional[str] = None  # the command whose output folder its head= is (a learned module of its own)
+    # an image's token counts depend on the other images of its batch (ALGM: the batch's smallest count; TAP: the
+    # batch-mean split over depth), and so do its outputs and FLOPs: a matched-cost comparison measures it one image
+    # at a time (pullback_ext.comparison.pareto)
+    batch_dependent: bool = False
 
     @property
     def ours(self) -> bool:
@@ -194,7 +198,8 @@ class Method:
         raise NotImplementedError
 
     def patch_tokens_per_block(self, reduction: Reduction, num_patch: int) -> list:
-        """Patch tokens after each block for ``num_patch`` patch tokens (None where they depend on the batch)."""
+        """Patch tokens after each block for ``num_patch`` patch tokens (None where they depend on the
+        batch: a method with such counts sets ``batch_dependent``)."""
         raise NotImplementedError
 
     def eta(self, reduction: Reduction, num_patch: int) -> float:

@@ -4,7 +4,9 @@ The register is inserted after the prefix tokens at the input of block 0, so the
 block 0 is one token longer than the unpatched model's. At each eligible layer the register's
 read-out scores the current patch tokens and gives the shares of the budget still to remove
 (their mean over the batch: every image of a batch removes the same number of tokens at each layer,
-so the sequence stays rectangular; the counts are read on the host); the lowest-scoring tokens go.
+so the sequence stays rectangular; the counts are read on the host, and the method is
+``batch_dependent``: a matched-cost comparison measures it one image at a time); the lowest-scoring
+tokens go.
 After the last eligible layer exactly ``floor(ρ·N + 0.5)`` patch tokens remain for every image.
 
 Dense tasks (``depth``): a removed token's frozen feature is its recovered feature at the layer that
@@ -111,6 +113,7 @@ class TAP(Method):
     name, short, title = "tap", "TAP", "TAP (a trained task register ranks tokens and splits an exact budget over depth)"
     takes = ("ratio", "head")
     needs = Needs(extra_token="adds a task-register token, which this model's rotary rows do not count")
+    batch_dependent = True  # the budget's split over depth is the batch's mean share
 
     def checked_head(self, head, layers: tuple):
         return as_register(head)
