@@ -167,8 +167,123 @@ def test_study_criteria_equals_evaluate_at_each_layer(tmp_path):
             for metric in ("silog_x100", "cosine_x100"):
                 assert f"{unit['tasks']['depth'][c][metric]['mean']:.3f}" == f"{single[c]['0.3'][metric]['mean']:.3f}"
             # α = 1 re-inserts the frozen copy: the prune path itself
-            assert unit["recovery"][c]["1"]["silog_x100"]["images"] == unit["tasks"]["depth"][c]["silog_x100"]["images"]
-    assert set(study["summary"]["recovery"]["norm"]["silog_x100"]) == {"0", "1"}
+            assert unit["recovery"]["depth"][c]["1"]["silog_x100"]["images"] == unit["tasks"]["depth"][c]["silog_x100"]["images"]
+    assert set(study["summary"]["recovery"]["depth"]["criteria"]["norm"]["mean"]) == {"0", "1"}
+
+
+def _kl_by_hand(reduced: torch.Tensor, full: torch.Tensor) -> list[float]:
+    """100 · mean over pixels of Σ_c p_c (log p_c − log q_c) of logits [B, C, H, W], in Python floats."""
+    import math
+
+    out = []
+    for b in range(full.shape[0]):
+        p_logits, q_logits = full[b].double().flatten(1).T.tolist(), reduced[b].double().flatten(1).T.tolist()
+        total = 0.0
+        for zp, zq in zip(p_logits, q_logits):
+            lp = [z - math.log(sum(math.exp(y) for y in zp)) for z in zp]
+            lq = [z - math.log(sum(math.exp(y) for y in zq)) for z in zq]
+            total += sum(math.exp(a) * (a - c) for a, c in zip(lp, lq))
+        out.append(100.0 * total / len(p_logits))
+    return out
+
+
+def test_study_criteria_over_segmentation_equals_evaluate_and_a_hand_kl(tmp_path):
+    """The segmentation cells are evaluate's at that stage; the depth cells those of a depth-only
+    study (the two dense tasks read one prune forward); α = 1 is the prune path; the per-pixel KL
+    equals a float64 loop over the model's own unreduced logits and the reduced ones."""
+    from pullback_ext.comparison.backbones import load_backbone
+    from pullback_ext.embedded import load_segmentation_head
+    from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
+    from pullback_ext.sources.models import ModelSpec
+    from pullback_ext.sources.scenes import SceneSource
+
+    common = ["study", "criteria", "--model", "demo", "--num-images", "2", "--layers", "0", "--criteria", "random,norm",
+              "--alphas", "0,1", "--batch-size", "2", "--quiet"]
+    _run([*common, "--tasks", "cls,depth,segmentation", "--out", tmp_path / "three"])
+    _run([*common, "--tasks", "depth", "--out", tmp_path / "depth"])
+    three, depth = (json.loads((tmp_path / run / "study.json").read_text()) for run in ("three", "depth"))
+    assert three["tasks"] == ["cls", "depth", "segmentation"] and set(three["summary"]["recovery"]) == {"depth", "segmentation"}
+    unit = three["units"]["0"]
+    _run(["evaluate", "--model", "demo", "--num-images", "2", "--task", "segmentation", "--layers", "1", "--ratios", "0.3",
+          "--strategies", "random,norm", "--seeds", "1", "--batch-size", "2", "--no-timing", "--quiet", "--out", tmp_path / "e"])
+    single = json.loads((tmp_path / "e" / "results.json").read_text())["tables"]["llf"]
+    for c in ("random", "norm"):
+        for metric in ("pixel_kl_x100", "miou_gap_x100", "cosine_x100"):
+            assert f"{unit['tasks']['segmentation'][c][metric]['mean']:.4f}" == f"{single[c]['0.3'][metric]['mean']:.4f}"
+        assert unit["tasks"]["depth"][c] == depth["units"]["0"]["tasks"]["depth"][c]
+        assert unit["recovery"]["segmentation"][c]["1"] == unit["tasks"]["segmentation"][c]
+        assert unit["tasks"]["segmentation"][c]["pixel_kl_x100"]["mean"] > 0
+    backbone, model = load_backbone(ModelSpec("demo"), task="segmentation")
+    images = SceneSource().seed_sets(backbone.preprocess, 2, 1)[0].load()["images"]
+    options = ReductionOptions(ratio=0.3, layers=(1,), mode="prune", strategy="norm", llf=True)
+    reduction = options.resolve(BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls))
+    with torch.no_grad():
+        full = model.segment(images, load_segmentation_head(model=model))
+        reduced = backbone.reduced(reduction, images)["segmentation"]
+    assert unit["tasks"]["segmentation"]["norm"]["pixel_kl_x100"]["images"] == pytest.approx(_kl_by_hand(reduced, full), rel=1e-6)
+
+
+@pytest.mark.parametrize("tasks, model, why", [("cls,panoptic", "demo", "unknown task 'panoptic'.*choose from cls, depth, segmentation"),
+                                               (",", "demo", "no task named"),
+                                               ("segmentation", "demo:random", "'segmentation' needs a model with that decoder; "
+                                                                               "demo:random supports cls, depth")])
+def test_study_criteria_refuses_a_task_it_cannot_run_in_one_line(tasks, model, why, tmp_path, capsys):
+    import re
+
+    argv = ["study", "criteria", "--model", model, "--tasks", tasks, "--layers", "0", "--num-images", "2", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.count("--tasks") == 1 and re.search(why, err), err
+
+
+def _units(errors: dict, alphas: dict) -> dict:
+    """Study units from ``{task: {criterion: [error per layer]}}`` and ``{task: {criterion: {α: error}}}``."""
+    from pullback_ext.comparison.evaluation import PRIMARY
+
+    layers = len(next(iter(next(iter(errors.values())).values())))
+    return {str(layer): {"stage": layer + 1,
+                         "tasks": {t: {c: {PRIMARY[t]: {"mean": row[layer]}} for c, row in by_c.items()} for t, by_c in errors.items()},
+                         "recovery": {t: {c: {a: {PRIMARY[t]: {"mean": v}} for a, v in by_a.items()} for c, by_a in by_c.items()}
+                                      for t, by_c in alphas.items()}}
+            for layer in range(layers)}
+
+
+def test_criteria_summary_reads_seed_003s_findings_off_the_errors():
+    """Rankings, per-layer τ and the three findings on errors whose answers are known by construction."""
+    from scipy.stats import kendalltau
+
+    from pullback_ext.studies.criteria_study import summary
+    from pullback_ext.studies.pages import render
+
+    criteria = ["random", "evit_score", "norm", "cls_sim"]
+    errors = {"cls": {"random": [1, 1, 1, 1], "evit_score": [9, 5, 1, 1], "norm": [2, 2, 2, 2], "cls_sim": [3, 3, 3, 3]},
+              "depth": {"random": [1, 1, 1, 1], "evit_score": [2, 2, 2, 2], "norm": [3, 3, 3, 3], "cls_sim": [4, 4, 4, 4]},
+              "segmentation": {"random": [4, 4, 4, 4], "evit_score": [3, 3, 3, 3], "norm": [2, 2, 2, 2], "cls_sim": [1, 1, 1, 1]}}
+    alphas = {"depth": {c: {"0": 2.0, "1": 1.0} for c in criteria},
+              "segmentation": {c: {"0": 1.0, "1": 2.0} if c != "norm" else {"0": 3.0, "1": 2.0} for c in criteria}}
+    s = summary(_units(errors, alphas), ["cls", "depth", "segmentation"], criteria)
+    assert s["tasks"]["segmentation"]["ranking"] == ["cls_sim", "norm", "evit_score", "random"]
+    pairs = {tuple(p["tasks"]): p for p in s["kendall_tau"]}
+    assert list(pairs) == [("cls", "depth"), ("cls", "segmentation"), ("depth", "segmentation")]
+    assert pairs["depth", "segmentation"]["tau"] == pytest.approx(-1.0) and not pairs["depth", "segmentation"]["agree"]
+    means_cls = [sum(errors["cls"][c]) / 4 for c in criteria]
+    assert pairs["cls", "depth"]["tau"] == pytest.approx(kendalltau(means_cls, [1, 2, 3, 4]).statistic)
+    assert pairs["cls", "depth"]["per_layer"][0] == pytest.approx(kendalltau([1, 9, 2, 3], [1, 2, 3, 4]).statistic)
+    assert pairs["cls", "depth"]["best"] == ["random", "random"]
+    found = s["seed_003"]
+    assert {tuple(r["tasks"]): r["differ"] for r in found["rankings"]}[("depth", "segmentation")] is True
+    # evit_score is 9x random for cls at block 0, 5x at block 1, 1x later; 2x and 0.75x on the dense tasks
+    attention = found["attention"]
+    assert attention["criteria"] == ["evit_score"] and attention["early_layers"] == [0, 1]
+    assert attention["ratio_to_random"]["cls"]["evit_score"]["early"] == pytest.approx(7.0)
+    assert attention["ratio_to_random"]["cls"]["evit_score"]["later"] == pytest.approx(1.0)
+    assert attention["cls_most_sensitive_early"] == {"evit_score": True}
+    assert found["endpoints"]["opposite"] == ["random", "evit_score", "cls_sim"]
+    assert found["endpoints"]["preferred"]["norm"] == {"depth": "1", "segmentation": "1"}
+    page = render({"kind": "criteria", "criteria": criteria, "settings": {"ratio": 0.3}, "summary": s})
+    assert "depth and segmentation differ (τ = -1" in page and "evit_score: holds" in page
+    assert "under 3 of 4 criteria (random, evit_score, cls_sim)" in page and "**segmentation recovery endpoints**" in page
 
 
 # ---- demo:random, the untrained control --------------------------------------------------------
@@ -222,7 +337,7 @@ def test_study_criteria_on_demo_random_measures_the_untrained_model(tmp_path):
     _run([*common, "--model", "demo:random", "--out", tmp_path / "random"])
     _run([*common, "--model", "demo", "--out", tmp_path / "demo"])
     untrained, trained = (json.loads((tmp_path / run / "study.json").read_text()) for run in ("random", "demo"))
-    assert untrained["model"] == "demo:random" and set(untrained["summary"]["recovery"]) == {"random", "norm"}
+    assert untrained["model"] == "demo:random" and set(untrained["summary"]["recovery"]["depth"]["criteria"]) == {"random", "norm"}
     cells = [study["units"]["0"]["tasks"]["depth"]["norm"]["silog_x100"]["mean"] for study in (untrained, trained)]
     assert all(c > 0 for c in cells) and cells[0] != pytest.approx(cells[1])
 
@@ -271,11 +386,11 @@ def test_study_criteria_recovery_endpoints_on_a_hugging_face_depth_folder_equal_
     _run(["study", "criteria", *common, "--layers", "1", "--criteria", "norm", "--tasks", "depth", "--alphas", "0,1",
           "--out", tmp_path / "study"])
     unit = json.loads((tmp_path / "study" / "study.json").read_text())["units"]["1"]
-    assert unit["recovery"]["norm"]["1"]["silog_x100"]["images"] == unit["tasks"]["depth"]["norm"]["silog_x100"]["images"]
+    assert unit["recovery"]["depth"]["norm"]["1"]["silog_x100"]["images"] == unit["tasks"]["depth"]["norm"]["silog_x100"]["images"]
     _run(["evaluate", *common, "--task", "depth", "--layers", "2", "--ratios", "0.3", "--strategies", "norm", "--seeds", "1",
           "--recovery", "0", "--no-timing", "--out", tmp_path / "e"])
     single = json.loads((tmp_path / "e" / "results.json").read_text())["tables"]["llf"]["norm"]["0.3"]["silog_x100"]["mean"]
-    swept = unit["recovery"]["norm"]["0"]["silog_x100"]["mean"]
+    swept = unit["recovery"]["depth"]["norm"]["0"]["silog_x100"]["mean"]
     assert f"{swept:.4f}" == f"{single:.4f}" and swept != pytest.approx(unit["tasks"]["depth"]["norm"]["silog_x100"]["mean"])
 
 

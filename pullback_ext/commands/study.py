@@ -31,6 +31,7 @@ RUN_OPTIONS = ("out", "resume", "overwrite", "quiet", "threads", "results_page",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pullback_ext.commands.arguments import IMAGES_HELP, add_overwrite_argument, positive_int
+    from pullback_ext.comparison.tasks import DENSE, TASKS
     from pullback_ext.results_pages import ALLOW_DIRTY_HELP
     from pullback_ext.studies.models import STUDY_GRAMMAR
 
@@ -48,11 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.add_argument("--probe-targets", metavar="FILE", help="per-token targets [num_images, N, C] (.npy or safetensors), "
                      "aligned with the sorted image list (default on the demo: the depth probe fitted on rendered scenes)")
     crit = parser.add_argument_group("study criteria")
-    crit.add_argument("--tasks", default=None, help="comma list of cls, depth (default: the model's tasks)")
+    crit.add_argument("--tasks", default=None, help=f"comma list of {', '.join(TASKS)} (default: the model's tasks; on the demo "
+                      "cls and depth, segmentation with its shipped segmentation head when named)")
     crit.add_argument("--criteria", default=None, help="comma list of single-stage criteria (default: every training-free "
                       "one, plus importance with --head and oracle with --oracle)")
     crit.add_argument("--ratio", type=float, default=0.3, help="prune ratio η of every cell (default 0.3)")
-    crit.add_argument("--alphas", default="0,0.25,0.5,0.75,1", help="depth: recovery endpoints α (default 0,0.25,0.5,0.75,1)")
+    crit.add_argument("--alphas", default="0,0.25,0.5,0.75,1", help=f"dense tasks ({', '.join(DENSE)}): recovery endpoints α "
+                      "(default 0,0.25,0.5,0.75,1)")
     crit.add_argument("--head", help="importance head checkpoint (enables the criterion importance)")
     crit.add_argument("--oracle", action="store_true", help="add the imp* oracle (--model demo; slow)")
     crit.add_argument("--seeds", type=positive_int, default=1, help="image sets (and random-criterion seeds) (default 1)")
@@ -222,11 +225,12 @@ def _criteria(args, models, out) -> dict | None:
     from pullback_ext.studies.models import load_study_backbone
 
     (model,) = models
-    backbone, net = load_study_backbone(model, args.weights, args.seed)
-    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip()) if args.tasks else backbone.tasks
+    named = _tasks(args.tasks)
+    backbone, net = load_study_backbone(model, args.weights, args.seed, "segmentation" if named and "segmentation" in named else None)
+    tasks = named or backbone.tasks
     for task in tasks:
         if task not in backbone.tasks:
-            raise PullbackError(f"--tasks: {task!r} needs a model with that decoder; {backbone.name} supports {', '.join(backbone.tasks)}")
+            raise PullbackError(f"--tasks: {task!r} needs a model with that decoder; {model} supports {', '.join(backbone.tasks)}")
     layers = parse_layers(args.layers, 0, cs.eligible_last(backbone.depth, tasks))
     available = {name: None for name, given in (("importance", args.head), ("oracle", args.oracle)) if given}
     criteria = evaluate_plan.strategy_list(args.criteria, available)
@@ -237,7 +241,7 @@ def _criteria(args, models, out) -> dict | None:
             cache[task, stage] = evaluate_plan.load_scorers(args.head, None, net, backbone, (stage,), task, args.oracle)[0]
         return cache.get((task, stage), {})
 
-    alphas = comma_floats(args.alphas, "--alphas") if "depth" in tasks else ()
+    alphas = comma_floats(args.alphas, "--alphas") if any(cs.recovers(task) for task in tasks) else ()
     if any(not 0 <= a <= 1 for a in alphas):
         raise PullbackError(f"--alphas: every α must lie in [0, 1]; got {args.alphas!r}")
     sets = [s.load() for s in _images(args, model).seed_sets(backbone.preprocess, args.num_images, args.seeds)]
@@ -250,6 +254,22 @@ def _criteria(args, models, out) -> dict | None:
     return {"kind": "criteria", "model": str(model), "images": args.images or "builtin:scenes", "tasks": list(tasks),
             "criteria": list(criteria), "layers": list(layers), "settings": settings_of(args),
             "summary": cs.summary(units, tasks, criteria), "units": units}
+
+
+def _tasks(text: str | None) -> tuple | None:
+    """The tasks of ``--tasks`` (None when not given), each a name of the task table."""
+    from pullback_ext.comparison.tasks import TASKS
+    from pullback_ext.errors import PullbackError
+
+    if text is None:
+        return None
+    tasks = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not tasks:
+        raise PullbackError(f"--tasks: no task named in {text!r}; choose from {', '.join(TASKS)}")
+    for task in tasks:
+        if task not in TASKS:
+            raise PullbackError(f"--tasks: unknown task {task!r} in {text!r}; choose from {', '.join(TASKS)}")
+    return tasks
 
 
 TITLES = {"diagnose": "Layer study: the diagnostic against depth", "subspace": "Layer study: probe subspaces against depth (Geosubprobe)",

@@ -94,15 +94,18 @@ def plot_subspace_study(result: dict, path: str | Path) -> Path:
 
 
 def plot_criteria_study(result: dict, path: str | Path) -> Path:
-    """Per task a criterion × layer heatmap of the error against the unpruned model (log colour
-    scale where it spans decades); with recovery, the depth error against α per criterion."""
+    """First row: per task a criterion × layer heatmap of its primary error against the unpruned
+    model (log colour scale where it spans decades); second row (with recovery): per dense task its
+    error against α per criterion."""
     from matplotlib.colors import LogNorm
 
     plt = _pyplot()
     summary = result["summary"]
-    tasks = list(summary["tasks"])
-    panels = len(tasks) + (1 if "recovery" in summary else 0)
-    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 3.8), squeeze=False)
+    tasks, recovered = list(summary["tasks"]), summary.get("recovery", {})
+    rows, cols = 1 + bool(recovered), max(len(tasks), len(recovered))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
+    for ax in [*axes[0][len(tasks):], *(axes[1][len(recovered):] if recovered else ())]:
+        ax.set_axis_off()
     criteria, layers = result["criteria"], summary["layers"]
     for ax, task in zip(axes[0], tasks):
         s = summary["tasks"][task]
@@ -112,15 +115,13 @@ def plot_criteria_study(result: dict, path: str | Path) -> Path:
         ax.set(xticks=range(len(layers)), xticklabels=layers, yticks=range(len(criteria)), yticklabels=criteria,
                xlabel="layer ℓ (pruned after block ℓ)", title=f"{task}, ratio {result['settings']['ratio']:g}")
         fig.colorbar(image, ax=ax, label=s["metric"].replace("_x100", " ×100"))
-    if "recovery" in summary:
-        ax = axes[0][-1]
-        for c, r in summary["recovery"].items():
-            alphas = list(r["silog_x100"])
-            ax.plot([float(a) for a in alphas], [r["silog_x100"][a] for a in alphas], marker="o", label=c)
-        if _spans_decades([v for r in summary["recovery"].values() for v in r["silog_x100"].values()]):
+    for ax, (task, r) in zip(axes[-1], recovered.items()):
+        for c, e in r["criteria"].items():
+            ax.plot([float(a) for a in e["mean"]], list(e["mean"].values()), marker="o", label=c)
+        if _spans_decades([v for e in r["criteria"].values() for v in e["mean"].values()]):
             ax.set_yscale("log")
-        ax.set(xlabel="α (1: frozen copy, 0: kept-neighbour mean)", ylabel="SILog ×100, mean over layers",
-               title="depth: recovery endpoints")
+        ax.set(xlabel="α (1: frozen copy, 0: kept-neighbour mean)", ylabel=f"{r['metric'].replace('_x100', ' ×100')}, mean over layers",
+               title=f"{task}: recovery endpoints")
         ax.legend(fontsize=7)
     fig.tight_layout()
     return save_figure(fig, path)

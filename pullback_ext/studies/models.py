@@ -74,12 +74,14 @@ def _refuse_weights(weights: Optional[str]) -> None:
         raise PullbackError("--weights: demo:random is the untrained architecture and takes no weights")
 
 
-def load_study_backbone(model: StudyModel, weights: Optional[str], seed: int):
-    """``(Backbone, model)`` of a study model (see ``pullback_ext.comparison.backbones.load_backbone``)."""
+def load_study_backbone(model: StudyModel, weights: Optional[str], seed: int, task: Optional[str] = None):
+    """``(Backbone, model)`` of a study model (see ``pullback_ext.comparison.backbones.load_backbone``;
+    ``task`` ``segmentation``: the trained demo with its shipped segmentation head, whose
+    backbone then lists that task; ``demo:random`` has no segmentation head)."""
     from pullback_ext.comparison.backbones import demo_backbone, load_backbone
 
     if model.random:
         _refuse_weights(weights)
         net = random_demo(seed)
         return demo_backbone(net), net
-    return load_backbone(model.spec, weights)
+    return load_backbone(model.spec, weights, task)

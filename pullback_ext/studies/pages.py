@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pullback_ext.results_pages import format_number, markdown_table
-from pullback_ext.studies import diagnose_study
+from pullback_ext.studies import criteria_study, diagnose_study
 
 
 PER_TOKEN = ("token_energy", "importance")  # [N] per image and decoder: in DIR/study.json, not on the pages
@@ -56,13 +56,51 @@ def _criteria(result: dict) -> str:
         parts.append(f"**{task}**: {t['metric']} against the unpruned model, ratio {result['settings']['ratio']:g}, "
                      f"one stage after block ℓ\n\n"
                      + markdown_table(["criterion", *(f"ℓ={layer}" for layer in s["layers"]), "mean", "rank"], rows))
-    if "kendall_tau" in s:
-        tau = s["kendall_tau"]
-        parts.append(f"Kendall τ between the {' and '.join(tau['tasks'])} rankings: {format_number(tau['tau'])} "
-                     f"(p = {format_number(tau['p_value'])}).")
-    if "recovery" in s:
-        alphas = list(next(iter(s["recovery"].values()))["silog_x100"])
-        rows = [(c, *(r["silog_x100"][a] for a in alphas), r["preferred"]) for c, r in s["recovery"].items()]
-        parts.append("**depth recovery endpoints** (SILog ×100, mean over layers; α = 1 is the frozen copy)\n\n"
+    if s["kendall_tau"]:
+        rows = [(" / ".join(pair["tasks"]), pair["tau"], pair["p_value"], " ".join(format_number(v) for v in pair["per_layer"]),
+                 " / ".join(pair["best"]), "agree" if pair["agree"] else "differ") for pair in s["kendall_tau"]]
+        parts.append(f"**Do the tasks rank the criteria alike?** Kendall τ between two tasks' criteria, of their mean errors "
+                     f"(with its p-value) and at each layer ℓ = {', '.join(map(str, s['layers']))}; the rankings agree at "
+                     f"τ ≥ {criteria_study.AGREE_TAU:g}\n\n"
+                     + markdown_table(["tasks", "τ (means)", "p", "τ per layer", "best criteria", "rankings"], rows))
+    for task, r in s.get("recovery", {}).items():
+        alphas = list(next(iter(r["criteria"].values()))["mean"])
+        rows = [(c, *(e["mean"][a] for a in alphas), e["preferred"]) for c, e in r["criteria"].items()]
+        parts.append(f"**{task} recovery endpoints** ({r['metric']}, mean over layers; α = 1 is the frozen copy)\n\n"
                      + markdown_table(["criterion", *(f"α={a}" for a in alphas), "preferred α"], rows))
+    seed = _against_seed_003(s)
+    if seed:
+        parts.append("**Against seed 003 (TAP's probes)**\n\n" + seed)
     return "\n\n".join(parts)
+
+
+def _against_seed_003(s: dict) -> str:
+    """One line per finding of seed 003 the study can look at, from ``s["seed_003"]``."""
+    found, lines = s["seed_003"], []
+    pairs = [p for p in s["kendall_tau"] if "segmentation" in p["tasks"]] or s["kendall_tau"]
+    if pairs:
+        said = "; ".join(f"{' and '.join(p['tasks'])} {'agree' if p['agree'] else 'differ'} (τ = {format_number(p['tau'])}, "
+                         f"p = {format_number(p['p_value'])}, best {' / '.join(p['best'])})" for p in pairs)
+        lines.append(f"- *Segmentation and detection rank the criteria differently* (there is no detection here; the other "
+                     f"dense task is depth): {said}.")
+    if "attention" in found:
+        a = found["attention"]
+        early = ", ".join(map(str, a["early_layers"]))
+        cells = []
+        for c in a["criteria"]:
+            ratios = ", ".join(f"{task} {format_number(r[c]['early'])}" for task, r in a["ratio_to_random"].items())
+            cls = a["ratio_to_random"]["cls"][c]
+            verdict = {True: "holds", False: "does not hold", None: "not testable (no later layers)"}[a["cls_most_sensitive_early"][c]]
+            cells.append(f"{c}: {verdict} (error over random's at ℓ = {early}: {ratios}; cls after them "
+                         f"{format_number(cls['later'])})")
+        lines.append(f"- *Classification is especially sensitive to attention-based pruning in the earliest layers*: "
+                     + "; ".join(cells) + ".")
+    if "endpoints" in found:
+        e = found["endpoints"]
+        prefs = "; ".join(f"{c} " + " / ".join(by_task.values())
+                          for c, by_task in e["preferred"].items())
+        lines.append(f"- *The dense tasks prefer opposite recovery endpoints*: {' and '.join(e['tasks'])} prefer opposite "
+                     f"ends of the α range under {len(e['opposite'])} of {len(e['preferred'])} criteria"
+                     f"{' (' + ', '.join(e['opposite']) + ')' if e['opposite'] else ''}; preferred α ({' / '.join(e['tasks'])}): "
+                     f"{prefs}.")
+    return "\n".join(lines)
