@@ -152,6 +152,73 @@ def test_study_subspace_equals_subprobe_at_each_layer(tmp_path):
                 assert f"{a['output_change']:.4f}" == f"{b['output_change']:.4f}"
 
 
+def test_class_probe_targets_are_each_patchs_class_fractions():
+    from pullback_ext.studies.subspace import class_probe_targets
+
+    classes = torch.randint(0, 5, (2, 6, 9), generator=torch.Generator().manual_seed(0))[:, :6, :6]
+    targets = class_probe_targets(classes, 3, 5)
+    assert targets.shape == (2, 9, 5) and targets.dtype == torch.float64
+    for b in range(2):
+        for i in range(3):
+            for j in range(3):
+                patch = classes[b, 2 * i:2 * i + 2, 2 * j:2 * j + 2].flatten().tolist()
+                assert targets[b, 3 * i + j].tolist() == [patch.count(c) / 4 for c in range(5)]
+    with pytest.raises(PullbackError, match="multiples of the 4-patch grid"):
+        class_probe_targets(classes, 4, 5)
+
+
+def test_study_subspace_fits_a_segmentation_probe_beside_the_depth_probe(tmp_path):
+    """The depth probe's sweep is unchanged beside it; the segmentation probe's quality equals R²
+    recomputed in numpy: its own ridge fit of patch class fractions on the 128 rendered training
+    scenes, judged on the study's scenes."""
+    import argparse
+
+    import numpy as np
+
+    from pullback_ext.commands.arguments import image_source
+    from pullback_ext.comparison.backbones import load_backbone
+    from pullback_ext.embedded.scenes import render
+    from pullback_ext.sources.models import ModelSpec
+
+    common = ["study", "subspace", "--model", "demo", "--num-images", "3", "--layers", "2", "--quiet"]
+    _run([*common, "--fitted-probes", "depth,segmentation", "--out", tmp_path / "both"])
+    _run([*common, "--out", tmp_path / "depth"])
+    both, depth = (json.loads((tmp_path / run / "study.json").read_text())["models"] for run in ("both", "depth"))
+    assert list(both) == ["demo", "demo (segmentation probe)"] and both["demo"]["units"] == depth["demo"]["units"]
+    seg = both["demo (segmentation probe)"]
+    unit = seg["units"]["2"]
+    assert seg["quality_name"] == "R² vs class fractions" and seg["probe"] == "segmentation"
+    assert unit["rank"] <= 10 and unit["ks"] == list(power_ks(unit["rank"]))  # 11 fractions summing to one
+
+    def fractions(classes):  # [n, 112, 112] -> [n, 196, 11]: 8×8-pixel patches, row-major
+        c = classes.numpy().astype(np.int64).reshape(-1, 14, 8, 14, 8).transpose(0, 1, 3, 2, 4).reshape(-1, 196, 64)
+        return np.stack([(c == k).mean(axis=2) for k in range(11)], axis=2)
+
+    backbone, _ = load_backbone(ModelSpec("demo"))
+    train = render(128, seed=12345, classes=True)
+    test = image_source(argparse.Namespace(images=None, num_images=3), ModelSpec("demo")).heldout(backbone.preprocess, 3, partial=True).load()
+    with torch.no_grad():
+        x, x_test = (backbone.block_tokens(images, 2).double().numpy().reshape(-1, backbone.features_dim) for images in (train["images"], test["images"]))
+    y, y_test = fractions(train["classes"]).reshape(-1, 11), fractions(test["classes"]).reshape(-1, 11)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    gram = xc.T @ xc
+    w = np.linalg.solve(gram + 1e-3 * np.diag(gram).mean() * np.eye(len(gram)), xc.T @ yc)
+    predicted = (x_test - x.mean(0)) @ w + y.mean(0)
+    r2 = 1 - np.square(predicted - y_test).mean() / np.square(y_test - y_test.mean(0)).mean()
+    assert unit["quality"] == pytest.approx(r2, rel=1e-4) and r2 > 0
+
+
+@pytest.mark.parametrize("extra, why", [(["--fitted-probes", "normals"], "--fitted-probes: expected a comma list of depth, segmentation"),
+                                        (["--fitted-probes", "segmentation", "--probe-targets", "t.npy"],
+                                         "--fitted-probes: .*give one of the two")])
+def test_study_subspace_refuses_bad_probes_in_one_line(extra, why, tmp_path, capsys):
+    import re
+
+    assert main(["study", "subspace", "--model", "demo", "--layers", "0", "--num-images", "2", *extra, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(why, err), err
+
+
 def test_study_criteria_equals_evaluate_at_each_layer(tmp_path):
     criteria = "random,norm,evit_score"
     _run(["study", "criteria", "--model", "demo", "--num-images", "4", "--layers", "0,3", "--criteria", criteria, "--tasks", "depth",

@@ -2,8 +2,9 @@
 
 KIND: ``diagnose`` (the tractability diagnostic per layer and decoder), ``subspace``
 (Geosubprobe: a per-token linear probe's quality on its top-k singular subspace, several models
-side by side) or ``criteria`` (training-free pruning criteria at one layer at a time, per task,
-with the dense recovery endpoints). Each finished layer is one JSON unit under ``--out``, so a
+and on the demo its fitted depth and segmentation probes side by side) or ``criteria``
+(training-free pruning criteria at one layer at a time, per task, with the dense recovery
+endpoints). Each finished layer is one JSON unit under ``--out``, so a
 killed sweep continues with ``--resume``; under ``torchrun`` the images are shared over ranks.
 Writes DIR/study.json (every per-image figure), DIR/study.png and DIR/table.md.
 """
@@ -47,7 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_diagnose_arguments(parser.add_argument_group("study diagnose", DIAGNOSE_TIME))
     sub = parser.add_argument_group("study subspace")
     sub.add_argument("--probe-targets", metavar="FILE", help="per-token targets [num_images, N, C] (.npy or safetensors), "
-                     "aligned with the sorted image list (default on the demo: the depth probe fitted on rendered scenes)")
+                     "aligned with the sorted image list (default on the demo: the probes of --fitted-probes)")
+    sub.add_argument("--fitted-probes", default=None, help="demo without --probe-targets: comma list of the probes fitted on rendered "
+                     "scenes, each swept beside the others: depth (log-depth of each patch's 2×2 quadrants), segmentation "
+                     "(each patch's fraction of pixels of each of the 11 classes) (default depth)")
     crit = parser.add_argument_group("study criteria")
     crit.add_argument("--tasks", default=None, help=f"comma list of {', '.join(TASKS)} (default: the model's tasks; on the demo "
                       "cls and depth, segmentation with its shipped segmentation head when named)")
@@ -190,6 +194,7 @@ def _subspace(args, models, out) -> dict | None:
     from pullback_ext.studies.layers import parse_layers
     from pullback_ext.studies.models import load_study_backbone
 
+    probes = _fitted_probes(args.fitted_probes, args.probe_targets)
     loaded = [load_study_backbone(model, args.weights, args.seed) for model in models]
     plans = [parse_layers(args.layers, 0, backbone.depth - 1) for backbone, _ in loaded]  # every model's layers, checked first
     result = {"kind": "subspace", "settings": settings_of(args), "models": {}}
@@ -198,20 +203,43 @@ def _subspace(args, models, out) -> dict | None:
         data = source.heldout(backbone.preprocess, args.num_images, partial=True).load()
         if args.probe_targets is not None:
             num_patch = backbone.block_tokens(data["images"][:1], 0).shape[1]
-            targets, fit_demo = ss.read_targets(args.probe_targets, data["images"].shape[0], num_patch, backbone.num_prefix), False
+            fits = {None: ss.read_targets(args.probe_targets, data["images"].shape[0], num_patch, backbone.num_prefix)}
         elif backbone.name == "demo":
-            targets, fit_demo = ss.demo_depth_targets(net, data.get("depth")), True
+            fits = {probe: ss.demo_targets(net, probe, data) for probe in probes}
         else:
-            raise PullbackError(f"--probe-targets: required with --model {model} (only the demo fits its depth probe on rendered scenes)")
-        study = ss.SubspaceStudy(backbone, net, data["images"], targets, fit_demo, args.seed, batch_size=args.batch_size)
-        store = UnitStore(out / _slug(model), "subspace", settings_of(args, model=str(model)))
-        units = _sweep(args, store, layers, study, f"study subspace {model}")
-        if units is None:
-            continue
-        result["images"] = source.spec
-        result["models"][str(model)] = {"layers": list(layers), "units": units, "summary": ss.summary(units),
-                                        "quality_name": "R² vs targets" if targets is not None else "fidelity (R² vs unprojected)"}
+            raise PullbackError(f"--probe-targets: required with --model {model} (only the demo fits its probes on rendered scenes)")
+        for probe, targets in fits.items():
+            # the depth probe (or the user's) keeps the model's name; another probe is named beside it
+            name, folder = str(model), _slug(model)
+            if probe not in (None, "depth"):
+                name, folder = f"{model} ({probe} probe)", f"{folder}-{probe}"
+            study = ss.SubspaceStudy(backbone, net, data["images"], targets, probe, args.seed, batch_size=args.batch_size)
+            store = UnitStore(out / folder, "subspace", settings_of(args, model=str(model), fitted_probes=probe))
+            units = _sweep(args, store, layers, study, f"study subspace {name}")
+            if units is None:
+                continue
+            result["images"] = source.spec
+            quality = ("fidelity (R² vs unprojected)" if targets is None else
+                       "R² vs class fractions" if probe == "segmentation" else "R² vs targets")
+            result["models"][name] = {"layers": list(layers), "units": units, "summary": ss.summary(units),
+                                      "probe": probe or "targets", "quality_name": quality}
     return result if result["models"] else None
+
+
+def _fitted_probes(text: str | None, probe_targets: str | None) -> tuple:
+    """The demo's fitted probes of ``--fitted-probes`` (default depth); refused beside ``--probe-targets``."""
+    from pullback_ext.errors import PullbackError
+    from pullback_ext.studies.subspace_study import DEMO_PROBES
+
+    if text is None:
+        return ("depth",)
+    if probe_targets is not None:
+        raise PullbackError("--fitted-probes: the demo's probes fitted on rendered scenes; with --probe-targets the probe is fitted "
+                            "on those targets, so give one of the two")
+    probes = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not probes or any(p not in DEMO_PROBES for p in probes):
+        raise PullbackError(f"--fitted-probes: expected a comma list of {', '.join(DEMO_PROBES)}; got {text!r}")
+    return probes
 
 
 def _criteria(args, models, out) -> dict | None:

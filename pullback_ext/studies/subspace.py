@@ -18,6 +18,7 @@ import torch
 from pullback_ext.errors import PullbackError
 
 INTERVENTIONS = ("subspace", "complement", "random")
+TRAINING_SEED = 12345  # the rendered scenes the demo's probes are fitted on
 
 
 def fit_linear_probe(features: torch.Tensor, targets: torch.Tensor, ridge: float = 1e-3) -> tuple:
@@ -108,6 +109,16 @@ def depth_probe_targets(depth: torch.Tensor, grid: int) -> torch.Tensor:
     return q.reshape(depth.shape[0], grid * grid, 4)
 
 
+def class_probe_targets(classes: torch.Tensor, grid: int, num_classes: int) -> torch.Tensor:
+    """Per-token targets ``[B, grid², num_classes]`` (float64) from per-pixel classes ``[B, H, W]``
+    (ints in ``[0, num_classes)``, H and W multiples of ``grid``): the fraction of each patch's
+    pixels that show each class, patches in row-major order."""
+    if classes.dim() != 3 or classes.shape[1] % grid or classes.shape[2] % grid:
+        raise PullbackError(f"classes: expected [B, H, W] with H and W multiples of the {grid}-patch grid; got {tuple(classes.shape)}")
+    onehot = torch.nn.functional.one_hot(classes.long(), num_classes).permute(0, 3, 1, 2).double()  # [B, C, H, W]
+    return torch.nn.functional.adaptive_avg_pool2d(onehot, grid).flatten(2).transpose(1, 2)
+
+
 def subspace_analysis(model, layer: int, train_n: int, test: dict, quick: bool, ks=None) -> dict:
     """Fit a linear per-token depth probe on block ``layer`` outputs of ``train_n`` rendered
     scenes of the embedded model ``model``, then intervene on the held-out ``test`` scenes
@@ -131,10 +142,27 @@ def demo_grid(model) -> int:
 def fit_depth_probe(model, layer: int, train_n: int, train: Optional[dict] = None) -> tuple:
     """``(W [4, D], b [4])``: the per-token log-depth probe of :func:`depth_probe_targets`, fitted
     on block ``layer`` outputs of ``train_n`` rendered training scenes of the embedded ``model``
-    (``train``: those scenes, ``render(train_n, seed=12345)``, when already rendered)."""
+    (``train``: those scenes, ``render(train_n, seed=TRAINING_SEED)``, when already rendered)."""
     from pullback_ext.comparison.backbones import block_output_tokens, demo_backbone
     from pullback_ext.embedded.scenes import render
 
-    train = render(train_n, seed=12345) if train is None else train
+    train = render(train_n, seed=TRAINING_SEED) if train is None else train
     tokens = block_output_tokens(demo_backbone(model), train["images"], layer)
     return fit_linear_probe(tokens, depth_probe_targets(train["depth"], demo_grid(model)))
+
+
+def fit_class_probe(model, layer: int, train_n: int, train: Optional[dict] = None) -> tuple:
+    """``(W [C, D], b [C])``, C = 11 (ground, wall, the nine object classes): the per-token linear
+    segmentation probe, a ridge fit of :func:`class_probe_targets` on block ``layer`` outputs of
+    ``train_n`` rendered training scenes of the embedded ``model`` (``train``: those scenes,
+    ``render(train_n, seed=TRAINING_SEED, classes=True)``, when already rendered). The fractions
+    of a patch sum to one, so in exact arithmetic the rows of W sum to zero and rank(W) ≤ C − 1;
+    W is float64 with its class mean removed, so that the solve's rounding does not add a spurious
+    C-th singular value."""
+    from pullback_ext.comparison.backbones import block_output_tokens, demo_backbone
+    from pullback_ext.embedded.scenes import SEGMENT_CLASS_NAMES, render
+
+    train = render(train_n, seed=TRAINING_SEED, classes=True) if train is None else train
+    tokens = block_output_tokens(demo_backbone(model), train["images"], layer)
+    weight, bias = fit_linear_probe(tokens.double(), class_probe_targets(train["classes"], demo_grid(model), len(SEGMENT_CLASS_NAMES)))
+    return weight - weight.mean(dim=0), bias

@@ -9,11 +9,13 @@ tests): for features that are centred and white (covariance I over the tokens), 
 a projector P is ‖W P‖²_F / ‖W‖²_F, i.e. Σ_{j≤k} σ_j² / Σ_j σ_j² for the top-k subspace, one
 minus that for its complement, and k / D in expectation for a random subspace.
 
-The probe: on the demo model (trained or ``demo:random``) without user targets, the per-token
-log-depth probe fitted on rendered scenes (``studies.subspace.fit_depth_probe``, exactly what
-``pullback subprobe --probe fit`` does), judged on the study's images (their depth where the image
-source knows it); with user targets ``[num_images, N, C]``, a ridge probe fitted on the first half
-of the images and judged on the second half.
+The probe: on the demo model (trained or ``demo:random``) without user targets, one of the
+per-token probes fitted on rendered scenes (:data:`DEMO_PROBES`): ``depth``, the log-depth of each
+patch's 2×2 quadrants (``studies.subspace.fit_depth_probe``, exactly what ``pullback subprobe
+--probe fit`` does), or ``segmentation``, each patch's fraction of pixels of each of the 11 classes
+(``studies.subspace.fit_class_probe``), judged on the study's images (their depth or per-pixel
+classes where the image source knows them); with user targets ``[num_images, N, C]``, a ridge
+probe fitted on the first half of the images and judged on the second half.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from typing import Optional
 import torch
 
 from pullback_ext.errors import DataError
-from pullback_ext.studies.subspace import INTERVENTIONS, depth_probe_targets, fit_linear_probe, interventions, probe_basis
+from pullback_ext.studies.subspace import (INTERVENTIONS, TRAINING_SEED, class_probe_targets, depth_probe_targets, fit_class_probe,
+                                           fit_depth_probe, fit_linear_probe, interventions, probe_basis)
 
 KEEP = 0.95  # the share of the unprojected quality that "k95" keeps
+DEMO_PROBES = ("depth", "segmentation")  # the demo's probes fitted on rendered scenes (see the module's doc)
 
 
 def power_ks(rank: int) -> tuple[int, ...]:
@@ -103,16 +107,16 @@ def read_targets(path: str, count: int, num_patch: int, num_prefix: int, flag: s
 
 @dataclass
 class SubspaceStudy:
-    """One model's sweep: ``backbone`` and ``model`` (``comparison.backbones.load_backbone``), the images
-    (``images [n, 3, H, W]``), per-token ``targets [n, T, C]`` or None, and whether the probe is the
-    demo's depth probe fitted on rendered scenes (``fit_demo``) or fitted on the first half of the
-    images (user targets)."""
+    """One model's sweep of one probe: ``backbone`` and ``model`` (``comparison.backbones.load_backbone``),
+    the images (``images [n, 3, H, W]``), per-token ``targets [n, T, C]`` or None, and ``probe``:
+    the demo's probe of that name fitted on rendered scenes (a key of :data:`DEMO_PROBES`), or None
+    for a probe fitted on the first half of the images (user targets)."""
 
     backbone: object
     model: object
     images: torch.Tensor
     targets: Optional[torch.Tensor]
-    fit_demo: bool
+    probe: Optional[str]
     seed: int = 0
     train_n: int = 128
     batch_size: int = 16
@@ -132,15 +136,14 @@ class SubspaceStudy:
         return out
 
     def finish(self, layer: int, tokens: list) -> dict:
-        from pullback_ext.studies.subspace import fit_depth_probe
-
         tokens = torch.stack(tokens)
-        if self.fit_demo:
+        if self.probe is not None:
             if self.train is None:  # rendered once for every layer
                 from pullback_ext.embedded.scenes import render
 
-                self.train = render(self.train_n, seed=12345)
-            weight, bias = fit_depth_probe(self.model, layer, self.train_n, self.train)
+                self.train = render(self.train_n, seed=TRAINING_SEED, classes=self.probe == "segmentation")
+            fit = fit_class_probe if self.probe == "segmentation" else fit_depth_probe
+            weight, bias = fit(self.model, layer, self.train_n, self.train)
             return probe_curves(tokens, weight, bias, self.targets, seed=self.seed)
         half = max(1, tokens.shape[0] // 2)
         weight, bias = fit_linear_probe(tokens[:half].double(), self.targets[:half])
@@ -148,10 +151,17 @@ class SubspaceStudy:
         return unit | {"fitted_on": half}
 
 
-def demo_depth_targets(model, depth: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The fitted depth probe's per-token targets of depth maps ``[n, H, W]`` (None without depth)."""
+def demo_targets(model, probe: str, data: dict) -> Optional[torch.Tensor]:
+    """The per-token targets ``[n, T, C]`` of the demo's fitted ``probe`` on loaded images
+    ``data``: from their depth maps ``depth [n, H, W]`` or per-pixel classes ``classes [n, H, W]``
+    (None where the image source does not know them)."""
+    from pullback_ext.embedded.scenes import SEGMENT_CLASS_NAMES
     from pullback_ext.studies.subspace import demo_grid
 
+    if probe == "segmentation":
+        classes = data.get("classes")
+        return None if classes is None else class_probe_targets(classes, demo_grid(model), len(SEGMENT_CLASS_NAMES))
+    depth = data.get("depth")
     return None if depth is None else depth_probe_targets(depth, demo_grid(model))
 
 
