@@ -29,6 +29,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--methods", default="tome", help="comma list of methods without a head of ours (their pareto grids)")
     parser.add_argument("--trained", action="append", default=[], metavar="METHOD=DIR", help="as pullback evaluate --pareto")
     parser.add_argument("--head", action="append", default=[], metavar="DIR", help="an importance head: importance_tome's rows with it")
+    parser.add_argument("--sweep", action="append", default=[], metavar="METHOD:FIELD=V1,V2",
+                        help="as pullback evaluate --pareto: replaces FIELD in METHOD's grid (importance_tome's also in its rows per --head)")
     parser.add_argument("--ratios", default=None, help="the single-stage methods' ratios (default: the task's page values)")
     parser.add_argument("--targets", default="1.1,1.25,1.5,2,2.5,3", help="FLOP ratios to match at")
     parser.add_argument("--first", type=int, default=110, help="first crop (the pages measure 0-109)")
@@ -40,7 +42,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def rows_of(args: argparse.Namespace, backbone, model) -> tuple[list, list]:
     """``(points, row labels)``: the methods' pareto grids, then importance_tome's per head."""
-    from pullback_ext.commands.evaluate_pareto import build_points, load_trained
+    from pullback_ext.commands.evaluate_pareto import build_points, load_trained, parse_sweeps
     from pullback_ext.commands.evaluate_plan import load_metric
     from pullback_ext.comparison import pareto
     from pullback_ext.prune import row_rules
@@ -50,11 +52,14 @@ def rows_of(args: argparse.Namespace, backbone, model) -> tuple[list, list]:
                                                          "0.1,0.2,0.3,0.5,0.7")).split(","))
     base = {"layers": (2,), "mode": mode, "preset": "recommended"}
     methods = tuple(m for m in args.methods.split(",") if m)
-    points = build_points(methods, {}, base, load_trained(args.trained, methods), None, ratios)
+    given = parse_sweeps(args.sweep)
+    points = build_points(methods, {m: g for m, g in given.items() if m in methods}, base, load_trained(args.trained, methods),
+                          None, ratios)
     labels = [p.row or row_rules.row_label(pareto.resolve(p.options, backbone)) for p in points]
     for folder in args.head:
         head = load_metric(folder, backbone.features_dim)[0]
-        ours = [p for p in build_points(("importance_tome",), {}, base, {"importance": head}, None, ratios)
+        own = {m: g for m, g in given.items() if m == "importance_tome"}
+        ours = [p for p in build_points(("importance_tome",), own, base, {"importance": head}, None, ratios)
                 if p.options.head is not None]
         points += ours
         labels += [f"{Path(folder).name}: {p.row or row_rules.row_label(pareto.resolve(p.options, backbone))}" for p in ours]

@@ -34,3 +34,15 @@ def test_it_writes_every_point_of_every_row_and_the_head_scores_its_own_block(tm
     assert all(p["flop_ratio"] >= 1.0 and p["error"]["worst"] >= p["error"]["mean"] for r in rows.values() for p in r)
     printed = capsys.readouterr().out
     assert "| row | 1.1× | 2× | fastest |" in printed and printed.count("\n| ") >= len(rows)
+
+
+def test_a_sweep_replaces_a_field_of_the_grid_of_the_rows_it_names(tmp_path):
+    out = tmp_path / "heldout.json"
+    assert heldout_photos.main(["--methods", "tome,importance_tome", "--sweep", "tome:r=4,8", "--sweep",
+                                "importance_tome:guard=2", "--first", "300", "--count", "2", "--targets", "1.1",
+                                "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    tome = [label for label in rows if label.startswith("tome")]
+    assert len(tome) == 1 and sorted(p["knob"]["r"] for p in rows[tome[0]]) == [4, 4, 8, 8]  # x both schedules
+    ours = [p for label, points in rows.items() if label.startswith("importance_tome") for p in points]
+    assert ours and all(p["knob"]["guard"] == 2 for p in ours)  # a swept field leaves out the defaults row
