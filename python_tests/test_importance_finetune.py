@@ -117,7 +117,7 @@ def test_soft_merges_conserve_sizes_and_energies_and_the_head_alone_learns():
 
     importance.soft_merge = recording
     try:
-        final, _ = _forward(model, head, x, method, r=3, score_layer=0, early_merges=False)
+        final, _ = _forward(model, head, x, method, r=3, score_layer=0, schedule="constant", early_merges=False)
     finally:
         importance.soft_merge = soft_merge
     assert len(seen) == 3

@@ -220,12 +220,13 @@ def test_patch_timm_runs_the_method_and_r_zero_is_the_unpatched_model():
         expected = model.forward_features(x)
         patch.timm(model, strategy="importance_tome", head=head, r=0)
         assert torch.equal(model.forward_features(x), expected)
-        patch.timm(model, strategy="importance_tome", head=head, r=3)
+        patch.timm(model, strategy="importance_tome", head=head, r=5)
         final = model.forward_features(x)
-        ours = model.norm(run_guarded(model, x, reduction(model, head, 3, early_merges=True, shrink=importance_tome.SHRINK))[0])
+        ours = model.norm(run_guarded(model, x, reduction(model, head, 5, "decreasing", early_merges=True,
+                                                          shrink=importance_tome.SHRINK))[0])
     assert torch.equal(final, ours) and not torch.equal(final, expected)
-    assert patch.config(model).block_range == (0, 4)  # r = 3 on 16 patches: ToMe would reach 1.62× (auto, below)
-    assert patch.config(patch.timm(model, strategy="importance_tome", head=head, r=3, early_merges=False)).block_range == (2, 4)
+    assert patch.config(model).block_range == (0, 4)  # r = 5 on 16 patches: ToMe would reach 2.22× (auto, below)
+    assert patch.config(patch.timm(model, strategy="importance_tome", head=head, r=5, early_merges=False)).block_range == (2, 4)
 
 
 def test_without_a_head_every_token_counts_one():
@@ -243,33 +244,58 @@ SHAPE = BackboneShape(depth=4, num_prefix=1, has_cls=True, num_patch=16)  # tiny
 DEMO = BackboneShape(depth=8, num_prefix=1, has_cls=True, num_patch=196)  # the demo model
 
 
-@pytest.mark.parametrize("backbone, r, schedule, work, early", [
-    # tokens seen by each block's linear layers, n_attention + 2 n_mlp (unreduced: 3 · depth · (1 + patches) = 204)
-    (SHAPE, 2, "constant", (17 + 2 * 15) + (15 + 2 * 13) + (13 + 2 * 11) + (11 + 2 * 9), False),  # 204/152 = 1.34
-    (SHAPE, 3, "constant", (17 + 2 * 14) + (14 + 2 * 11) + (11 + 2 * 8) + (8 + 2 * 5), True),  # 204/126 = 1.62
-    # decreasing r = 2 over 4 blocks asks 4, 2, 1, 0: 204/139 = 1.47; r = 3 asks 6, 4, 2, 0
-    (SHAPE, 2, "decreasing", (17 + 2 * 13) + (13 + 2 * 11) + (11 + 2 * 10) + (10 + 2 * 10), False),
-    (SHAPE, 3, "decreasing", (17 + 2 * 11) + (11 + 2 * 7) + (7 + 2 * 5) + (5 + 2 * 5), True),  # 204/96 = 2.13
-    # the demo model (3 · 8 · 197 = 4728): r = 15, tokens 197, 182, ..., 92 before the blocks; r = 16: 197, ..., 85
-    (DEMO, 15, "constant", sum(197 - 15 * i for i in range(8)) + 2 * sum(182 - 15 * i for i in range(8)), False),  # 1.46
-    (DEMO, 16, "constant", sum(197 - 16 * i for i in range(8)) + 2 * sum(181 - 16 * i for i in range(8)), True),  # 1.51
+@pytest.mark.parametrize("backbone, r, work", [
+    # tokens seen by each block's linear layers under ToMe's constant schedule, n_attention + 2 n_mlp
+    # (unreduced: 3 · depth · (1 + patches) = 204 on SHAPE, 3 · 8 · 197 = 4728 on DEMO)
+    (SHAPE, 2, (17 + 2 * 15) + (15 + 2 * 13) + (13 + 2 * 11) + (11 + 2 * 9)),  # 204/152 = 1.34
+    (SHAPE, 3, (17 + 2 * 14) + (14 + 2 * 11) + (11 + 2 * 8) + (8 + 2 * 5)),  # 204/126 = 1.62
+    (SHAPE, 4, (17 + 2 * 13) + (13 + 2 * 9) + (9 + 2 * 5) + (5 + 2 * 3)),  # 204/104 = 1.96 (the last block merges 2)
+    (SHAPE, 5, (17 + 2 * 12) + (12 + 2 * 7) + (7 + 2 * 4) + (4 + 2 * 3)),  # 204/92 = 2.22
+    # the demo model: r = 15, tokens 197, 182, ..., 92 before the blocks: 1.46; r = 16: 197, ..., 85: 1.51
+    (DEMO, 15, sum(197 - 15 * i for i in range(8)) + 2 * sum(182 - 15 * i for i in range(8))),
+    (DEMO, 16, sum(197 - 16 * i for i in range(8)) + 2 * sum(181 - 16 * i for i in range(8))),
+    # r = 23: 197, 174, ..., 36 before the blocks, the last merging 17 (half its 35 patches): 1.94;
+    # r = 24: 197, 173, ..., 29, the last merging 14: 2.01
+    (DEMO, 23, sum(197 - 23 * i for i in range(8)) + 2 * (sum(174 - 23 * i for i in range(7)) + 19)),
+    (DEMO, 24, sum(197 - 24 * i for i in range(8)) + 2 * (sum(173 - 24 * i for i in range(7)) + 15)),
 ])
-def test_auto_merges_early_exactly_where_tome_at_r_would_pass_the_guarded_reach(backbone, r, schedule, work, early):
+def test_auto_chooses_schedule_and_early_merges_from_tome_s_ratio_at_r(backbone, r, work):
     full = 3 * backbone.depth * (backbone.num_prefix + backbone.num_patch)
-    assert importance_tome.tome_reach(r, schedule, backbone) == pytest.approx(full / work, rel=1e-12)
-    assert (full / work > importance_tome.GUARDED_REACH) == early
-    given = {} if schedule == "constant" else {"schedule": schedule}  # constant: what schedule="auto" runs
-    red = ReductionOptions(strategy="importance_tome", r=r, **given).resolve(backbone)
+    reach = importance_tome.tome_reach(r, "constant", backbone)
+    assert reach == pytest.approx(full / work, rel=1e-12)
+    schedule = "constant" if reach <= importance_tome.GUARDED_REACH else "decreasing"
+    early = reach > importance_tome.EARLY_REACH
+    red = ReductionOptions(strategy="importance_tome", r=r).resolve(backbone)
     assert importance_tome.auto_setting(red.options, backbone) == (schedule, early)
     assert red.options.block_range == ((0 if early else 2), backbone.depth)
     assert red.method.block_merges(red) == merging.block_merges(red.options.replace(schedule=schedule), backbone.depth)
+    for given in ({"schedule": "constant"}, {"schedule": "decreasing"}, {"early_merges": not early}):
+        explicit = ReductionOptions(strategy="importance_tome", r=r, **given).resolve(backbone)
+        assert importance_tome.auto_setting(explicit.options, backbone) == (given.get("schedule", schedule),
+                                                                              given.get("early_merges", early))
 
 
-@pytest.mark.parametrize("r, early", [(2, False), (3, True)])
-def test_auto_runs_bit_identically_to_the_explicit_setting_it_chooses(r, early):
+def test_auto_covers_all_three_settings_on_the_demo_model():
+    """Every regime of the rule is reached by some r on the demo model, in order as r grows."""
+    seen = [importance_tome.auto_setting(ReductionOptions(strategy="importance_tome", r=r).resolve(DEMO).options, DEMO)
+            for r in range(1, 49)]
+    assert [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]] == [
+        ("constant", False), ("decreasing", False), ("decreasing", True)]
+
+
+def test_auto_needs_the_patch_count():
+    shape = BackboneShape(depth=4, num_prefix=1, has_cls=True)
+    with pytest.raises(PullbackError, match="schedule='auto' and early_merges='auto'"):
+        ReductionOptions(strategy="importance_tome", r=2).resolve(shape)
+    red = ReductionOptions(strategy="importance_tome", r=2, schedule="constant", early_merges=False).resolve(shape)
+    assert red.method.block_merges(red) == [0, 0, 2, 2]
+
+
+@pytest.mark.parametrize("r, schedule, early", [(2, "constant", False), (3, "decreasing", False), (5, "decreasing", True)])
+def test_auto_runs_bit_identically_to_the_explicit_setting_it_chooses(r, schedule, early):
     model, head, x = tiny_vit(depth=4), Head(32, torch.float32), images(2)
     auto = ReductionOptions(strategy="importance_tome", head=head, r=r).resolve(timm_vit.backbone_shape(model))
-    explicit = reduction(model, head, r, "constant", early_merges=early, shrink=importance_tome.SHRINK)
+    explicit = reduction(model, head, r, schedule, early_merges=early, shrink=importance_tome.SHRINK)
     with torch.no_grad():
         ours, theirs = run_guarded(model, x, auto, take={1}), run_guarded(model, x, explicit, take={1})
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1][1], theirs[1][1])
@@ -288,10 +314,14 @@ def test_explicit_settings_keep_their_blocks_labels_and_need_no_patch_count():
     assert row_label(red) == ("importance_tome · lowest the imp-weighted first-order error of the pair (g = 1, head on block 1's "
                               "output, imp² shrunk 0.2 toward the image's mean), r per block (2, 8) · size-weighted, "
                               "proportional attention; merged tokens restored to their sources")  # the label of the pages' rows
-    with pytest.raises(PullbackError, match="early_merges='auto' chooses from r and the model's patch-token count"):
-        ReductionOptions(strategy="importance_tome", r=8).resolve(unknown)
-    given = ReductionOptions(strategy="importance_tome", r=8, block_range=(1, 8)).resolve(unknown)
-    assert given.options.early_merges is False and "r per block (1, 8), constant schedule ·" in row_label(given)
+    for auto in ({}, {"block_range": (1, 8)}):  # the schedule is chosen from r too, so a given block_range needs the count
+        with pytest.raises(PullbackError, match="choose from r and the model's patch-token count"):
+            red = ReductionOptions(strategy="importance_tome", r=8, **auto).resolve(unknown)
+            red.method.block_merges(red)
+    given = ReductionOptions(strategy="importance_tome", r=8, block_range=(1, 8)).resolve(DEMO)
+    assert given.options.early_merges is False and given.method.block_merges(given) == [0] + [8] * 7
+    assert ("r per block (1, 8), the constant schedule while ToMe's FLOP ratio at r is at most 1.5×, decreasing beyond ·"
+            in row_label(given))
 
 
 def test_the_token_count_reach_is_the_flop_counters_ratio_on_the_demo_model():
@@ -313,8 +343,8 @@ def test_the_token_count_reach_is_the_flop_counters_ratio_on_the_demo_model():
 
 def test_a_sweep_of_r_alone_gives_one_defaults_row():
     """``--sweep importance_tome:r=... --sweep importance_tome:schedule=auto --sweep
-    importance_tome:early_merges=auto``: one row, labelled as the defaults, whose points run both
-    block ranges (guarded up to the reach, ToMe-started beyond)."""
+    importance_tome:early_merges=auto``: one row, labelled as the defaults, whose points run every
+    setting of the rule (constant and guarded, decreasing and guarded, decreasing and ToMe-started)."""
     from types import SimpleNamespace
 
     from pullback_ext.commands.evaluate_pareto import build_points, parse_sweeps
@@ -328,7 +358,8 @@ def test_a_sweep_of_r_alone_gives_one_defaults_row():
     assert [p.knob for p in points] == [{"r": r, "schedule": "auto", "early_merges": "auto"} for r in (4, 8, 16, 24)]
     labels = {row_label(red) for red in reductions}
     assert len(labels) == 1 and labels.pop().startswith("importance_tome (defaults) · ")
-    assert [red.options.block_range for red in reductions] == [(2, 8), (2, 8), (0, 8), (0, 8)]
+    assert [red.options.block_range for red in reductions] == [(2, 8), (2, 8), (2, 8), (0, 8)]
+    assert [red.method.block_merges(red)[2] for red in reductions] == [4, 8, 32, 34]  # constant, then decreasing from 2r (48 at block 0)
 
 
 def test_the_default_sweep_adds_a_defaults_row_beside_every_setting():

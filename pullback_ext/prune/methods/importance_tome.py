@@ -38,12 +38,15 @@ energies, so that a head wrong about an image unlike its training scenes cannot 
 dissimilar tokens nearly free.
 
 ``r`` is the one knob: with ``schedule`` and ``early_merges`` left at ``"auto"`` the method chooses
-them from ``r`` when it is resolved (:func:`auto_setting`): the constant schedule, and ToMe's rule
-in the blocks before the score exactly when ToMe itself, with this ``r`` in every block, would
-reach a FLOP ratio beyond :data:`GUARDED_REACH` (:func:`tome_reach`, counted from the token counts
-of the backbone's depth and patch tokens). This is the rule the demo's headline applies at ToMe's
-``r``. Both fields keep ``"auto"`` in the resolved options (so that a row knows it runs the
-defaults); the blocks chosen are the resolved ``block_range``. Explicit values run as given.
+them from ``r`` when it is resolved (:func:`auto_setting`), by the FLOP ratio ToMe itself would reach
+with this ``r`` in every block (:func:`tome_reach`, counted from the backbone's depth and patch
+tokens): up to :data:`GUARDED_REACH` every merge guarded, constant schedule; up to
+:data:`EARLY_REACH` every merge still guarded, ToMe's decreasing schedule (the early blocks after the
+score take more); beyond, the decreasing schedule with ToMe's rule in the blocks up to the score too
+(further reach, at a cost). The crossovers were chosen on held-out photo crops
+(docs/importance_tome_findings.md). Both fields keep ``"auto"`` in the resolved options (so that a
+row knows it runs the defaults); the blocks chosen are the resolved ``block_range``. Explicit values
+run as given.
 """
 
 from __future__ import annotations
@@ -65,13 +68,12 @@ from pullback_ext.reference import guarded_ranking, pair_costs  # noqa: F401  (s
 
 PARTNERS = ("cosine", "bound")
 AUTO = "auto"
-# The FLOP ratio up to which every merge guarded (early_merges=False) is the better of the two
-# block_range settings, beyond it ToMe's rule in the blocks before the score (early_merges=True):
-# chosen on held-out photo crops (docs/importance_tome_findings.md, §1-2).
+# The one knob's crossovers, in ToMe's FLOP ratio at r (constant schedule, every block): up to
+# GUARDED_REACH every merge guarded with the constant schedule; up to EARLY_REACH every merge guarded
+# with the decreasing one; beyond, ToMe's rule in the blocks before the score as well. Chosen on
+# held-out photo crops (docs/importance_tome_findings.md, §1-2 and §5d).
 GUARDED_REACH = 1.5
-# What schedule="auto" runs: the schedule the demo's headline applies that crossover at (the
-# held-out crops compare the two block_range settings, not the two schedules).
-AUTO_SCHEDULE = "constant"
+EARLY_REACH = 2.0
 # How far each token's imp² moves toward its image's mean by default: chosen on held-out photo
 # crops (110-219 of builtin:photos, CLS and depth) by the geometric mean of our matched errors over
 # ToMe's (docs/importance_tome_findings.md, §5): a wrong importance on an image unlike the head's
@@ -138,18 +140,19 @@ def tome_reach(r: int, schedule: str, backbone: BackboneShape) -> float:
 
 
 def auto_setting(options, backbone: BackboneShape) -> tuple[str, bool]:
-    """``(schedule, early_merges)`` that ``options`` run on ``backbone``; an explicit value as given.
-    ``schedule="auto"``: :data:`AUTO_SCHEDULE`. ``early_merges="auto"``: True exactly when
-    :func:`tome_reach` of ``r`` and that schedule exceeds :data:`GUARDED_REACH` — the demo headline's
-    rule at ToMe's ``r`` (every merge guarded while ToMe's own cost at this ``r`` is within the
-    ratio where the guarded setting is the better one, docs/importance_tome_findings.md §1-2)."""
-    schedule = AUTO_SCHEDULE if options.schedule == AUTO else options.schedule
-    if options.early_merges != AUTO:
-        return schedule, options.early_merges
+    """``(schedule, early_merges)`` that ``options`` run on ``backbone``; an explicit value as given,
+    an ``auto`` one from ``ρ = tome_reach(r, "constant")`` (ToMe's own FLOP ratio at this ``r``):
+    ``("constant", False)`` while ``ρ ≤`` :data:`GUARDED_REACH`, ``("decreasing", False)`` while
+    ``ρ ≤`` :data:`EARLY_REACH`, ``("decreasing", True)`` beyond (docs/importance_tome_findings.md)."""
+    schedule, early = options.schedule, options.early_merges
+    if schedule != AUTO and early != AUTO:
+        return schedule, early
     if backbone.num_patch is None:
-        raise PullbackError("early_merges='auto' chooses from r and the model's patch-token count, which this model does not "
-                            "state; give early_merges=True or False")
-    return schedule, tome_reach(options.r, schedule, backbone) > GUARDED_REACH
+        raise PullbackError("schedule='auto' and early_merges='auto' choose from r and the model's patch-token count, which "
+                            "this model does not state; give schedule= and early_merges= explicitly")
+    reach = tome_reach(options.r, "constant", backbone)
+    chosen = ("constant", False) if reach <= GUARDED_REACH else ("decreasing", reach > EARLY_REACH)
+    return (chosen[0] if schedule == AUTO else schedule), (chosen[1] if early == AUTO else early)
 
 
 def head_layer(head) -> int:
@@ -255,8 +258,8 @@ class ImportanceToMe(MergingMethod):
 
     def block_merges(self, reduction) -> list[int]:
         o = reduction.options
-        plan = Plan(o.r, AUTO_SCHEDULE if o.schedule == AUTO else o.schedule, o.block_range)
-        return merging.block_merges(plan, reduction.backbone.depth)
+        schedule = auto_setting(o, reduction.backbone)[0] if o.schedule == AUTO else o.schedule
+        return merging.block_merges(Plan(o.r, schedule, o.block_range), reduction.backbone.depth)
 
     def describe(self, reduction) -> dict:
         o = reduction.options
@@ -264,9 +267,10 @@ class ImportanceToMe(MergingMethod):
         scored = f"head on block {o.score_layer}'s output" if o.head is not None else "no head: every token counts 1"
         scored += f", imp² shrunk {o.shrink:g} toward the image's mean" if o.shrink and o.head is not None else ""
         blocks = (f"r per block {o.block_range}" if o.early_merges != AUTO else
-                  f"r per block after block {o.score_layer} while ToMe's FLOP ratio at r is at most {GUARDED_REACH:g}×, "
+                  f"r per block after block {o.score_layer} while ToMe's FLOP ratio at r is at most {EARLY_REACH:g}×, "
                   "in every block beyond")
-        blocks += f", {AUTO_SCHEDULE} schedule" if o.schedule == AUTO else ""
+        blocks += (f", the constant schedule while ToMe's FLOP ratio at r is at most {GUARDED_REACH:g}×, decreasing beyond"
+                   if o.schedule == AUTO else "")
         defaults = " (defaults)" if o.schedule == AUTO and o.early_merges == AUTO else ""
         return {"method": self.name + defaults, "selection": f"lowest {cost} (g = {o.guard:g}, {scored}), {blocks}",
                 "averaging": "size-weighted, proportional attention; merged tokens restored to their sources"}
