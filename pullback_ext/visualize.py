@@ -9,15 +9,19 @@ from the method's own token tracking of that very forward
 holds it after the block. Positions merged into one token share an id; a pruned position is
 :data:`~pullback_ext.prune.token_maps.PRUNED` (-1). Ids are indices among that block's current
 tokens, so they mean nothing across blocks or images. Where the model has an image decoder (a
-depth map: the demo model, DPT, Depth Anything) it also gives the decoder's output with and
-without the reduction; where the strategy reads an importance head, the head's importance of the
-patch tokens at its first call (the input of the first reduced block, before any reduction).
+depth map: the demo model, DPT, Depth Anything; class logits: the demo model with its
+segmentation head) it also gives the decoder's output with and without the reduction; where the
+strategy reads an importance head, the head's importance of the patch tokens at its first call
+(the input of the first reduced block, before any reduction). With ``task`` it runs that task's
+forward alone (what its cost counts: the demo's CLS task without the depth decoder).
 
 :func:`merge_figure` draws one image of such maps (compute and draw are separate): the input, then
 each chosen block with every merged group painted one colour of :func:`group_colours` over the
 image (a group of one position is left as the image, a pruned position hatched, group borders
-outlined), the importance map, and the decoder's outputs. ``pullback visualize`` writes one per
-image (docs/visualize.md).
+outlined), the importance map, and the decoder's outputs (a class map as its argmax, one colour
+per class); :func:`comparison_figure` draws several reductions of one image, a row each.
+``pullback visualize`` writes one per image (docs/visualize.md); ``pullback demo`` one comparison per
+decoder.
 """
 
 from __future__ import annotations
@@ -47,8 +51,9 @@ class GroupMaps:
     - ``grid``: the patch grid ``(h, w)``; ``blocks``: the blocks drawn, increasing; ``depth``: the model's;
     - ``display``: ``[B, 3, H, W]`` the images in [0, 1] as the model saw them (normalisation undone);
     - ``importance``: ``[B, h, w]`` the head's importance of the patch tokens at its first call, or None;
-    - ``outputs``, ``full_outputs``: ``{name: [B, H', W']}`` the decoder's image outputs (``depth``)
-      with and without the reduction (empty for a model without an image decoder);
+    - ``outputs``, ``full_outputs``: ``{name: [B, H', W'] map or [B, C, H', W'] class logits}`` the
+      decoder's image outputs (``depth``, ``segmentation``) with and without the reduction (empty for
+      a model without an image decoder);
     - ``options``: the resolved :class:`~pullback_ext.prune.reduction_options.ReductionOptions`;
       ``model``: the model's name.
     """
@@ -144,33 +149,42 @@ def _display(images: torch.Tensor, preprocess) -> torch.Tensor:
 
 
 def _image_outputs(outputs: dict, batch: int) -> dict:
-    """The outputs that are images: ``[B, H, W]`` tensors (a depth map), on the CPU."""
+    """The outputs that are images, on the CPU: ``[B, H, W]`` maps (depth) and ``[B, C, H, W]``
+    class logits (segmentation)."""
     return {name: value.detach().float().cpu() for name, value in outputs.items()
-            if isinstance(value, torch.Tensor) and value.dim() == 3 and value.shape[0] == batch}
+            if isinstance(value, torch.Tensor) and value.dim() in (3, 4) and value.shape[0] == batch}
 
 
-def group_maps(model, images: torch.Tensor, /, blocks: Sequence[int], options=None, **overrides) -> GroupMaps:
+def group_maps(model, images: torch.Tensor, /, blocks: Sequence[int], options=None, *, task: Optional[str] = None,
+               segmentation_head=None, **overrides) -> GroupMaps:
     """The group maps of ``blocks`` (0-based) of one reduced forward of ``model`` on ``images
     [B, 3, H, W]`` (prepared as the model expects: the demo model's in [0, 1], a timm or Hugging
     Face model's normalised), with the reduction ``options`` and keyword ``overrides`` (those of
     :func:`pullback_ext.patch.timm`; ``mode="auto"`` prunes on a model whose only decoder is dense
-    (DPT, Depth Anything) and merges otherwise). The model is not patched. See :class:`GroupMaps`.
+    (DPT, Depth Anything) or for a dense ``task``, and merges otherwise). ``task``: run that task's
+    forward alone (:meth:`~pullback_ext.comparison.backbones.Backbone.forwards`; None: the model's
+    whole forward); ``segmentation_head``: the demo model's (``load_segmentation_head``), which
+    gives it the ``segmentation`` output. The model is not patched. See :class:`GroupMaps`.
     """
     from pullback_ext.comparison.backbones import backbone_of
+    from pullback_ext.comparison.tasks import get as get_task
     from pullback_ext.prune.reduction_options import BackboneShape, with_overrides
 
-    backbone = backbone_of(model)
+    backbone = backbone_of(model, segmentation_head=segmentation_head)
+    if segmentation_head is not None and "segmentation" not in backbone.tasks:
+        raise PullbackError(f"segmentation_head: only the demo model takes one; got a {backbone.name}")
     blocks = checked_blocks(blocks, backbone.depth)
     options = with_overrides(options, **overrides)
     _check_strategy(model, options.strategy)
+    full_forward, reduced_forward = (backbone.full, backbone.reduced) if task is None else backbone.forwards(task)
     options, recorder = _recorded_head(options)
-    dense_only = "depth" in backbone.tasks and "cls" not in backbone.tasks
+    dense = get_task(task).dense if task is not None else "depth" in backbone.tasks and "cls" not in backbone.tasks
     reduction = options.resolve(BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls,
-                                              dense_neck=dense_only, num_patch=backbone.num_patches))
+                                              dense_neck=dense, num_patch=backbone.num_patches))
     with torch.no_grad():
         with recording(blocks) as recorded:
-            reduced = _image_outputs(backbone.reduced(reduction, images), images.shape[0])
-        full = _image_outputs(backbone.full(images), images.shape[0]) if reduced else {}
+            reduced = _image_outputs(reduced_forward(reduction, images), images.shape[0])
+        full = _image_outputs(full_forward(images), images.shape[0]) if reduced else {}
     num_patch = backbone.num_patches
     groups = {}
     for block in blocks:
@@ -267,18 +281,27 @@ def _heatmap(fig, ax, values: torch.Tensor, title: str, label: str, cmap: str, l
     ax.set_title(title, fontsize=8)
 
 
-def merge_figure(maps: GroupMaps, image: int = 0, title: str = ""):
-    """One figure of image ``image`` of ``maps``: the input; the groups after each block (merged
-    groups painted, pruned positions hatched); the importance map, when there is one; each image
-    output of the decoder unreduced and reduced, on one colour scale. Returns the figure."""
+def _classes(fig, ax, logits: torch.Tensor, title: str) -> None:
+    """The argmax class map of ``logits [C, H, W]``, one colour per class (:func:`group_colours`, cycling)."""
+    from matplotlib.colors import ListedColormap
+
+    num_classes = logits.shape[0]
+    colours = ListedColormap(np.resize(group_colours(), (num_classes, 3)))
+    im = ax.imshow(logits.argmax(dim=0).numpy(), cmap=colours, vmin=-0.5, vmax=num_classes - 0.5, interpolation="nearest")
+    fig.colorbar(im, ax=ax, location="bottom", shrink=0.8, label="class (argmax)", format="%d")
+    ax.set_title(title, fontsize=8)
+
+
+def _panels(maps: GroupMaps) -> int:
+    """How many panels :func:`merge_figure` draws for ``maps``."""
+    return 1 + len(maps.blocks) + (maps.importance is not None) + 2 * len(maps.outputs)
+
+
+def _draw_row(fig, axes: list, maps: GroupMaps, image: int, label: str) -> None:
+    """Image ``image`` of ``maps`` into ``axes`` (at least :func:`_panels` of them), the input titled ``label``."""
     picture = maps.display[image].permute(1, 2, 0).numpy()
-    panels = 1 + len(maps.blocks) + (maps.importance is not None) + 2 * len(maps.outputs)
-    fig, axes = pyplot().subplots(1, panels, figsize=(3 * panels, 3.9), squeeze=False, layout="constrained")
-    axes = list(axes.flat)
-    for ax in axes:
-        ax.axis("off")
     axes[0].imshow(picture)
-    axes[0].set_title("input", fontsize=8)
+    axes[0].set_title(label, fontsize=8)
     for ax, block in zip(axes[1:], maps.blocks):
         _groups_panel(ax, picture, maps.groups[block][image], block)
     at = 1 + len(maps.blocks)
@@ -287,14 +310,43 @@ def merge_figure(maps: GroupMaps, image: int = 0, title: str = ""):
         at += 1
     for name, reduced in maps.outputs.items():
         full = maps.full_outputs[name][image]
-        both = torch.stack([full, reduced[image]]).double()
-        limits = (float(both.min()), float(both.max())) if float(both.max()) > float(both.min()) else None
-        _heatmap(fig, axes[at], full, f"{name}, unreduced", name, "viridis", limits)
-        _heatmap(fig, axes[at + 1], reduced[image], f"{name}, reduced", name, "viridis", limits)
+        if full.dim() == 3:
+            _classes(fig, axes[at], full, f"{name}, unreduced")
+            _classes(fig, axes[at + 1], reduced[image], f"{name}, reduced")
+        else:
+            both = torch.stack([full, reduced[image]]).double()
+            limits = (float(both.min()), float(both.max())) if float(both.max()) > float(both.min()) else None
+            _heatmap(fig, axes[at], full, f"{name}, unreduced", name, "viridis", limits)
+            _heatmap(fig, axes[at + 1], reduced[image], f"{name}, reduced", name, "viridis", limits)
         at += 2
-    fig.suptitle(title or f"{maps.options.strategy} on {maps.model}: groups after blocks {', '.join(map(str, maps.blocks))}",
-                 fontsize=9)
+
+
+def comparison_figure(rows: Sequence[tuple], image: int = 0, title: str = ""):
+    """One figure of image ``image`` under several reductions, a row each: ``rows`` of ``(label,
+    maps)`` (:class:`GroupMaps` of the same images; ``label`` titles the row's input panel), each
+    row drawn as :func:`merge_figure` draws its one. Returns the figure."""
+    rows = list(rows)
+    if not rows:
+        raise PullbackError("rows: expected one or more (label, GroupMaps) pairs; got none")
+    width = max(_panels(maps) for _, maps in rows)
+    fig, axes = pyplot().subplots(len(rows), width, figsize=(3 * width, 3.9 * len(rows)), squeeze=False, layout="constrained")
+    for ax in axes.flat:
+        ax.axis("off")
+    for (label, maps), row in zip(rows, axes):
+        _draw_row(fig, list(row), maps, image, label)
+    if title:
+        fig.suptitle(title, fontsize=9)
+        fig.get_layout_engine().set(h_pad=0.1)  # the default leaves the title touching two-line panel titles
     return fig
+
+
+def merge_figure(maps: GroupMaps, image: int = 0, title: str = ""):
+    """One figure of image ``image`` of ``maps``: the input; the groups after each block (merged
+    groups painted, pruned positions hatched); the importance map, when there is one; each image
+    output of the decoder unreduced and reduced, on one colour scale (class logits as their argmax
+    map). Returns the figure."""
+    return comparison_figure([("input", maps)], image, title or f"{maps.options.strategy} on {maps.model}: groups after blocks "
+                                                                  f"{', '.join(map(str, maps.blocks))}")
 
 
 def plot_merges(maps: GroupMaps, image: int, path: str | Path, title: str = "") -> Path:

@@ -68,6 +68,22 @@ def test_failing_stage_is_recorded_and_exit_code_is_1(tmp_path, monkeypatch):
     assert results["stages"]["after"]["status"] == "failed"  # later stages still run
 
 
+def test_the_segmentation_decoder_is_left_out_for_other_weights_and_said(capsys):
+    """The shipped segmentation head decodes the shipped weights; for other ``--weights`` the demo
+    runs without that decoder and says why; with the shipped weights a mismatch is an error."""
+    from pullback_ext import embedded
+    from pullback_ext.embedded.model import DemoModel
+    from pullback_ext.errors import CheckpointError
+
+    assert pipeline.segmentation_head(embedded.load(), None) is not None
+    torch.manual_seed(0)
+    other = DemoModel().eval()
+    assert pipeline.segmentation_head(other, "other.safetensors") is None
+    assert "the segmentation decoder is left out: weights: " in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="was trained for demo weights"):
+        pipeline.segmentation_head(other, None)
+
+
 def test_jsonable_handles_tensors_and_non_finite_values():
     out = pipeline.jsonable({"a": torch.tensor([1.0, float("nan")]), 3: (float("inf"), torch.tensor(2))})
     assert out == {"a": [1.0, None], "3": [None, 2]}
@@ -83,6 +99,9 @@ def test_out_must_be_a_folder(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quick_demo_end_to_end(tmp_path, capsys):
+    from PIL import Image
+
+    from pullback_ext.comparison.tasks import TASKS
     from pullback_ext.demo.diagnostic_stage import PROBE_LAYERS
 
     code = main(["demo", "--quick", "--out", str(tmp_path), "--results-page", str(tmp_path / "page" / "demo-run"), "--allow-dirty"])
@@ -106,13 +125,26 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     assert all(stage["cpu_seconds"] > 0 for stage in results["stages"].values())
     assert printed.out.startswith("\n".join(pipeline.plan_lines(True)))
     assert all(f"[{stage.NAME}] done in " in printed.out for stage in pipeline.STAGES)
-    for task in ("cls", "depth"):
-        headline = results["stages"]["pruning"]["result"][task]["headline"]
+    pruning = results["stages"]["pruning"]["result"]
+    assert [task for task in TASKS if task in pruning] == list(TASKS)  # every decoder of the task table
+    assert 0 < results["model"]["this_run"]["miou"] <= results["model"]["this_run"]["pixel_accuracy"] <= 1
+    for task in TASKS:
+        headline = pruning[task]["headline"]
+        assert headline["metric"] == TASKS[task].primary
         assert {row["method"] for row in headline["rows"]} >= {"tome", "importance_tome"}
         assert "Measured winner: " in (tmp_path / "pruning" / task / "table.md").read_text()
+        figure = headline["figure"]  # ToMe and ours at matched cost, drawn on a held-out scene
+        assert figure["file"] == f"pruning/{task}/merges.png" and (tmp_path / figure["file"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        with Image.open(tmp_path / figure["file"]) as picture:
+            picture.verify()
+        top = max(row["knob"]["tome_r"] for row in headline["rows"])
+        assert [row["row"] for row in figure["rows"]] == [row["row"] for row in headline["rows"] if row["knob"]["tome_r"] == top]
+    assert [row["row"] for row in pruning["segmentation"]["headline"]["rows"]] == ["tome", "importance_tome (no head)"]
     summary = printed.out[printed.out.index("\nSummary\n"):]
     assert "CLS embedding: κ_cap" in summary and "DPT depth: κ_cap" in summary
-    assert "recommended for CLS embedding (measured winner): " in summary and "recommended for DPT depth (measured winner): " in summary
+    for task in TASKS:
+        assert f"recommended for {TASKS[task].label} (measured winner): " in summary
+        assert f"what each merged on held-out scene 0: pruning/{task}/merges.png" in summary
     assert f"Files in {tmp_path}" in summary
     tables = [block for block in printed.out.split("\n\n") if block.startswith("| strategy |")]
     assert len(tables) == len(set(tables)), "a quality table is printed twice"
@@ -122,9 +154,10 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     assert published["stages"] == results["stages"] and "pullback demo --quick" in published["stamp"]["command"]
     for stage in pipeline.STAGES:
         assert f"| {stage.NAME} | ok | {results['stages'][stage.NAME]['seconds']:.0f} | {stage.EXPECTED_S[True]:.0f} |" in page
-    for task in ("cls", "depth"):
-        winner = summary.split(f"recommended for {'CLS embedding' if task == 'cls' else 'DPT depth'} (measured winner): ")[1].splitlines()[0]
+    for task in TASKS:
+        winner = summary.split(f"recommended for {TASKS[task].label} (measured winner): ")[1].splitlines()[0]
         assert f"Measured winner: {winner}" in page
+    assert f"segmentation mIoU {results['model']['this_run']['miou']:.3f}" in page
     assert results["stages"]["diagnostic"]["result"]["table_text"].strip() in page
     rho = results["stages"]["importance_head"]["result"]["cls"]["spearman"]
     assert f"| CLS embedding | shipped | 1 |" in page and f"{rho['mean']:.3f} ± {rho['std']:.3f}" in page
@@ -184,7 +217,9 @@ def test_the_summary_says_what_was_found_the_measured_winner_and_where_the_files
     rows = [_row("embedding", 1, 0.95, "v", REGIMES["v"][0], REGIMES["v"][1]), _row("embedding", 6, 0.39, "iii", REGIMES["iii"][0], REGIMES["iii"][1]),
             _row("depth", 1, 0.99, "v", REGIMES["v"][0], REGIMES["v"][1]), _row("depth", 3, 0.98, "v", REGIMES["v"][0], REGIMES["v"][1])]
     pruning = {"cls": {"headline": _headline("cosine_x100", (0.5, (1.3, 1.4, 1.5)), (0.05, (1.2, 1.3, 1.4)))},
-               "depth": {"headline": _headline("silog_x100", (0.2, (1.3, 1.4, 1.5)), (0.4, (1.2, 1.3, 1.4)))}}
+               "depth": {"headline": _headline("silog_x100", (0.2, (1.3, 1.4, 1.5)), (0.4, (1.2, 1.3, 1.4)))},
+               "segmentation": {"headline": _headline("pixel_kl_x100", (0.02, (1.3, 1.4, 1.5)), (0.01, (1.2, 1.3, 1.4)))
+                                | {"figure": {"file": "pruning/segmentation/merges.png", "scene": 0}}}}
     results = {"stages": {"diagnostic": {"status": "ok", "result": {"table": rows}}, "pruning": {"status": "ok", "result": pruning}}}
     text = summary(results, tmp_path)
     lines = text.splitlines()
@@ -198,7 +233,11 @@ def test_the_summary_says_what_was_found_the_measured_winner_and_where_the_files
     assert "tome 0.5 at FLOP ratio 1.40, 1.40× (1.30–1.50)" in cls_line and "importance_tome (ours) 0.05" in cls_line
     assert "recommended for CLS embedding (measured winner): importance_tome at r=22" in text
     assert "recommended for DPT depth (measured winner): tome at r=16" in text
-    assert f"Files in {tmp_path}:" in text and "pruning/cls/" in text and "results.json" in text
+    segmentation = text.split("DPT segmentation, pixel_kl_x100 at the cost of ToMe r = 16")[1]
+    assert "recommended for DPT segmentation (measured winner): importance_tome at r=22" in segmentation
+    assert "what each merged on held-out scene 0: pruning/segmentation/merges.png" in segmentation
+    assert "what each merged" not in text.split("DPT segmentation, ")[0]  # a run without pictures names none
+    assert f"Files in {tmp_path}:" in text and "pruning/cls/, pruning/depth/, pruning/segmentation/" in text and "results.json" in text
     failed = {"stages": {"diagnostic": {"status": "failed", "error": "RuntimeError: boom"}}}
     text = summary(failed, tmp_path)
     assert "(the diagnostic stage failed: RuntimeError: boom)" in text and "(the pruning stage did not run)" in text
@@ -246,10 +285,11 @@ def test_a_table_that_repeats_an_earlier_one_is_printed_once():
     assert printed_tables(result).count("| tome_score |") == 4 and "not repeated" not in printed_tables(result)
 
 
-@pytest.mark.parametrize("task", ["cls", "depth"])
+@pytest.mark.parametrize("task", ["cls", "depth", "segmentation"])
 def test_the_headline_matches_ours_to_tomes_flops_with_the_least_reduction(task):
     """Each of ours costs at most ToMe's FLOPs at its r, and one merge less per block (or η one step
-    lower) would cost more: the cheapest-to-ToMe setting, not a cheaper one."""
+    lower) would cost more: the cheapest-to-ToMe setting, not a cheaper one. Segmentation, which has
+    no importance head, runs ours without one and no paper pipeline."""
     from pullback_ext import embedded
     from pullback_ext.comparison.backbones import demo_backbone
     from pullback_ext.comparison.pareto import resolve
@@ -258,25 +298,72 @@ def test_the_headline_matches_ours_to_tomes_flops_with_the_least_reduction(task)
     from pullback_ext.prune.reduction_options import ReductionOptions
 
     model = embedded.load()
-    backbone = demo_backbone(model)
-    head = torch.nn.Sequential(torch.nn.Linear(192, 1), torch.nn.Flatten(-2))  # F [B, K, D] -> [B, K]
+    backbone = demo_backbone(model, embedded.load_segmentation_head(model=model) if task == "segmentation" else None)
+    head = None if task == "segmentation" else torch.nn.Sequential(torch.nn.Linear(192, 1), torch.nn.Flatten(-2))  # F [B, K, D] -> [B, K]
     setup = Setup(task, head, 1, (2, 4), int(model.backbone.patch_embed.num_patches), True)
     image = torch.rand(1, 3, model.image_size, model.image_size)
     flops = flop_counter(backbone, task, image)
     points = headline_points(backbone, setup, image)
     tome = next(p for p in points if p.options.strategy == "tome")
-    assert [p.row for p in points] == (["tome", "importance_tome"] if task == "cls" else
-                                       ["tome", "importance_tome (no head)", "importance (paper preset, prune + LLF)"])
+    assert [p.row for p in points] == {"cls": ["tome", "importance_tome"], "segmentation": ["tome", "importance_tome (no head)"],
+                                       "depth": ["tome", "importance_tome (no head)", "importance (paper preset, prune + LLF)"]}[task]
     for p in points[1:]:
         assert flops(p.options) <= flops(tome.options), p.row
         o = p.options
         if o.strategy == "importance_tome":
-            assert (o.head is head) == (task == "cls") and p.knob == {"tome_r": 16, "r": o.r, "early_merges": o.early_merges}
+            assert o.head is (head if task == "cls" else None) and p.knob == {"tome_r": 16, "r": o.r, "early_merges": o.early_merges}
             less = o.replace(r=o.r - 1)
             assert o.r >= 16 and flops(less) > flops(tome.options)
             at_tome = resolve(o.replace(r=16, schedule="auto", early_merges="auto"), backbone)
-            assert (o.schedule, o.early_merges) == auto_setting(at_tome.options, at_tome.backbone) == ("constant", True)
+            # ToMe's reach at r = 16 on the demo (tome_reach: 1.51) lies between GUARDED_REACH and EARLY_REACH
+            assert (o.schedule, o.early_merges) == auto_setting(at_tome.options, at_tome.backbone) == ("decreasing", False)
         else:
             less = ReductionOptions(strategy="importance", head=head, ratio=PAPER_ETAS[PAPER_ETAS.index(o.ratio) - 1],
                                     layers=(2, 4), mode="prune", preset="paper")
             assert flops(less) > flops(tome.options)
+
+
+def test_the_segmentation_headline_is_the_pixel_kl_of_its_rows_and_its_picture_their_merges(tmp_path, monkeypatch):
+    """The segmentation headline (ours without a head against ToMe) on three held-out scenes: each
+    row's errors are the per-pixel KL ×100 of its class distributions against the model's own
+    segmentation (``model.segment``), computed here with torch's ``kl_div``, and its FLOP ratio the
+    counted FLOPs' of the task's forward; its picture is a PNG whose ToMe row holds ToMe's token
+    count after each drawn block."""
+    from PIL import Image
+
+    from pullback_ext import embedded
+    from pullback_ext.comparison.backbones import demo_backbone
+    from pullback_ext.comparison.cost import count_flops
+    from pullback_ext.comparison.pareto import resolve
+    from pullback_ext.demo import headline
+    from pullback_ext.demo.importance_stage import LAYER
+
+    monkeypatch.setitem(headline.SETTINGS, True, {"batch": 2, "repeats": 2})
+    model = embedded.load()
+    head = embedded.load_segmentation_head(model=model)
+    backbone = demo_backbone(model, head)
+    scenes = embedded.heldout(3)["images"]
+    n = int(model.backbone.patch_embed.num_patches)
+    setup = headline.Setup("segmentation", None, LAYER, (2, 4), n, True)
+    points = headline.headline_points(backbone, setup, scenes[:1])
+    result = headline.run_headline(backbone, scenes, setup, points, progress=False)
+    assert result["metric"] == "pixel_kl_x100" and [row["row"] for row in result["rows"]] == ["tome", "importance_tome (no head)"]
+    full_forward, reduced_forward = backbone.forwards("segmentation")
+    with torch.no_grad():
+        full = model.segment(scenes, head).double().log_softmax(dim=1)
+        for point, row in zip(points, result["rows"]):
+            reduction = resolve(point.options, backbone)
+            reduced = reduced_forward(reduction, scenes)["segmentation"].double().log_softmax(dim=1)
+            kl = torch.nn.functional.kl_div(reduced, full, reduction="none", log_target=True).sum(dim=1)
+            errors = 100 * kl.flatten(1).mean(dim=1)
+            assert float(errors.min()) > 0, row["row"]
+            assert (row["error"]["mean"], row["error"]["worst"]) == pytest.approx((float(errors.mean()), float(errors.max())), rel=1e-6)
+            flop_ratio = count_flops(full_forward, scenes[:1]) / count_flops(lambda x: reduced_forward(reduction, x), scenes[:1])
+            assert row["flop_ratio"] == pytest.approx(flop_ratio, rel=1e-9)
+    assert result["rows"][1]["flop_ratio"] >= result["rows"][0]["flop_ratio"] - 1e-9  # ours at most ToMe's cost
+    drawn = headline.merges_figure(model, "segmentation", points, result, scenes[:1], tmp_path / "merges.png", head)
+    assert (tmp_path / "merges.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(tmp_path / "merges.png") as picture:
+        picture.verify()
+    assert drawn["blocks"] == [3, 7] and [row["row"] for row in drawn["rows"]] == ["tome", "importance_tome (no head)"]
+    assert [drawn["rows"][0]["counts"][str(b)]["tokens"] for b in (3, 7)] == [n - 16 * 4, n - 16 * 8]  # r = 16 in every block

@@ -169,23 +169,26 @@ def test_demo_stage_uses_the_trained_head_at_its_layer(tmp_path, monkeypatch):
     from pullback_ext.metric.head import ImportanceHead
 
     monkeypatch.setitem(pruning_stage.QUICK, "images", 4)
-    monkeypatch.setitem(pruning_stage.QUICK, "cls_ratios", (0.5,))
-    monkeypatch.setitem(pruning_stage.QUICK, "depth_ratios", (0.5,))
+    monkeypatch.setitem(pruning_stage.QUICK, "merge_ratios", (0.5,))
+    monkeypatch.setitem(pruning_stage.QUICK, "prune_ratios", (0.5,))
     monkeypatch.setitem(headline.SETTINGS, True, {"batch": 2, "repeats": 1})
     torch.manual_seed(0)
     head = ImportanceHead(192, hidden=16, heads=2).eval().requires_grad_(False)
-    inputs = replace(demo_inputs(tmp_path, quick=True), model=_demo_model(), heads=(TrainedHead("cls", head, 4),))
+    inputs = replace(demo_inputs(tmp_path, quick=True), model=_demo_model(), segmentation_head=None,  # none fits these weights
+                     heads=(TrainedHead("cls", head, 4),))
     result = pruning_stage.run_demo_stage(inputs, progress=False).report
     assert result["heads"] == {"cls": 4}
     assert result["cls"]["layers"] == [4] and "importance" in result["cls"]["strategies"]
     assert "importance" not in result["depth"]["strategies"]
     assert [(row["method"], row["ours"]) for row in result["cls"]["headline"]["rows"]] == [("tome", False), ("importance_tome", True)]
     assert result["cls"]["headline"]["rows"][1]["speedup"]["low"] <= result["cls"]["headline"]["rows"][1]["speedup"]["high"]
-    assert [row["method"] for row in result["depth"]["headline"]["rows"]] == ["tome"]  # no depth head: ToMe alone
+    # no depth head: ours without one (as with one), no paper pipeline
+    assert [row["row"] for row in result["depth"]["headline"]["rows"]] == ["tome", "importance_tome (no head)"]
     assert "Measured winner" in (tmp_path / "pruning" / "cls" / "table.md").read_text()
     for task in ("cls", "depth"):
-        assert (tmp_path / "pruning" / task / "results.json").is_file()
-        assert (tmp_path / "pruning" / task / "quality.png").is_file()
+        for name in ("results.json", "quality.png", "merges.png"):
+            assert (tmp_path / "pruning" / task / name).is_file()
+    assert "segmentation" not in result and not (tmp_path / "pruning" / "segmentation").exists()  # no segmentation head
     assert result["subspace"]["results"]["subspace"][-1]["energy"] == pytest.approx(1.0)
 
 

@@ -2,8 +2,9 @@
 the sources of a float64 loop reference of ToMe and the restore map of the same patched forward
 (positions of one group have identical restored features, positions of two groups do not); pruned
 positions are marked and hold their frozen features; r = 0 leaves every position its own group;
-the importance map is the head's; the command writes a picture per image, refuses an earlier
-results folder, and refuses a bad strategy, block or image source in one line."""
+the importance map is the head's; a task's own forward draws its own output (a class map for
+segmentation) and several reductions share one figure; the command writes a picture per image,
+refuses an earlier results folder, and refuses a bad strategy, block or image source in one line."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from helpers.prune import images, norm_scorer, tiny_vit
 from pullback_ext.cli import main
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune import token_maps
-from pullback_ext.visualize import GroupMaps, group_counts, group_maps, group_overlay, merge_figure
+from pullback_ext.visualize import GroupMaps, comparison_figure, group_counts, group_maps, group_overlay, merge_figure
 
 DEPTH = 4
 
@@ -202,3 +203,32 @@ def test_a_hugging_face_depth_model_prunes_by_default_and_draws_its_depth_maps()
     assert not torch.equal(maps.outputs["depth"], maps.full_outputs["depth"])
     figure = merge_figure(maps, 0)
     assert len([ax for ax in figure.axes if ax.get_title()]) == 5  # input, two blocks, depth unreduced and reduced
+
+
+def test_a_task_forward_draws_its_own_output_and_reductions_share_a_figure():
+    """With ``task`` the forward is that task's alone: the demo's segmentation gives its class logits
+    (drawn as the argmax map), its CLS task no picture, both the same groups; several reductions
+    share one figure, a row each; a task the model lacks, a segmentation head on another model and
+    no rows are refused."""
+    from pullback_ext import embedded
+
+    model = embedded.load()
+    head = embedded.load_segmentation_head(model=model)
+    x = embedded.heldout(1)["images"]
+    segmented = group_maps(model, x, (3,), task="segmentation", segmentation_head=head, strategy="tome", r=16)
+    assert set(segmented.outputs) == set(segmented.full_outputs) == {"segmentation"}
+    assert segmented.outputs["segmentation"].shape[:2] == (1, head.num_classes)
+    with torch.no_grad():
+        torch.testing.assert_close(segmented.full_outputs["segmentation"], model.segment(x, head))
+    cls = group_maps(model, x, (3,), task="cls", strategy="tome", r=16)
+    assert cls.outputs == {} and cls.counts(0) == segmented.counts(0) and cls.counts(0)[3]["tokens"] == 196 - 4 * 16
+    figure = comparison_figure([("ToMe, segmentation", segmented), ("ToMe, CLS", cls)], 0, "two rows")
+    titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
+    assert titles[0] == "ToMe, segmentation" and "ToMe, CLS" in titles
+    assert "segmentation, unreduced" in titles and "segmentation, reduced" in titles and len(titles) == 6
+    with pytest.raises(PullbackError, match="task 'segmentation': demo supports cls, depth"):
+        group_maps(model, x, (3,), task="segmentation", strategy="tome", r=16)
+    with pytest.raises(PullbackError, match="segmentation_head: only the demo model takes one"):
+        group_maps(tiny_vit(depth=DEPTH), images(1), (0,), segmentation_head=head, strategy="tome", r=1)
+    with pytest.raises(PullbackError, match="rows: expected one or more"):
+        comparison_figure([])

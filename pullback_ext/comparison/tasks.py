@@ -4,7 +4,8 @@
 A task names the output its decoder gives (the key of the backbone outputs), whether that output is
 dense (a map read at full length from the hooked layers: merged tokens are restored and
 ``--mode auto`` prunes), its per-image error measures (primary first; names of
-:mod:`pullback_ext.comparison.quality` functions scaled ×100) and the decoder its FLOPs count.
+:mod:`pullback_ext.comparison.quality` functions scaled ×100), the decoder its FLOPs count and the
+decoder's name as pages print it.
 Kept free of torch so the command line can build its options from it.
 """
 
@@ -22,6 +23,7 @@ class Task:
     dense: bool  # a map from the hooked layers (merge-and-restore; mode auto prunes)
     metrics: tuple  # per-image errors against the unreduced model, primary first
     decoder: str  # what its FLOP count includes besides the backbone
+    label: str  # the decoder as pages and summaries name it
 
     @property
     def primary(self) -> str:
@@ -34,10 +36,10 @@ class Task:
 
 
 TASKS = {
-    "cls": Task("cls", "embedding", False, ("cosine_x100",), "the CLS head"),
-    "depth": Task("depth", "depth", True, ("silog_x100", "cosine_x100"), "the depth decoder on its hooked layers"),
+    "cls": Task("cls", "embedding", False, ("cosine_x100",), "the CLS head", "CLS embedding"),
+    "depth": Task("depth", "depth", True, ("silog_x100", "cosine_x100"), "the depth decoder on its hooked layers", "DPT depth"),
     "segmentation": Task("segmentation", "segmentation", True, ("pixel_kl_x100", "miou_gap_x100", "cosine_x100"),
-                         "the segmentation head on the same hooked layers"),
+                         "the segmentation head on the same hooked layers", "DPT segmentation"),
 }
 DENSE = tuple(name for name, task in TASKS.items() if task.dense)
 

@@ -1,18 +1,19 @@
 """The demo's headline: our methods against the original ToMe at matched FLOP ratio, per decoder.
 
-At each ToMe ``r`` of :data:`R` (a *group*), the rows are the original ToMe (``tome``) and ours at
-ToMe's cost: importance-guarded ToMe (``importance_tome``; every merged token is restored to its
-sources, so a dense decoder reads full-length features) and, for depth, the paper's pipeline
-(``importance`` in prune mode under ``preset="paper"``, full Last-Layer Fusion). Each of ours is
+The decoders are the tasks of the task table (:data:`~pullback_ext.comparison.tasks.TASKS`: the
+CLS embedding, DPT depth and DPT segmentation). At each ToMe ``r`` of :data:`R` (a *group*), the
+rows are the original ToMe (``tome``) and ours at ToMe's cost: importance-guarded ToMe
+(``importance_tome``; every merged token is restored to its sources, so a dense decoder reads
+full-length features) and, for a dense decoder with an importance head (depth), the paper's
+pipeline (``importance`` in prune mode under ``preset="paper"``, full Last-Layer Fusion). Each of ours is
 the *least reduced setting whose FLOPs (head included) do not exceed ToMe's* in the group
 (:func:`matched_cost`; where no setting reaches that, its most reduced one, labelled so and never
 the winner): ``importance_tome`` merges ``r'`` tokens per block, in the blocks the method itself
-chooses for ToMe's ``r`` (:func:`~pullback_ext.prune.methods.importance_tome.auto_setting`: after
-the head's layer while ToMe's FLOP ratio there is within
-:data:`~pullback_ext.prune.methods.importance_tome.GUARDED_REACH`, and with ToMe's rule in the
-blocks before too beyond it; the crossover chosen on held-out photo crops,
+chooses for ToMe's ``r`` (:func:`~pullback_ext.prune.methods.importance_tome.auto_setting`, the
+schedule and blocks of its one-knob rule, chosen on held-out photo crops,
 docs/importance_tome_findings.md); on the CLS decoder it is guarded by
-the stage's head, on depth it runs without one (the setting chosen for dense decoders there); the
+the stage's head, on a dense decoder it runs without one (the setting chosen for dense decoders
+there; segmentation, which has no importance head, scores at the layer the heads read); the
 paper's pipeline takes the prune ratio η of :data:`PAPER_ETAS`. Each row's error against the
 unpruned model comes from every held-out image, its cost from
 :func:`~pullback_ext.comparison.pareto.measure_cost` on the decoder's own forward: FLOPs (head
@@ -22,6 +23,9 @@ and its bootstrap 90% interval (``low``, ``high``).
 The *winner* of a decoder is computed, never written: in the largest group, the row of lowest mean
 error among those at most ToMe's FLOPs whose median measured speed-up exceeds 1 (None when no row is
 faster than the unpruned model).
+
+:func:`merges_figure` draws that group on one held-out scene: what each row merged
+(:func:`pullback_ext.visualize.comparison_figure`), a row of the picture per row of the table.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from pullback_ext.comparison import pareto
 from pullback_ext.comparison.cost import count_flops
 from pullback_ext.comparison.evaluation import PRIMARY
+from pullback_ext.comparison.tasks import TASKS
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.methods.importance_tome import auto_setting
 from pullback_ext.prune.reduction_options import ReductionOptions
@@ -42,14 +47,15 @@ R = {True: (16,), False: (8, 16)}
 SETTINGS = {True: {"batch": 16, "repeats": 5}, False: {"batch": 32, "repeats": pareto.TIME_REPEATS}}
 PAPER_ETAS = tuple(round(0.05 * i, 2) for i in range(1, 19))
 UNREACHED = " (its most reduced setting: short of ToMe's cost)"
-TASK_LABELS = {"cls": "CLS embedding", "depth": "DPT depth"}  # the decoders of a headline, as printed
+TASK_LABELS = {name: task.label for name, task in TASKS.items()}  # the decoders of a headline, as printed
 
 
 @dataclass(frozen=True)
 class Setup:
-    """One decoder's headline: ``task`` (cls / depth), its importance ``head`` (None: ToMe alone)
-    scoring block ``score_layer``'s output, the blocks the paper's pipeline prunes at
-    (``prune_layers``), the model's ``num_patches`` and the run size (``quick``)."""
+    """One decoder's headline: ``task`` (a name of the task table), its importance ``head`` (None:
+    on the CLS decoder ToMe alone, on a dense one ours without the paper's pipeline) scoring block
+    ``score_layer``'s output (where ``importance_tome`` scores, head or not), the blocks the paper's
+    pipeline prunes at (``prune_layers``), the model's ``num_patches`` and the run size (``quick``)."""
 
     task: str
     head: object
@@ -84,7 +90,7 @@ def importance_tome_candidates(backbone, setup: Setup, tome_r: int) -> Iterable[
     (:func:`~pullback_ext.prune.methods.importance_tome.auto_setting`), then with the other
     ``early_merges``; no head on a dense decoder. It starts at ``r = tome_r``: with fewer merges per
     block, in no more blocks than ToMe's and a head besides, no setting can cost less than ToMe's."""
-    head = setup.head if setup.task == "cls" else None
+    head = None if TASKS[setup.task].dense else setup.head
     at_tome = pareto.resolve(ReductionOptions(strategy="importance_tome", head=head, r=tome_r, score_layer=setup.score_layer),
                              backbone)
     schedule, chosen = auto_setting(at_tome.options, at_tome.backbone)
@@ -109,27 +115,27 @@ def headline_points(backbone, setup: Setup, image: torch.Tensor) -> list:
     """The :class:`~pullback_ext.comparison.pareto.Point` s of one decoder's headline, ours matched to
     ToMe's FLOPs on ``image [1, 3, H, W]``; every knob names its group (``tome_r``)."""
     flops = flop_counter(backbone, setup.task, image)
+    dense = TASKS[setup.task].dense
     points = []
     for r in R[setup.quick]:
         tome = ReductionOptions(strategy="tome", r=r)
         points.append(pareto.Point(tome, {"tome_r": r, "r": r}, "tome"))
-        if setup.head is None:
+        if setup.head is None and not dense:  # ours on the CLS decoder is guarded by the head
             continue
         budget = flops(tome)
         ours, reached = matched_cost(importance_tome_candidates(backbone, setup, r), flops, budget)
         label = "importance_tome" if ours.head is not None else "importance_tome (no head)"
         points.append(pareto.Point(ours, {"tome_r": r, **_knob(ours, ("r", "early_merges"))}, label + ("" if reached else UNREACHED)))
-        if setup.task == "depth":
+        if dense and setup.head is not None:
             paper, reached = matched_cost(paper_candidates(setup), flops, budget)
             points.append(pareto.Point(paper, {"tome_r": r, "eta": paper.ratio},
                                        "importance (paper preset, prune + LLF)" + ("" if reached else UNREACHED)))
     return points
 
 
-def run_headline(backbone, images: torch.Tensor, setup: Setup, progress: bool = True) -> dict:
-    """Errors and cost of :func:`headline_points` on ``images [n, 3, H, W]``; JSON-ready
-    ``{"metric", "batch", "repeats", "num_images", "rows": [...], "winner"}``."""
-    points = headline_points(backbone, setup, images[:1])
+def run_headline(backbone, images: torch.Tensor, setup: Setup, points: list, progress: bool = True) -> dict:
+    """Errors and cost of ``points`` (:func:`headline_points`) on ``images [n, 3, H, W]``; JSON-ready
+    ``{"metric", "batch", "repeats", "num_images", "rows": [...], "winner"}``, a row per point."""
     metric = PRIMARY[setup.task]
     errors = [e[metric] for e in pareto.image_errors(backbone, images, points, setup.task, progress=progress)]
     batch, repeats = SETTINGS[setup.quick]["batch"], SETTINGS[setup.quick]["repeats"]
@@ -193,3 +199,39 @@ def verdict(result: dict) -> str:
     if best == tome:
         return text
     return text + f"; ToMe at r={tome['knob']['r']}: {_fmt(tome['error']['mean'])}, FLOP ratio {tome['flop_ratio']:.2f}, {speed(tome)}"
+
+
+def figure_blocks(depth: int) -> tuple:
+    """The blocks a picture of the merges shows groups after: the middle one and the last (3 and 7
+    of the demo's 8)."""
+    return (depth // 2 - 1, depth - 1)
+
+
+def merges_figure(model, task: str, points: list, result: dict, image: torch.Tensor, path, segmentation_head=None) -> dict:
+    """The largest group of a headline (ToMe at its largest ``r`` and ours at its cost) drawn on one
+    scene ``image [1, 3, H, W]`` and written to ``path`` (PNG), a row per row of the table: the
+    groups after :func:`figure_blocks`, the head's importance where the row reads one, and the
+    task's image output unreduced and reduced (depth map, class map; the CLS embedding has none).
+    The groups are :func:`pullback_ext.visualize.group_maps` of the task's own forward (the
+    demo ``model``, its ``segmentation_head`` for segmentation), drawn by
+    :func:`~pullback_ext.visualize.comparison_figure`; ``points`` and ``result`` are
+    :func:`headline_points` and :func:`run_headline` of ``task``. Returns what it drew, JSON-ready:
+    ``{"blocks": [b, ...], "rows": [{"row", "counts": {block: group counts}}]}``."""
+    import textwrap
+
+    from pullback_ext.plots import save_figure
+    from pullback_ext.visualize import comparison_figure, group_maps
+
+    top = max(row["knob"]["tome_r"] for row in result["rows"])
+    blocks = figure_blocks(len(model.backbone.blocks))
+    drawn, record = [], []
+    for point, row in zip(points, result["rows"]):
+        if row["knob"]["tome_r"] != top:
+            continue
+        maps = group_maps(model, image, blocks, point.options, task=task, segmentation_head=segmentation_head)
+        name = textwrap.fill(f"{row['row']}{' (ours)' if row['ours'] else ''}", 36)
+        drawn.append((f"{name}\n{setting(row)}, FLOP ratio {row['flop_ratio']:.2f}", maps))
+        record.append({"row": row["row"], "counts": {str(b): c for b, c in maps.counts(0).items()}})
+    title = f"{TASK_LABELS[task]}: what ToMe and ours merged at the cost of ToMe r = {top}"
+    save_figure(comparison_figure(drawn, 0, title), path)
+    return {"blocks": list(blocks), "rows": record}

@@ -1,4 +1,5 @@
-"""Held-out quality of the demo model: classification top-1 and depth AbsRel / δ1."""
+"""Held-out quality of the demo model: classification top-1, depth AbsRel / δ1 and, with its
+segmentation head, the segmentation mIoU and pixel accuracy against the renderer's classes."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ def depth_errors(pred: Tensor, target: Tensor) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: dict, batch_size: int = 64) -> dict[str, float]:
-    """Top-1, AbsRel and δ1 of ``model`` on rendered ``data`` (images, depth, labels)."""
+def evaluate(model: torch.nn.Module, data: dict, segmentation_head: torch.nn.Module | None = None,
+             batch_size: int = 64) -> dict[str, float]:
+    """Top-1, AbsRel and δ1 of ``model`` on rendered ``data`` (images, depth, labels); with a
+    ``segmentation_head``, ``miou`` and ``pixel_accuracy`` of its argmax maps against ``data``'s
+    ``classes [n, H, W]`` too (over the data set's confusion matrix, as the head's record states them)."""
     images, depth, labels = data["images"], data["depth"], data["labels"]
     correct, abs_rel, delta1 = 0, 0.0, 0.0
     for start in range(0, images.shape[0], batch_size):
@@ -29,4 +33,10 @@ def evaluate(model: torch.nn.Module, data: dict, batch_size: int = 64) -> dict[s
         abs_rel += errors["abs_rel"] * (stop - start)
         delta1 += errors["delta1"] * (stop - start)
     n = images.shape[0]
-    return {"top1": correct / n, "abs_rel": abs_rel / n, "delta1": delta1 / n, "num_images": n}
+    quality = {"top1": correct / n, "abs_rel": abs_rel / n, "delta1": delta1 / n, "num_images": n}
+    if segmentation_head is None:
+        return quality
+    from pullback_ext.demo.train_segmentation import evaluate_segmentation
+
+    segmented = evaluate_segmentation(model, segmentation_head, data, batch_size)
+    return quality | {"miou": segmented["miou"], "pixel_accuracy": segmented["pixel_accuracy"]}

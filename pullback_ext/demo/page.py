@@ -3,7 +3,8 @@ what the run printed that a reader wants to look up, rendered from its ``results
 
 The page holds the model's held-out quality, each stage's time against the plan, the importance
 heads' held-out ρ, the diagnostic table, each decoder's headline (ours against the original ToMe at matched FLOP ratio, with the
-measured speed-up) and the summary's verdicts; the JSON beside it holds every number of the run.
+measured speed-up; the decoders of the task table the run had) and the summary's verdicts, which name
+each decoder's picture of the merges in the run's folder; the JSON beside it holds every number of the run.
 """
 
 from __future__ import annotations
@@ -26,15 +27,14 @@ def _stage_rows(results: dict, expected: dict) -> list:
 
 def render(results: dict) -> str:
     """Markdown of a demo run's ``results`` (the content of its results.json, stamped)."""
-    from pullback_ext.demo.pipeline import STAGES
+    from pullback_ext.demo.pipeline import STAGES, quality_text
 
     quick = results["quick"]
     quality = results["model"]["this_run"]
     expected = {stage.NAME: stage.EXPECTED_S[quick] for stage in STAGES}
     parts = [f"`pullback demo{' --quick' if quick else ''}` on {results['scenes']['num_images']} held-out scenes "
              f"(`{results['scenes']['source']}`, seed {results['scenes']['seed']}); the whole run took "
-             f"{results['seconds']:.0f} s. The demo model there: top-1 {quality['top1']:.3f}, depth AbsRel "
-             f"{quality['abs_rel']:.3f}, δ1 {quality['delta1']:.3f}.",
+             f"{results['seconds']:.0f} s. The demo model there: {quality_text(quality)}.",
              "## Stages\n\n" + markdown_table(("stage", "status", "seconds", "expected on an idle 2-core machine (s)"),
                                                _stage_rows(results, expected))]
     stages = results["stages"]

@@ -49,6 +49,14 @@ def jsonable(value):
     return str(value)
 
 
+def quality_text(quality: dict) -> str:
+    """The model's held-out quality in words (``quality``: :func:`~pullback_ext.demo.metrics.evaluate`'s)."""
+    text = f"top-1 {quality['top1']:.3f}, depth AbsRel {quality['abs_rel']:.3f}, δ1 {quality['delta1']:.3f}"
+    if "miou" in quality:
+        text += f", segmentation mIoU {quality['miou']:.3f} (pixel accuracy {quality['pixel_accuracy']:.3f})"
+    return text
+
+
 def plan_lines(quick: bool) -> list[str]:
     """The plan a run states when it starts: each stage, its expected time and what it does."""
     total = sum(stage.EXPECTED_S[quick] for stage in STAGES)
@@ -83,9 +91,24 @@ def run_stages(inputs: DemoInputs, results: dict, results_path: Path, started: f
     return failed
 
 
+def segmentation_head(model, weights: str | None):
+    """The shipped segmentation head for ``model``; None, said on stderr, when ``weights`` (other
+    demo weights than the shipped ones) are not those it was trained for."""
+    from pullback_ext.embedded import load_segmentation_head
+    from pullback_ext.errors import CheckpointError
+
+    try:
+        return load_segmentation_head(model=model)
+    except CheckpointError as exc:
+        if weights is None:
+            raise
+        print(f"the segmentation decoder is left out: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
 def demo_inputs(out_dir: Path, quick: bool, weights: str | None = None) -> DemoInputs:
-    """The demo model (``weights``: default the shipped ones) and its held-out scenes, both
-    through the library's sources (``--model demo``, ``--images builtin:scenes``)."""
+    """The demo model (``weights``: default the shipped ones), its segmentation head and its
+    held-out scenes, through the library's sources (``--model demo``, ``--images builtin:scenes``)."""
     from pullback_ext.sources.images import open_images
     from pullback_ext.sources.models import ModelSpec, load_model
     from pullback_ext.sources.preprocess import unit_range_preprocess
@@ -94,7 +117,8 @@ def demo_inputs(out_dir: Path, quick: bool, weights: str | None = None) -> DemoI
     preprocess = unit_range_preprocess(model.image_size)
     images = open_images("builtin:scenes")
     scenes = images.heldout(preprocess, NUM_SCENES[quick]).load()
-    return DemoInputs(model=model, preprocess=preprocess, images=images, scenes=scenes, out_dir=Path(out_dir), quick=quick)
+    return DemoInputs(model=model, preprocess=preprocess, images=images, scenes=scenes, out_dir=Path(out_dir), quick=quick,
+                      segmentation_head=segmentation_head(model, weights))
 
 
 def run_demo(out_dir: Path, quick: bool, weights: str | None = None) -> int:
@@ -109,7 +133,7 @@ def run_demo(out_dir: Path, quick: bool, weights: str | None = None) -> int:
     info_line("\n".join(plan_lines(quick)))
     inputs = demo_inputs(out_dir, quick, weights)
     card = json.loads(CARD_JSON.read_text()).get("heldout", {}) if weights is None and CARD_JSON.is_file() else {}
-    quality = evaluate(inputs.model, inputs.scenes)
+    quality = evaluate(inputs.model, inputs.scenes, inputs.segmentation_head)
     results = {
         "pullback_ext": __version__,
         "quick": quick,
@@ -118,8 +142,7 @@ def run_demo(out_dir: Path, quick: bool, weights: str | None = None) -> int:
         "model": {"reported_heldout": card, "this_run": quality},
         "stages": {},
     }
-    print(f"demo model on {quality['num_images']} held-out scenes: top-1 {quality['top1']:.3f}, "
-          f"depth AbsRel {quality['abs_rel']:.3f}, δ1 {quality['delta1']:.3f}", flush=True)
+    print(f"demo model on {quality['num_images']} held-out scenes: {quality_text(quality)}", flush=True)
     results_path = Path(out_dir) / "results.json"
     atomic_write_json(results_path, jsonable(results))
     failed = run_stages(inputs, results, results_path, started)

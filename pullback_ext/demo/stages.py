@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -26,8 +27,9 @@ class TrainedHead:
 @dataclass(frozen=True)
 class DemoInputs:
     """The demo model and its ``preprocess``, the scene ``images`` source, the held-out ``scenes``
-    (``images [n,3,H,W]``, ``labels [n]``, ``depth [n,H,W]``), where stages write (``out_dir``),
-    the run size (``quick``), and the ``heads`` earlier stages trained."""
+    (``images [n,3,H,W]``, ``labels [n]``, ``depth [n,H,W]``, ``classes [n,H,W]``), where stages
+    write (``out_dir``), the run size (``quick``), the model's ``segmentation_head`` (None: the
+    shipped one was trained for other weights) and the ``heads`` earlier stages trained."""
 
     model: torch.nn.Module
     preprocess: Preprocess
@@ -35,6 +37,7 @@ class DemoInputs:
     scenes: dict
     out_dir: Path
     quick: bool
+    segmentation_head: Optional[torch.nn.Module] = None
     heads: tuple[TrainedHead, ...] = ()
 
 

@@ -1,7 +1,8 @@
 """The plain-language summary ``pullback demo`` ends with, read from its ``results.json`` content:
 what the diagnostic found per decoder (regime, κ_cap), per decoder our method against the
 original ToMe at matched FLOP ratio with the measured speed-up, and the recommendation: the
-measured winner (:func:`pullback_ext.demo.headline.winner`), and where the files are."""
+measured winner (:func:`pullback_ext.demo.headline.winner`), and where the files are (the
+pictures of the merges per decoder among them)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from pathlib import Path
 from pullback_ext.demo.diagnostic_stage import DECODER_LABELS
 from pullback_ext.demo.headline import TASK_LABELS, speed, verdict
 
+DECODERS = ", ".join(f"pruning/{task}/" for task in TASK_LABELS)
 FILES = (("results.json", "every number of this run"), ("spectra.png, importance.png", "the diagnostic's spectra and imp* maps"),
          ("importance_head/", "importance heads trained in this run (none when the shipped ones fit)"),
-         ("pruning/cls/, pruning/depth/", "table.md and quality.png of the strategy comparison"),
+         (DECODERS, "per decoder: table.md and quality.png of the strategy comparison, and merges.png: what ToMe and ours "
+                    "merged at matched cost on a held-out scene"),
          ("pruning/subspace.json", "the linear depth probe's subspace analysis"))
 
 
@@ -38,10 +41,13 @@ def diagnostic_lines(rows: list[dict]) -> list[str]:
 
 
 def headline_lines(pruning: dict) -> list[str]:
-    """Per decoder of the pruning stage's result: ours against the original ToMe at its largest
-    ``r``'s cost (error, FLOP ratio, measured speed-up: median and 90% interval), then the measured winner."""
+    """Per decoder of the pruning stage's result (the tasks it ran, in the task table's order): ours
+    against the original ToMe at its largest ``r``'s cost (error, FLOP ratio, measured speed-up:
+    median and 90% interval), then the measured winner."""
     lines = []
     for task, label in TASK_LABELS.items():
+        if task not in pruning:
+            continue
         result = pruning[task]["headline"]
         top = max(row["knob"]["tome_r"] for row in result["rows"])
         cells = [f"{row['row']}{' (ours)' if row['ours'] else ''} {row['error']['mean']:.3g} at FLOP ratio {row['flop_ratio']:.2f}, "
@@ -50,6 +56,8 @@ def headline_lines(pruning: dict) -> list[str]:
         lines.append(f"  {label}, {result['metric']} at the cost of ToMe r = {top} (speed-up at batch {result['batch']}: median of "
                      f"{result['repeats']} rounds (90% interval)): " + "; ".join(cells))
         lines.append(f"    recommended for {label} (measured winner): {verdict(result)}")
+        if "figure" in result:
+            lines.append(f"    what each merged on held-out scene {result['figure']['scene']}: {result['figure']['file']}")
     return lines
 
 
