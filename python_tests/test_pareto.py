@@ -77,6 +77,7 @@ def test_interleaved_timing_rotates_the_order_and_times_every_round(monkeypatch)
 def test_sweep_grammar():
     assert parse_sweeps(["tome:r=4,8", "evit:keep_rate=0.5", "importance:llf=off,full"]) == {
         "tome": {"r": (4, 8)}, "evit": {"keep_rate": (0.5,)}, "importance": {"llf": (False, "full")}}
+    assert parse_sweeps(["importance_tome:early_merges=False,TRUE,auto"]) == {"importance_tome": {"early_merges": (False, True, "auto")}}
     for bad, match in (("tome-r=4", "expected METHOD:FIELD"), ("tome:rr=4", "'rr' is not a reduction option"),
                        ("tome:r=", "expected METHOD:FIELD")):
         with pytest.raises(PullbackError, match=match):

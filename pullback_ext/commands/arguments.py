@@ -253,13 +253,13 @@ def renamed_switch(args: argparse.Namespace, old: str, new: str) -> bool:
 def option_value(text: str):
     """One value of a reduction option on the command line (``--sweep METHOD:FIELD=v1,v2``,
     ``--option FIELD=VALUE``): an int, a float, ``off`` / ``false`` (False), ``on`` / ``true``
-    (True) or a word."""
+    (True), in any case (``False`` as Python writes it), or a word."""
     for kind in (int, float):
         try:
             return kind(text)
         except ValueError:
             pass
-    return {"off": False, "false": False, "on": True, "true": True}.get(text, text)
+    return {"off": False, "false": False, "on": True, "true": True}.get(text.lower(), text)
 
 
 def comma_floats(text: str, name: str) -> tuple:
