@@ -220,13 +220,12 @@ def test_patch_timm_runs_the_method_and_r_zero_is_the_unpatched_model():
         expected = model.forward_features(x)
         patch.timm(model, strategy="importance_tome", head=head, r=0)
         assert torch.equal(model.forward_features(x), expected)
-        patch.timm(model, strategy="importance_tome", head=head, r=5)
+        patch.timm(model, strategy="importance_tome", head=head, r=3)
         final = model.forward_features(x)
-        ours = model.norm(run_guarded(model, x, reduction(model, head, 5, "decreasing", early_merges=True,
-                                                          shrink=importance_tome.SHRINK))[0])
+        ours = model.norm(run_guarded(model, x, reduction(model, head, 3, early_merges=True, shrink=importance_tome.SHRINK))[0])
     assert torch.equal(final, ours) and not torch.equal(final, expected)
-    assert patch.config(model).block_range == (0, 4)  # r = 5 on 16 patches: ToMe would reach 2.22× (auto, below)
-    assert patch.config(patch.timm(model, strategy="importance_tome", head=head, r=5, early_merges=False)).block_range == (2, 4)
+    assert patch.config(model).block_range == (0, 4)  # r = 3 on 16 patches: ToMe would reach 1.62× (auto, below)
+    assert patch.config(patch.timm(model, strategy="importance_tome", head=head, r=3, early_merges=False)).block_range == (2, 4)
 
 
 def test_without_a_head_every_token_counts_one():
@@ -259,28 +258,44 @@ DEMO = BackboneShape(depth=8, num_prefix=1, has_cls=True, num_patch=196)  # the 
     (DEMO, 23, sum(197 - 23 * i for i in range(8)) + 2 * (sum(174 - 23 * i for i in range(7)) + 19)),
     (DEMO, 24, sum(197 - 24 * i for i in range(8)) + 2 * (sum(173 - 24 * i for i in range(7)) + 15)),
 ])
-def test_auto_chooses_schedule_and_early_merges_from_tome_s_ratio_at_r(backbone, r, work):
+@pytest.mark.parametrize("score_layer", [None, 0])  # None: no head, block 1
+def test_auto_chooses_schedule_and_early_merges_from_tome_s_ratio_at_r(backbone, r, work, score_layer):
     full = 3 * backbone.depth * (backbone.num_prefix + backbone.num_patch)
     reach = importance_tome.tome_reach(r, "constant", backbone)
     assert reach == pytest.approx(full / work, rel=1e-12)
-    schedule = "constant" if reach <= importance_tome.GUARDED_REACH else "decreasing"
-    early = reach > importance_tome.EARLY_REACH
-    red = ReductionOptions(strategy="importance_tome", r=r).resolve(backbone)
+    if reach <= importance_tome.GUARDED_REACH:
+        schedule, early = "constant", False
+    elif score_layer == 0:  # the middle setting of a head on block 0's output
+        schedule, early = "decreasing", reach > importance_tome.EARLY_REACH
+    else:
+        schedule, early = "constant", True
+    red = ReductionOptions(strategy="importance_tome", r=r, score_layer=score_layer).resolve(backbone)
     assert importance_tome.auto_setting(red.options, backbone) == (schedule, early)
-    assert red.options.block_range == ((0 if early else 2), backbone.depth)
+    assert red.options.block_range == ((0 if early else (1 if score_layer is None else score_layer) + 1), backbone.depth)
     assert red.method.block_merges(red) == merging.block_merges(red.options.replace(schedule=schedule), backbone.depth)
     for given in ({"schedule": "constant"}, {"schedule": "decreasing"}, {"early_merges": not early}):
-        explicit = ReductionOptions(strategy="importance_tome", r=r, **given).resolve(backbone)
+        explicit = ReductionOptions(strategy="importance_tome", r=r, score_layer=score_layer, **given).resolve(backbone)
         assert importance_tome.auto_setting(explicit.options, backbone) == (given.get("schedule", schedule),
                                                                               given.get("early_merges", early))
 
 
-def test_auto_covers_all_three_settings_on_the_demo_model():
-    """Every regime of the rule is reached by some r on the demo model, in order as r grows."""
-    seen = [importance_tome.auto_setting(ReductionOptions(strategy="importance_tome", r=r).resolve(DEMO).options, DEMO)
-            for r in range(1, 49)]
-    assert [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]] == [
-        ("constant", False), ("decreasing", False), ("decreasing", True)]
+@pytest.mark.parametrize("score_layer, settings", [
+    (None, [("constant", False), ("constant", True)]),
+    (0, [("constant", False), ("decreasing", False), ("decreasing", True)])])
+def test_auto_reaches_its_settings_in_order_on_the_demo_model(score_layer, settings):
+    seen = [importance_tome.auto_setting(ReductionOptions(strategy="importance_tome", r=r, score_layer=score_layer)
+                                         .resolve(DEMO).options, DEMO) for r in range(1, 49)]
+    assert [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]] == settings
+
+
+def test_a_head_s_probe_layer_decides_the_middle_setting():
+    head = Head(32, torch.float32)
+    head.probe_layer = 0
+    red = ReductionOptions(strategy="importance_tome", head=head, r=20).resolve(DEMO)  # ToMe's 1.73x: the middle
+    assert importance_tome.auto_setting(red.options, DEMO) == ("decreasing", False) and red.options.block_range == (1, 8)
+    head.probe_layer = 1
+    red = ReductionOptions(strategy="importance_tome", head=head, r=20).resolve(DEMO)
+    assert importance_tome.auto_setting(red.options, DEMO) == ("constant", True) and red.options.block_range == (0, 8)
 
 
 def test_auto_needs_the_patch_count():
@@ -291,11 +306,12 @@ def test_auto_needs_the_patch_count():
     assert red.method.block_merges(red) == [0, 0, 2, 2]
 
 
-@pytest.mark.parametrize("r, schedule, early", [(2, "constant", False), (3, "decreasing", False), (5, "decreasing", True)])
-def test_auto_runs_bit_identically_to_the_explicit_setting_it_chooses(r, schedule, early):
+@pytest.mark.parametrize("r, score_layer, schedule, early", [(2, 1, "constant", False), (3, 1, "constant", True),
+                                                              (3, 0, "decreasing", False), (5, 0, "decreasing", True)])
+def test_auto_runs_bit_identically_to_the_explicit_setting_it_chooses(r, score_layer, schedule, early):
     model, head, x = tiny_vit(depth=4), Head(32, torch.float32), images(2)
-    auto = ReductionOptions(strategy="importance_tome", head=head, r=r).resolve(timm_vit.backbone_shape(model))
-    explicit = reduction(model, head, r, schedule, early_merges=early, shrink=importance_tome.SHRINK)
+    auto = ReductionOptions(strategy="importance_tome", head=head, r=r, score_layer=score_layer).resolve(timm_vit.backbone_shape(model))
+    explicit = reduction(model, head, r, schedule, early_merges=early, shrink=importance_tome.SHRINK, score_layer=score_layer)
     with torch.no_grad():
         ours, theirs = run_guarded(model, x, auto, take={1}), run_guarded(model, x, explicit, take={1})
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1][1], theirs[1][1])
@@ -320,6 +336,9 @@ def test_explicit_settings_keep_their_blocks_labels_and_need_no_patch_count():
             red.method.block_merges(red)
     given = ReductionOptions(strategy="importance_tome", r=8, block_range=(1, 8)).resolve(DEMO)
     assert given.options.early_merges is False and given.method.block_merges(given) == [0] + [8] * 7
+    assert "r per block (1, 8), constant schedule ·" in row_label(given)  # no head: block 1, whose rule keeps it constant
+    given = ReductionOptions(strategy="importance_tome", r=20, score_layer=0, block_range=(1, 8)).resolve(DEMO)
+    assert given.method.block_merges(given) == [0] + merging.merges_per_block(20, "decreasing", 7)
     assert ("r per block (1, 8), the constant schedule while ToMe's FLOP ratio at r is at most 1.5×, decreasing beyond ·"
             in row_label(given))
 
@@ -343,8 +362,8 @@ def test_the_token_count_reach_is_the_flop_counters_ratio_on_the_demo_model():
 
 def test_a_sweep_of_r_alone_gives_one_defaults_row():
     """``--sweep importance_tome:r=... --sweep importance_tome:schedule=auto --sweep
-    importance_tome:early_merges=auto``: one row, labelled as the defaults, whose points run every
-    setting of the rule (constant and guarded, decreasing and guarded, decreasing and ToMe-started)."""
+    importance_tome:early_merges=auto``: one row, labelled as the defaults, whose points run both
+    block ranges (guarded up to the reach, ToMe-started beyond)."""
     from types import SimpleNamespace
 
     from pullback_ext.commands.evaluate_pareto import build_points, parse_sweeps
@@ -358,8 +377,7 @@ def test_a_sweep_of_r_alone_gives_one_defaults_row():
     assert [p.knob for p in points] == [{"r": r, "schedule": "auto", "early_merges": "auto"} for r in (4, 8, 16, 24)]
     labels = {row_label(red) for red in reductions}
     assert len(labels) == 1 and labels.pop().startswith("importance_tome (defaults) · ")
-    assert [red.options.block_range for red in reductions] == [(2, 8), (2, 8), (2, 8), (0, 8)]
-    assert [red.method.block_merges(red)[2] for red in reductions] == [4, 8, 32, 34]  # constant, then decreasing from 2r (48 at block 0)
+    assert [red.options.block_range for red in reductions] == [(2, 8), (2, 8), (0, 8), (0, 8)]
 
 
 def test_the_default_sweep_adds_a_defaults_row_beside_every_setting():
@@ -383,7 +401,7 @@ def test_the_default_sweep_adds_a_defaults_row_beside_every_setting():
 
     points, defaults = rows([])
     rs = (2, 4, 8, 12, 16, 20, 24, 28, 32)
-    assert len(points) == 4 * len(rs) + len(rs) + 2 and defaults == [{"r": r} for r in (*rs, 40, 48)]
+    assert len(points) == 4 * len(rs) + 27 and defaults == [{"r": r} for r in (*range(2, 25), 28, 32, 40, 48)]
     _, defaults = rows(["importance_tome:r=4,8", "importance_tome:head=trained,none"])
     assert defaults == [{"r": r, "head": h} for r in (4, 8) for h in ("trained", "none")]
     points, defaults = rows(["importance_tome:schedule=constant"])

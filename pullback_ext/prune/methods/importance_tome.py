@@ -40,13 +40,14 @@ dissimilar tokens nearly free.
 ``r`` is the one knob: with ``schedule`` and ``early_merges`` left at ``"auto"`` the method chooses
 them from ``r`` when it is resolved (:func:`auto_setting`), by the FLOP ratio ToMe itself would reach
 with this ``r`` in every block (:func:`tome_reach`, counted from the backbone's depth and patch
-tokens): up to :data:`GUARDED_REACH` every merge guarded, constant schedule; up to
-:data:`EARLY_REACH` every merge still guarded, ToMe's decreasing schedule (the early blocks after the
-score take more); beyond, the decreasing schedule with ToMe's rule in the blocks up to the score too
-(further reach, at a cost). The crossovers were chosen on held-out photo crops
-(docs/importance_tome_findings.md). Both fields keep ``"auto"`` in the resolved options (so that a
-row knows it runs the defaults); the blocks chosen are the resolved ``block_range``. Explicit values
-run as given.
+tokens): up to :data:`GUARDED_REACH` every merge guarded, constant schedule; beyond, ToMe's rule in
+the blocks up to the score too (further reach, at a cost), with the constant schedule. A head on
+block 0's output leaves a single block unguarded, and for it the rule has a middle setting: up to
+:data:`EARLY_REACH` every merge still guarded with ToMe's decreasing schedule (the first blocks after
+the score take more), beyond it the decreasing schedule with ToMe's rule in block 0. The crossovers
+were chosen on held-out photo crops (docs/importance_tome_findings.md). Both fields keep ``"auto"``
+in the resolved options (so that a row knows it runs the defaults); the blocks chosen are the
+resolved ``block_range``. Explicit values run as given.
 """
 
 from __future__ import annotations
@@ -69,9 +70,11 @@ from pullback_ext.reference import guarded_ranking, pair_costs  # noqa: F401  (s
 PARTNERS = ("cosine", "bound")
 AUTO = "auto"
 # The one knob's crossovers, in ToMe's FLOP ratio at r (constant schedule, every block): up to
-# GUARDED_REACH every merge guarded with the constant schedule; up to EARLY_REACH every merge guarded
-# with the decreasing one; beyond, ToMe's rule in the blocks before the score as well. Chosen on
-# held-out photo crops (docs/importance_tome_findings.md, §1-2 and §5d).
+# GUARDED_REACH every merge guarded with the constant schedule; beyond, ToMe's rule in the blocks
+# before the score as well (docs/importance_tome_findings.md, §1-2). A head on block 0's output has
+# one more setting: up to EARLY_REACH every merge still guarded, with the decreasing schedule, and the
+# decreasing schedule beyond (§5d; for a head on block 1 and for no head, the middle setting lost
+# on the demo's rendered scenes, ibid.).
 GUARDED_REACH = 1.5
 EARLY_REACH = 2.0
 # How far each token's imp² moves toward its image's mean by default: chosen on held-out photo
@@ -142,8 +145,9 @@ def tome_reach(r: int, schedule: str, backbone: BackboneShape) -> float:
 def auto_setting(options, backbone: BackboneShape) -> tuple[str, bool]:
     """``(schedule, early_merges)`` that ``options`` run on ``backbone``; an explicit value as given,
     an ``auto`` one from ``ρ = tome_reach(r, "constant")`` (ToMe's own FLOP ratio at this ``r``):
-    ``("constant", False)`` while ``ρ ≤`` :data:`GUARDED_REACH`, ``("decreasing", False)`` while
-    ``ρ ≤`` :data:`EARLY_REACH`, ``("decreasing", True)`` beyond (docs/importance_tome_findings.md)."""
+    ``("constant", False)`` while ``ρ ≤`` :data:`GUARDED_REACH`; beyond, ``("constant", True)``, or
+    for a head scoring block 0 (``score_layer``, else :func:`head_layer`) ``("decreasing", False)``
+    while ``ρ ≤`` :data:`EARLY_REACH` and ``("decreasing", True)`` beyond (docs/importance_tome_findings.md)."""
     schedule, early = options.schedule, options.early_merges
     if schedule != AUTO and early != AUTO:
         return schedule, early
@@ -151,7 +155,11 @@ def auto_setting(options, backbone: BackboneShape) -> tuple[str, bool]:
         raise PullbackError("schedule='auto' and early_merges='auto' choose from r and the model's patch-token count, which "
                             "this model does not state; give schedule= and early_merges= explicitly")
     reach = tome_reach(options.r, "constant", backbone)
-    chosen = ("constant", False) if reach <= GUARDED_REACH else ("decreasing", reach > EARLY_REACH)
+    score = head_layer(options.head) if options.score_layer is None else options.score_layer
+    if reach <= GUARDED_REACH:
+        chosen = ("constant", False)
+    else:
+        chosen = ("decreasing", reach > EARLY_REACH) if score == 0 else ("constant", True)
     return (chosen[0] if schedule == AUTO else schedule), (chosen[1] if early == AUTO else early)
 
 
@@ -234,9 +242,10 @@ class ImportanceToMe(MergingMethod):
     takes = ("prop_attn", "head")
     needs = Needs(split_blocks="it merges between attention and MLP")
     sweep = {"r": (2, 4, 8, 12, 16, 20, 24, 28, 32), "schedule": ("constant", "decreasing"), "early_merges": (False, True)}
-    # the one knob (schedule and early_merges chosen from r), on to r = 48: with the constant schedule
-    # auto runs, r = 40 is ToMe's reach with its decreasing one at r = 24 (3.2× on the demo)
-    defaults_sweep = {"r": (*sweep["r"], 40, 48)}
+    # the one knob (schedule and early_merges chosen from r): every r up to 24, so that the row has a
+    # point next to each switch of the rule and a matched error is read between neighbouring r, not
+    # across a stretch no r gives; then on to 48 (ToMe's own reach is r = 24 with its decreasing schedule)
+    defaults_sweep = {"r": (*range(2, 25), 28, 32, 40, 48)}
 
     def checked_head(self, head, layers: tuple):
         if head is not None and (isinstance(head, (list, tuple)) or not callable(head)):
@@ -266,11 +275,13 @@ class ImportanceToMe(MergingMethod):
         cost = "imp^g·(1 − cos) to ToMe's match" if o.partner == "cosine" else "the imp-weighted first-order error of the pair"
         scored = f"head on block {o.score_layer}'s output" if o.head is not None else "no head: every token counts 1"
         scored += f", imp² shrunk {o.shrink:g} toward the image's mean" if o.shrink and o.head is not None else ""
+        middle = o.score_layer == 0
         blocks = (f"r per block {o.block_range}" if o.early_merges != AUTO else
-                  f"r per block after block {o.score_layer} while ToMe's FLOP ratio at r is at most {EARLY_REACH:g}×, "
-                  "in every block beyond")
-        blocks += (f", the constant schedule while ToMe's FLOP ratio at r is at most {GUARDED_REACH:g}×, decreasing beyond"
-                   if o.schedule == AUTO else "")
+                  f"r per block after block {o.score_layer} while ToMe's FLOP ratio at r is at most "
+                  f"{EARLY_REACH if middle else GUARDED_REACH:g}×, in every block beyond")
+        if o.schedule == AUTO:
+            blocks += (f", the constant schedule while ToMe's FLOP ratio at r is at most {GUARDED_REACH:g}×, decreasing beyond"
+                       if middle else ", constant schedule")
         defaults = " (defaults)" if o.schedule == AUTO and o.early_merges == AUTO else ""
         return {"method": self.name + defaults, "selection": f"lowest {cost} (g = {o.guard:g}, {scored}), {blocks}",
                 "averaging": "size-weighted, proportional attention; merged tokens restored to their sources"}
