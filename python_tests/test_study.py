@@ -351,6 +351,11 @@ def test_criteria_summary_reads_seed_003s_findings_off_the_errors():
     page = render({"kind": "criteria", "criteria": criteria, "settings": {"ratio": 0.3}, "summary": s})
     assert "depth and segmentation differ (τ = -1" in page and "evit_score: holds" in page
     assert "under 3 of 4 criteria (random, evit_score, cls_sim)" in page and "**segmentation recovery endpoints**" in page
+    assert "(there is no detection here; the other dense task is depth): cls and segmentation differ" in page
+    two = summary(_units({t: errors[t] for t in ("cls", "depth")}, {"depth": alphas["depth"]}), ["cls", "depth"], criteria)
+    page = render({"kind": "criteria", "criteria": criteria, "settings": {"ratio": 0.3}, "summary": two})
+    assert "differently* (this run has neither task; its pairs of tasks instead): cls and depth differ (τ = 0.333" in page
+    assert "opposite recovery endpoints" not in page  # one dense task: nothing to compare
 
 
 # ---- demo:random, the untrained control --------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from pullback_ext.comparison.tasks import get as get_task
 from pullback_ext.results_pages import format_number, markdown_table
 from pullback_ext.studies import criteria_study, diagnose_study
 
@@ -77,12 +78,14 @@ def _criteria(result: dict) -> str:
 def _against_seed_003(s: dict) -> str:
     """One line per finding of seed 003 the study can look at, from ``s["seed_003"]``."""
     found, lines = s["seed_003"], []
-    pairs = [p for p in s["kendall_tau"] if "segmentation" in p["tasks"]] or s["kendall_tau"]
-    if pairs:
+    pairs = [p for p in s["kendall_tau"] if "segmentation" in p["tasks"]]
+    other = [task for task in s["tasks"] if task != "segmentation" and get_task(task).dense]
+    where = (f"there is no detection here; the other dense task is {', '.join(other)}" if pairs and other else
+             "there is no detection here" if pairs else "this run has neither task; its pairs of tasks instead")
+    if s["kendall_tau"]:
         said = "; ".join(f"{' and '.join(p['tasks'])} {'agree' if p['agree'] else 'differ'} (τ = {format_number(p['tau'])}, "
-                         f"p = {format_number(p['p_value'])}, best {' / '.join(p['best'])})" for p in pairs)
-        lines.append(f"- *Segmentation and detection rank the criteria differently* (there is no detection here; the other "
-                     f"dense task is depth): {said}.")
+                         f"p = {format_number(p['p_value'])}, best {' / '.join(p['best'])})" for p in pairs or s["kendall_tau"])
+        lines.append(f"- *Segmentation and detection rank the criteria differently* ({where}): {said}.")
     if "attention" in found:
         a = found["attention"]
         early = ", ".join(map(str, a["early_layers"]))
