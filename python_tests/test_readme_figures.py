@@ -134,16 +134,18 @@ def pareto_depth_photos() -> tuple[str, ...]:
 
 
 def demo_run() -> tuple[str, ...]:
-    """The demo sentence: per decoder, ours against ToMe in the largest cost group of the headline,
-    the measured winners, and the shipped heads' held-out ρ."""
+    """The demo sentence: per decoder (CLS, depth, segmentation), ours against ToMe in the largest
+    cost group of the headline, the measured winners, and the shipped heads' held-out ρ."""
     stages = _page("demo-run")["stages"]
     fragments = []
-    for task, ours_row, name in (("cls", "importance_tome", "CLS"), ("depth", "importance_tome (no head)", "depth")):
+    for task, ours_row, name in (("cls", "importance_tome", "CLS"), ("depth", "importance_tome (no head)", "depth"),
+                                 ("segmentation", "importance_tome (no head)", "segmentation")):
         headline = stages["pruning"]["result"][task]["headline"]
         top = max(row["knob"]["tome_r"] for row in headline["rows"])
         group = {row["row"]: row for row in headline["rows"] if row["knob"]["tome_r"] == top}
+        winner = headline["winner"]["row"] if headline["winner"] else "none (no row measured faster than the unpruned model)"
         fragments.append(f"{name}: {ours_row} {figure(group[ours_row]['error']['mean'])} against ToMe's "
-                         f"{figure(group['tome']['error']['mean'])}, the winner {headline['winner']['row']}")
+                         f"{figure(group['tome']['error']['mean'])}, the winner {winner}")
     rho = {task: head["spearman"]["mean"] for task, head in stages["importance_head"]["result"].items()}
     return (f"at the cost of ToMe r = {top}", *fragments, f"held-out Spearman ρ against imp* {rho['cls']:.2f} (CLS) and {rho['depth']:.2f} (depth)")
 
