@@ -81,7 +81,7 @@ def test_shipped_head_file_and_record():
 
 
 def test_shipped_head_fits_the_shipped_model_and_keeps_its_heldout_quality(demo_model, shipped_head):
-    from pullback_ext.demo.train_segmentation import evaluate_segmentation
+    from pullback_ext.demo.metrics import evaluate_segmentation
     from pullback_ext.embedded import heldout
 
     assert not shipped_head.training and not any(p.requires_grad for p in shipped_head.parameters())

@@ -36,7 +36,27 @@ def evaluate(model: torch.nn.Module, data: dict, segmentation_head: torch.nn.Mod
     quality = {"top1": correct / n, "abs_rel": abs_rel / n, "delta1": delta1 / n, "num_images": n}
     if segmentation_head is None:
         return quality
-    from pullback_ext.demo.train_segmentation import evaluate_segmentation
-
     segmented = evaluate_segmentation(model, segmentation_head, data, batch_size)
     return quality | {"miou": segmented["miou"], "pixel_accuracy": segmented["pixel_accuracy"]}
+
+
+def evaluate_segmentation(model, head, data: dict, batch_size: int = 32) -> dict:
+    """Held-out pixel accuracy, mIoU (over the data set's confusion matrix) and per-class IoU of
+    ``head`` on rendered ``data`` (images, classes), in float32."""
+    from pullback_ext.comparison.quality import class_iou, confusion_matrices
+    from pullback_ext.embedded.scenes import SEGMENT_CLASS_NAMES
+
+    confusion = torch.zeros(head.num_classes, head.num_classes, dtype=torch.int64)
+    with torch.no_grad():
+        for start in range(0, data["images"].shape[0], batch_size):
+            images = data["images"][start:start + batch_size].float()
+            pred = model.segment(images, head).argmax(dim=1)
+            confusion += confusion_matrices(pred, data["classes"][start:start + batch_size], head.num_classes).sum(0)
+    iou = class_iou(confusion)
+    return {
+        "pixel_accuracy": float(confusion.diagonal().sum() / confusion.sum()),
+        "miou": float(iou.nanmean()),
+        "class_iou": {name: (None if value != value else float(value)) for name, value in zip(SEGMENT_CLASS_NAMES, iou.tolist())},
+        "class_pixel_fraction": {name: float(v) for name, v in zip(SEGMENT_CLASS_NAMES, (confusion.sum(1) / confusion.sum()).tolist())},
+        "num_images": int(data["images"].shape[0]),
+    }

@@ -117,30 +117,6 @@ def train_head(model, head, data: dict, args: argparse.Namespace, started: float
             print(f"step {step} weighted ce {running:.4f} elapsed {time.time() - started:.0f}s", file=sys.stderr, flush=True)
 
 
-def evaluate_segmentation(model, head, data: dict, batch_size: int = 32) -> dict:
-    """Held-out pixel accuracy, mIoU (over the data set's confusion matrix) and per-class IoU of
-    ``head`` on rendered ``data`` (images, classes), in float32."""
-    import torch
-
-    from pullback_ext.comparison.quality import class_iou, confusion_matrices
-    from pullback_ext.embedded.scenes import SEGMENT_CLASS_NAMES
-
-    confusion = torch.zeros(head.num_classes, head.num_classes, dtype=torch.int64)
-    with torch.no_grad():
-        for start in range(0, data["images"].shape[0], batch_size):
-            images = data["images"][start:start + batch_size].float()
-            pred = model.segment(images, head).argmax(dim=1)
-            confusion += confusion_matrices(pred, data["classes"][start:start + batch_size], head.num_classes).sum(0)
-    iou = class_iou(confusion)
-    return {
-        "pixel_accuracy": float(confusion.diagonal().sum() / confusion.sum()),
-        "miou": float(iou.nanmean()),
-        "class_iou": {name: (None if value != value else float(value)) for name, value in zip(SEGMENT_CLASS_NAMES, iou.tolist())},
-        "class_pixel_fraction": {name: float(v) for name, v in zip(SEGMENT_CLASS_NAMES, (confusion.sum(1) / confusion.sum()).tolist())},
-        "num_images": int(data["images"].shape[0]),
-    }
-
-
 def segmentation_record(args: argparse.Namespace, head, held: dict, files: dict, timing: dict) -> dict:
     """The ``segmentation`` section of the model card. ``files``: ``weights`` (file name),
     ``sha256`` (of the shipped file) and ``backbone_weights`` (digest of the backbone it reads)."""
@@ -186,6 +162,7 @@ def write_record(out: Path, record: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from pullback_ext.demo.metrics import evaluate_segmentation
     from pullback_ext.demo.train import cached_training_set, start_run
     from pullback_ext.embedded import heldout, load, load_segmentation_head
     from pullback_ext.embedded.model import SegmentationHead
