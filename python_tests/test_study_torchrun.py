@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from pullback_ext.cli import main
 
@@ -90,7 +91,12 @@ def _numbers(value, path=""):
 @pytest.mark.parametrize("kind", sorted(STUDIES))
 def test_study_over_two_processes_equals_the_single_process_study(kind, tmp_path):
     argv = ["study", *STUDIES[kind], "--quiet"]
-    assert main([*argv, "--out", str(tmp_path / "single")]) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun's workers run (OMP_NUM_THREADS=1): float32 sums then add in one order
+    try:
+        assert main([*argv, "--out", str(tmp_path / "single")]) == 0
+    finally:
+        torch.set_num_threads(threads)
     _torchrun(["-m", "pullback_ext", *argv, "--out", str(tmp_path / "multi")], timeout=360)
     single, multi = _units(tmp_path / "single"), _units(tmp_path / "multi")
     assert list(multi) == list(single) == ["layer-00.json" if kind == "criteria" else "layer-01.json",
