@@ -330,13 +330,14 @@ def test_explicit_settings_keep_their_blocks_labels_and_need_no_patch_count():
     assert row_label(red) == ("importance_tome · lowest the imp-weighted first-order error of the pair (g = 1, head on block 1's "
                               "output, imp² shrunk 0.2 toward the image's mean), r per block (2, 8) · size-weighted, "
                               "proportional attention; merged tokens restored to their sources")  # the label of the pages' rows
-    for auto in ({}, {"block_range": (1, 8)}):  # the schedule is chosen from r too, so a given block_range needs the count
-        with pytest.raises(PullbackError, match="choose from r and the model's patch-token count"):
-            red = ReductionOptions(strategy="importance_tome", r=8, **auto).resolve(unknown)
-            red.method.block_merges(red)
-    given = ReductionOptions(strategy="importance_tome", r=8, block_range=(1, 8)).resolve(DEMO)
+    with pytest.raises(PullbackError, match="choose from r and the model's patch-token count"):
+        ReductionOptions(strategy="importance_tome", r=8).resolve(unknown)
+    given = ReductionOptions(strategy="importance_tome", r=8, block_range=(1, 8)).resolve(unknown)  # block 1: constant
     assert given.options.early_merges is False and given.method.block_merges(given) == [0] + [8] * 7
-    assert "r per block (1, 8), constant schedule ·" in row_label(given)  # no head: block 1, whose rule keeps it constant
+    assert "r per block (1, 8), constant schedule ·" in row_label(given)
+    with pytest.raises(PullbackError, match="choose from r and the model's patch-token count"):  # block 0: chosen from r
+        red = ReductionOptions(strategy="importance_tome", r=8, score_layer=0, block_range=(1, 8)).resolve(unknown)
+        red.method.block_merges(red)
     given = ReductionOptions(strategy="importance_tome", r=20, score_layer=0, block_range=(1, 8)).resolve(DEMO)
     assert given.method.block_merges(given) == [0] + merging.merges_per_block(20, "decreasing", 7)
     assert ("r per block (1, 8), the constant schedule while ToMe's FLOP ratio at r is at most 1.5×, decreasing beyond ·"

@@ -149,13 +149,15 @@ def auto_setting(options, backbone: BackboneShape) -> tuple[str, bool]:
     for a head scoring block 0 (``score_layer``, else :func:`head_layer`) ``("decreasing", False)``
     while ``ρ ≤`` :data:`EARLY_REACH` and ``("decreasing", True)`` beyond (docs/importance_tome_findings.md)."""
     schedule, early = options.schedule, options.early_merges
+    score = head_layer(options.head) if options.score_layer is None else options.score_layer
     if schedule != AUTO and early != AUTO:
         return schedule, early
+    if early != AUTO and score != 0:  # the schedule of a head on any other block is constant, whatever r
+        return "constant", early
     if backbone.num_patch is None:
         raise PullbackError("schedule='auto' and early_merges='auto' choose from r and the model's patch-token count, which "
                             "this model does not state; give schedule= and early_merges= explicitly")
     reach = tome_reach(options.r, "constant", backbone)
-    score = head_layer(options.head) if options.score_layer is None else options.score_layer
     if reach <= GUARDED_REACH:
         chosen = ("constant", False)
     else:
