@@ -8,8 +8,9 @@ import torch
 
 def cls_distortion_x100(model, register, images: torch.Tensor, rho: float) -> float:
     """Mean over ``images [B, 3, H, W]`` of 100·(1 − cos) between the demo ``model``'s CLS embedding
-    with ``register`` deployed at keep rate ``rho`` (tokens removed) and the unpruned model's own
-    forward ``model(images)``; the cosine from float64 dot products and norms."""
+    with ``register`` deployed at keep rate ``rho`` (tokens removed), each image reduced alone (TAP
+    splits its budget by the batch's mean share, so a matched-cost point measures it image by image),
+    and the unpruned model's own forward ``model(images)``; the cosine from float64 dot products and norms."""
     from pullback_ext.comparison.backbones import demo_backbone
     from pullback_ext.prune.reduction_options import BackboneShape, ReductionOptions
 
@@ -19,6 +20,6 @@ def cls_distortion_x100(model, register, images: torch.Tensor, rho: float) -> fl
     with torch.no_grad():
         full = model(images)["embedding"].double()
         reduction = ReductionOptions(strategy="tap", head=register, ratio=1.0 - rho).resolve(shape)
-        pruned = backbone.reduced(reduction, images)["embedding"].double()
+        pruned = torch.cat([backbone.reduced(reduction, images[i:i + 1])["embedding"] for i in range(images.shape[0])]).double()
     cos = (pruned * full).sum(-1) / (pruned.norm(dim=-1) * full.norm(dim=-1))
     return float(100 * (1 - cos).mean())
