@@ -10,11 +10,26 @@ its sweep, and its defaults row, ``r`` alone; each head scoring the block it was
 ratios of the task's own forward, no timing. Prints mean / p95 / worst crop at each ``--targets``
 ratio, matched on each row's frontier (``comparison.pareto.matched_error``); writes every point to
 ``--out`` (JSON, atomic), stamped with the machine, versions and command.
+
+A candidate one-knob rule is read off the points a run measured rather than measured again:
+
+    python benchmarks/heldout_photos.py --from cls-rule.json --rule 1.5,2,decreasing,decreasing \
+        --rule 1.5,1.5,constant,constant --criterion-targets 1.1,1.25,1.5,2 --out cls-rules.json
+
+``--rule GUARDED,EARLY,BETWEEN,BEYOND`` is the family of ``importance_tome.auto_setting``: at each
+``r`` of a head's sweep, with ρ ToMe's own FLOP ratio at that ``r`` (``tome_reach(r, "constant")``),
+the point measured with every merge guarded and the constant schedule while ρ ≤ GUARDED, every merge
+guarded with schedule BETWEEN while ρ ≤ EARLY, and schedule BEYOND with ToMe's rule before the score
+beyond. Its row is added per head, and the criterion of docs/importance_tome_findings.md §5 printed:
+the geometric mean over ``--criterion-targets`` and mean / p95 / worst of the row's matched error
+over ToMe's (lower is better; a target either row does not reach is left out).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -36,8 +51,74 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--first", type=int, default=110, help="first crop (the pages measure 0-109)")
     parser.add_argument("--count", type=int, default=110, help="crops")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rule", action="append", default=[], type=parse_rule, metavar="GUARDED,EARLY,BETWEEN,BEYOND",
+                        help="a candidate one-knob rule read off each head's points (see above)")
+    parser.add_argument("--criterion-targets", default="1.1,1.25,1.5,2", help="FLOP ratios of the rules' criterion")
+    parser.add_argument("--from", dest="source", default=None, metavar="JSON",
+                        help="read the points of an earlier run's --out instead of measuring")
     parser.add_argument("--out", required=True, help="JSON of every point")
     return parser.parse_args(argv)
+
+
+def parse_rule(text: str) -> tuple[float, float, str, str]:
+    """``"1.5,2,decreasing,decreasing"`` -> ``(1.5, 2.0, "decreasing", "decreasing")``."""
+    parts = text.split(",")
+    schedules = ("constant", "decreasing")
+    try:
+        guarded, early = float(parts[0]), float(parts[1])
+    except (ValueError, IndexError):
+        guarded = early = math.nan
+    if len(parts) != 4 or not (1.0 <= guarded <= early) or parts[2] not in schedules or parts[3] not in schedules:
+        raise argparse.ArgumentTypeError(f"--rule takes GUARDED,EARLY,BETWEEN,BEYOND with 1 <= GUARDED <= EARLY and "
+                                         f"schedules in {schedules}; got {text!r}")
+    return guarded, early, parts[2], parts[3]
+
+
+def rule_setting(rule: tuple[float, float, str, str], reach: float) -> tuple[str, bool]:
+    """``(schedule, early_merges)`` that ``rule`` picks where ToMe's FLOP ratio at ``r`` is ``reach``."""
+    guarded, early, between, beyond = rule
+    if reach <= guarded:
+        return "constant", False
+    return (between, False) if reach <= early else (beyond, True)
+
+
+def rule_rows(rows: dict, rules: list, shape) -> dict:
+    """``{label: points}``: per head of ``rows`` (importance_tome's points with an explicit schedule and
+    ``early_merges``, grouped by their ``head``: a folder name, or None for no head) and per rule, the
+    point of the setting the rule picks at each ``r`` (an ``r`` whose point was not measured is left out)."""
+    from pullback_ext.prune.methods.importance_tome import tome_reach
+
+    settings: dict = {}
+    for points in rows.values():
+        for p in points:
+            knob = p["knob"]
+            if "head" in p and {"r", "schedule", "early_merges"} <= set(knob):
+                settings.setdefault(p["head"], {})[(knob["r"], knob["schedule"], bool(knob["early_merges"]))] = p
+    out = {}
+    for head, measured in settings.items():
+        for rule in rules:
+            picked = []
+            for r in sorted({r for r, _, _ in measured}):
+                found = measured.get((r, *rule_setting(rule, tome_reach(r, "constant", shape))))
+                if found is not None:
+                    picked.append(found)
+            out[f"{head or 'no head'}: rule ({rule[0]:g}, {rule[1]:g}; {rule[2]}, {rule[3]})"] = picked
+    return out
+
+
+def criterion(points: list, reference: list, targets: tuple) -> float:
+    """Geometric mean over ``targets`` × mean / p95 / worst of ``points``' matched error over ``reference``'s
+    (the targets both rows reach); NaN where none is."""
+    from pullback_ext.comparison.pareto import matched_error
+
+    logs = []
+    for t in targets:
+        for s in STATISTICS:
+            ours, theirs = (matched_error([p["flop_ratio"] for p in row], [p["error"][s] for p in row], t)
+                            for row in (points, reference))
+            if ours is not None and theirs is not None and ours["value"] > 0 and theirs["value"] > 0:
+                logs.append(math.log(ours["value"] / theirs["value"]))
+    return math.exp(sum(logs) / len(logs)) if logs else math.nan
 
 
 def rows_of(args: argparse.Namespace, backbone, model) -> tuple[list, list]:
@@ -83,31 +164,72 @@ def table(rows: dict, targets: tuple) -> str:
 def main(argv=None) -> int:
     import torch
 
-    from pullback_ext.comparison import pareto
     from pullback_ext.comparison.backbones import demo_backbone
     from pullback_ext.comparison.evaluation import PRIMARY
     from pullback_ext.fileio import atomic_write_json
+    from pullback_ext.prune.methods.base import BackboneShape
     from pullback_ext.results_pages import stamp
     from pullback_ext.sources.models import ModelSpec, load_model
-    from pullback_ext.sources.photos import PhotoSource
 
     args = parse(argv)
     torch.set_num_threads(args.threads)
     model = load_model(ModelSpec("demo"))[0].eval()
     backbone = demo_backbone(model)
+    if args.source is None:
+        rows, crops = measure(args, backbone, model), [args.first, args.first + args.count - 1]
+    else:
+        earlier = read_points(Path(args.source))
+        args.task, rows, crops = earlier["task"], earlier["rows"], earlier["crops"]
+    rows = {label: points for label, points in rows.items() if ": rule (" not in label}
+    shape = BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls,
+                          num_patch=backbone.num_patches)
+    rules = rule_rows(rows, args.rule, shape)
+    rows.update(rules)
+    targets = tuple(float(t) for t in args.targets.split(","))
+    print(table(rows, targets))
+    reference = next((points for label, points in rows.items() if label.startswith("tome")), None)
+    if rules and reference is not None:
+        judged = tuple(float(t) for t in args.criterion_targets.split(","))
+        print(f"\n| rule | our matched mean, p95, worst over ToMe's at {', '.join(f'{t:g}×' for t in judged)} (geometric mean) |")
+        print("|---|---|")
+        for label, points in rules.items():
+            print(f"| {label} | {criterion(points, reference, judged):.3g} |")
+    atomic_write_json(Path(args.out), {"task": args.task, "crops": crops, "metric": PRIMARY[args.task], "rows": rows,
+                                       **stamp(" ".join(sys.argv))})
+    return 0
+
+
+def measure(args: argparse.Namespace, backbone, model) -> dict:
+    """``{label: points}``: every point of :func:`rows_of` on the crops, its FLOP ratio and error summary."""
+    from pullback_ext.comparison import pareto
+    from pullback_ext.comparison.evaluation import PRIMARY
+    from pullback_ext.sources.photos import PhotoSource
+
     images = PhotoSource().heldout(backbone.preprocess, args.count, after=args.first).load()["images"]
     points, labels = rows_of(args, backbone, model)
     errors = [e[PRIMARY[args.task]] for e in pareto.image_errors(backbone, images, points, args.task, 16, True)]
     cost = pareto.measure_cost(backbone, images, points, args.task, (), 1, False)
     rows: dict = {}
     for label, point, e, c in zip(labels, points, errors, cost["points"]):
-        rows.setdefault(label, []).append({"knob": {k: v for k, v in point.knob.items() if k != "head"},
-                                           "flop_ratio": c["flop_ratio"], "error": pareto.error_summary(e)})
-    targets = tuple(float(t) for t in args.targets.split(","))
-    print(table(rows, targets))
-    atomic_write_json(Path(args.out), {"task": args.task, "crops": [args.first, args.first + args.count - 1],
-                                       "metric": PRIMARY[args.task], "rows": rows, **stamp(" ".join(sys.argv))})
-    return 0
+        entry = {"knob": {k: v for k, v in point.knob.items() if k != "head"}, "flop_ratio": c["flop_ratio"],
+                 "error": pareto.error_summary(e)}
+        if point.options.strategy == "importance_tome":  # which head's rule rows it may serve in (None: no head)
+            entry["head"] = label.split(": ")[0] if point.options.head is not None else None
+        rows.setdefault(label, []).append(entry)
+    return rows
+
+
+def read_points(path: Path) -> dict:
+    """An earlier run's ``--out``, checked to hold what a rule is read from."""
+    from pullback_ext.errors import PullbackError
+
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise PullbackError(f"--from: cannot read {path} as the JSON of an earlier run ({error})") from None
+    if not isinstance(earlier, dict) or not {"task", "rows", "crops"} <= set(earlier) or not isinstance(earlier["rows"], dict):
+        raise PullbackError(f"--from: {path} is not the --out of this script (expected the keys task, rows and crops)")
+    return earlier
 
 
 if __name__ == "__main__":
