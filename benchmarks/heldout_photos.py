@@ -184,6 +184,11 @@ def main(argv=None) -> int:
     shape = BackboneShape(depth=backbone.depth, num_prefix=backbone.num_prefix, has_cls=backbone.has_cls,
                           num_patch=backbone.num_patches)
     rules = rule_rows(rows, args.rule, shape)
+    if args.rule and not rules:
+        from pullback_ext.errors import PullbackError
+
+        raise PullbackError("--rule: no importance_tome points with an explicit schedule and early_merges to read it off "
+                            "(measure them with --head or --methods importance_tome, its grid sweeps both)")
     rows.update(rules)
     targets = tuple(float(t) for t in args.targets.split(","))
     print(table(rows, targets))

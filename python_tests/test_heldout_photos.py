@@ -94,6 +94,9 @@ def test_a_bad_rule_or_source_is_refused_naming_the_argument(tmp_path, capsys):
     broken.write_text("{not json")
     with pytest.raises(PullbackError, match="--from"):
         heldout_photos.main(["--from", str(broken), "--out", str(tmp_path / "x.json")])
+    broken.write_text(json.dumps({"task": "cls", "crops": [0, 1], "rows": {"tome": []}}))
+    with pytest.raises(PullbackError, match="--rule: no importance_tome points"):
+        heldout_photos.main(["--from", str(broken), "--rule", "1.5,2,constant,constant", "--out", str(tmp_path / "x.json")])
     broken.write_text(json.dumps({"rows": {}}))
     with pytest.raises(PullbackError, match=r"--from: .* \(expected the keys task, rows and crops\)"):
         heldout_photos.main(["--from", str(broken), "--out", str(tmp_path / "x.json")])
