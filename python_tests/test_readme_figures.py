@@ -161,6 +161,28 @@ def _readme_glance() -> str:
     return " ".join(section.split())
 
 
+def prune_md_cls_table() -> str:
+    """docs/prune.md's table of the CLS photo page: at each FLOP-ratio target, mean / p95 / worst crop of
+    our best row, of importance_tome with its defaults, of the best other row (its method named for
+    the mean) and of the original ToMe."""
+    result = _page("pareto-cls-photos")
+    ours, others = _split(result)
+    defaults, tome = _rows(result, "importance_tome (defaults) · "), [_row(result, "tome · ")]
+    targets = [f"{t:g}" for t in result["targets"]]
+
+    def cells(rows: list) -> str:
+        columns = [[_best(result, "flop_ratio", stat, rows, t) for stat in ("mean", "p95", "worst")] for t in targets]
+        return " | ".join(" / ".join("–" if c is None else figure(c["value"]) for c in column) for column in columns)
+
+    return "\n".join([
+        "| FLOP ratio | " + " | ".join(f"{t}×" for t in targets) + " |",
+        "|---" * (len(targets) + 1) + "|",
+        f"| ours (best row) | {cells(ours)} |",
+        f"| importance_tome (defaults) | {cells(defaults)} |",
+        f"| best other row ({_matched(result, 'mean', others, targets, names=True)} for the mean) | {cells(others)} |",
+        f"| ToMe (original) | {cells(tome)} |"])
+
+
 def test_the_formats():
     assert [figure(v) for v in (3.0001e-4, 3.39e-3, 0.0371, 0.0449, 0.993, 1.126)] == ["3.0e-4", "3.4e-3", "0.037", "0.045", "0.99", "1.13"]
     assert speedup(2.09) == "2.1×"
@@ -175,6 +197,12 @@ def test_every_quoted_figure_equals_its_page():
             assert found >= 0, f"README.md quotes docs/results/{name}.md; from its JSON it should read, in this order:\n" + \
                 "\n".join(sentence())
             at = found + len(fragment)
+
+
+def test_the_cls_table_of_prune_md_equals_its_page():
+    table = prune_md_cls_table()
+    assert table in (REPO / "docs" / "prune.md").read_text(), \
+        "docs/prune.md's table of docs/results/pareto-cls-photos.md should read, from its JSON:\n" + table
 
 
 def test_every_generated_page_the_readme_quotes_is_checked():
