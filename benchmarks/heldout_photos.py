@@ -85,7 +85,8 @@ def rule_setting(rule: tuple[float, float, str, str], reach: float) -> tuple[str
 def rule_rows(rows: dict, rules: list, shape) -> dict:
     """``{label: points}``: per head of ``rows`` (importance_tome's points with an explicit schedule and
     ``early_merges``, grouped by their ``head``: a folder name, or None for no head) and per rule, the
-    point of the setting the rule picks at each ``r`` (an ``r`` whose point was not measured is left out)."""
+    point of the setting the rule picks at each ``r`` (an ``r`` whose point was not measured is left out,
+    and a rule none of whose points was, too)."""
     from pullback_ext.prune.methods.importance_tome import tome_reach
 
     settings: dict = {}
@@ -102,7 +103,8 @@ def rule_rows(rows: dict, rules: list, shape) -> dict:
                 found = measured.get((r, *rule_setting(rule, tome_reach(r, "constant", shape))))
                 if found is not None:
                     picked.append(found)
-            out[f"{head or 'no head'}: rule ({rule[0]:g}, {rule[1]:g}; {rule[2]}, {rule[3]})"] = picked
+            if picked:
+                out[f"{head or 'no head'}: rule ({rule[0]:g}, {rule[1]:g}; {rule[2]}, {rule[3]})"] = picked
     return out
 
 
