@@ -16,7 +16,7 @@ A candidate one-knob rule is read off the points a run measured rather than meas
     python benchmarks/heldout_photos.py --from cls-rule.json --rule 1.5,2,decreasing,decreasing \
         --rule 1.5,1.5,constant,constant --criterion-targets 1.1,1.25,1.5,2 --out cls-rules.json
 
-``--rule GUARDED,EARLY,BETWEEN,BEYOND`` is the family of ``importance_tome.auto_setting``: at each
+``--rule GUARDED,EARLY,BETWEEN,BEYOND`` is ``importance_tome.rule_setting``, the family ``auto_setting`` is one of: at each
 ``r`` of a head's sweep, with ρ ToMe's own FLOP ratio at that ``r`` (``tome_reach(r, "constant")``),
 the point measured with every merge guarded and the constant schedule while ρ ≤ GUARDED, every merge
 guarded with schedule BETWEEN while ρ ≤ EARLY, and schedule BEYOND with ToMe's rule before the score
@@ -74,20 +74,12 @@ def parse_rule(text: str) -> tuple[float, float, str, str]:
     return guarded, early, parts[2], parts[3]
 
 
-def rule_setting(rule: tuple[float, float, str, str], reach: float) -> tuple[str, bool]:
-    """``(schedule, early_merges)`` that ``rule`` picks where ToMe's FLOP ratio at ``r`` is ``reach``."""
-    guarded, early, between, beyond = rule
-    if reach <= guarded:
-        return "constant", False
-    return (between, False) if reach <= early else (beyond, True)
-
-
 def rule_rows(rows: dict, rules: list, shape) -> dict:
     """``{label: points}``: per head of ``rows`` (importance_tome's points with an explicit schedule and
     ``early_merges``, grouped by their ``head``: a folder name, or None for no head) and per rule, the
     point of the setting the rule picks at each ``r`` (an ``r`` whose point was not measured is left out,
     and a rule none of whose points was, too)."""
-    from pullback_ext.prune.methods.importance_tome import tome_reach
+    from pullback_ext.prune.methods.importance_tome import rule_setting, tome_reach
 
     settings: dict = {}
     for points in rows.values():
@@ -100,7 +92,7 @@ def rule_rows(rows: dict, rules: list, shape) -> dict:
         for rule in rules:
             picked = []
             for r in sorted({r for r, _, _ in measured}):
-                found = measured.get((r, *rule_setting(rule, tome_reach(r, "constant", shape))))
+                found = measured.get((r, *rule_setting(tome_reach(r, "constant", shape), *rule)))
                 if found is not None:
                     picked.append(found)
             if picked:

@@ -158,11 +158,19 @@ def auto_setting(options, backbone: BackboneShape) -> tuple[str, bool]:
         raise PullbackError("schedule='auto' and early_merges='auto' choose from r and the model's patch-token count, which "
                             "this model does not state; give schedule= and early_merges= explicitly")
     reach = tome_reach(options.r, "constant", backbone)
-    if reach <= GUARDED_REACH:
-        chosen = ("constant", False)
-    else:
-        chosen = ("decreasing", reach > EARLY_REACH) if score == 0 else ("constant", True)
+    chosen = (rule_setting(reach, GUARDED_REACH, EARLY_REACH, "decreasing", "decreasing") if score == 0 else
+              rule_setting(reach, GUARDED_REACH, GUARDED_REACH, "constant", "constant"))
     return (chosen[0] if schedule == AUTO else schedule), (chosen[1] if early == AUTO else early)
+
+
+def rule_setting(reach: float, guarded: float, early: float, between: str, beyond: str) -> tuple[str, bool]:
+    """``(schedule, early_merges)`` of the family of one-knob rules :func:`auto_setting` is one of, where
+    ToMe's own FLOP ratio at ``r`` is ``reach``: every merge guarded with the constant schedule while
+    ``reach ≤ guarded``; every merge guarded with schedule ``between`` while ``reach ≤ early``; schedule
+    ``beyond`` with ToMe's rule before the score beyond (benchmarks/heldout_photos.py's ``--rule``)."""
+    if reach <= guarded:
+        return "constant", False
+    return (between, False) if reach <= early else (beyond, True)
 
 
 def head_layer(head) -> int:
