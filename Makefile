@@ -38,7 +38,7 @@ results-demo: setup
 # the depth page times batch 16 rather than 64 (its targets are FLOP ratios; a quarter of the time).
 PARETO_PHOTOS = $(VENV)/bin/pullback evaluate --model demo --images builtin:photos --pareto --num-images 110 --seeds 1 --threads 1 --overwrite
 PARETO_CLS_METHODS ?= importance,importance_tome,tome,pitome,mctf,tofu,atc,dtem,evit,asap,random
-PARETO_DEPTH_METHODS ?= importance,importance_tome,tome,pitome,mctf,tofu,atc,dtem,evit,expedite,asap,random
+PARETO_DEPTH_METHODS ?= importance,importance_tome,importance_cluster,tome,pitome,mctf,tofu,atc,dtem,evit,expedite,asap,random
 # The small head docs/importance_tome_findings.md chose (38k parameters, 1.2% of the backbone's FLOPs: the size `pullback train head` gives the demo by default).
 TRAIN_HEAD = $(VENV)/bin/pullback train head --model demo --targets randnla --steps 400 --mlp-hidden 64 --hidden 64 --heads 2
 # A head fine-tuned through importance_tome's relaxed merging from its distilled weights
@@ -71,17 +71,17 @@ results-pareto: setup runs/head_cls_l0_ft/results.json runs/head_depth/results.j
 	$(PARETO_PHOTOS) --task cls --layers 1 --head runs/head_cls_l0_ft --trained dtem=runs/dtem_cls --methods $(PARETO_CLS_METHODS) --ratios 0.1,0.2,0.3,0.4,0.5,0.6,0.7 \
 		--results-page pareto-cls-photos --out out/pareto_cls_photos
 	$(PARETO_PHOTOS) --task depth --layers 2 --head runs/head_depth --trained dtem=runs/dtem_depth --methods $(PARETO_DEPTH_METHODS) --ratios 0.1,0.2,0.3,0.5,0.7 \
-		--sweep importance_tome:head=trained,none --time-batches 1,16 \
+		--sweep importance_tome:head=trained,none --sweep importance_cluster:head=trained,none --time-batches 1,16 \
 		--results-page pareto-depth-photos --out out/pareto_depth_photos
 
 # The segmentation photo page docs/results/pareto-segmentation-photos: the depth page's recipe on the demo's
 # shipped segmentation head (primary error: per-pixel KL ×100 of the class distributions), its importance head
 # trained on the segmentation logits as the depth one is on the depth map; DTEM trains for cls and depth only.
-PARETO_SEGMENTATION_METHODS ?= importance,importance_tome,tome,pitome,mctf,tofu,atc,algm,expedite,evit,asap,random
+PARETO_SEGMENTATION_METHODS ?= importance,importance_tome,importance_cluster,tome,pitome,mctf,tofu,atc,algm,expedite,evit,asap,random
 runs/head_seg/results.json: | setup
 	$(TRAIN_HEAD) --layer 1 --task segmentation --num-images 64 --out runs/head_seg
 
 results-pareto-segmentation: setup runs/head_seg/results.json
 	$(PARETO_PHOTOS) --task segmentation --layers 2 --head runs/head_seg --methods $(PARETO_SEGMENTATION_METHODS) --ratios 0.1,0.2,0.3,0.5,0.7 \
-		--sweep importance_tome:head=trained,none --time-batches 1,16 \
+		--sweep importance_tome:head=trained,none --sweep importance_cluster:head=trained,none --time-batches 1,16 \
 		--results-page pareto-segmentation-photos --out out/pareto_segmentation_photos

@@ -5,8 +5,9 @@
 
 The demo model on crops ``--first`` .. ``--first + --count - 1`` of ``builtin:photos`` (default
 110–219: the pages measure 0–109), every method swept over the grid ``pullback evaluate --pareto``
-gives it (its rows, labels and frontiers), and importance_tome once per ``--head`` (every setting of
-its sweep, and its defaults row, ``r`` alone; each head scoring the block it was trained on). FLOP
+gives it (its rows, labels and frontiers), and importance_tome (or the methods of ``--head-methods``)
+once per ``--head`` (every setting of its sweep, and its defaults row, ``r`` alone; each head scoring
+the block it was trained on). FLOP
 ratios of the task's own forward, no timing. Prints mean / p95 / worst crop at each ``--targets``
 ratio, matched on each row's frontier (``comparison.pareto.matched_error``); writes every point to
 ``--out`` (JSON, atomic), stamped with the machine, versions and command.
@@ -43,9 +44,11 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--task", choices=("cls", "depth"), default="cls")
     parser.add_argument("--methods", default="tome", help="comma list of methods without a head of ours (their pareto grids)")
     parser.add_argument("--trained", action="append", default=[], metavar="METHOD=DIR", help="as pullback evaluate --pareto")
-    parser.add_argument("--head", action="append", default=[], metavar="DIR", help="an importance head: importance_tome's rows with it")
+    parser.add_argument("--head", action="append", default=[], metavar="DIR", help="an importance head: the rows of --head-methods with it")
+    parser.add_argument("--head-methods", default="importance_tome", type=head_methods,
+                        help="comma list of our methods whose rows each --head gives (default: importance_tome)")
     parser.add_argument("--sweep", action="append", default=[], metavar="METHOD:FIELD=V1,V2",
-                        help="as pullback evaluate --pareto: replaces FIELD in METHOD's grid (importance_tome's also in its rows per --head)")
+                        help="as pullback evaluate --pareto: replaces FIELD in METHOD's grid (those of --head-methods also in their rows per --head)")
     parser.add_argument("--ratios", default=None, help="the single-stage methods' ratios (default: the task's page values)")
     parser.add_argument("--targets", default="1.1,1.25,1.5,2,2.5,3", help="FLOP ratios to match at")
     parser.add_argument("--first", type=int, default=110, help="first crop (the pages measure 0-109)")
@@ -58,6 +61,18 @@ def parse(argv=None) -> argparse.Namespace:
                         help="read the points of an earlier run's --out instead of measuring")
     parser.add_argument("--out", required=True, help="JSON of every point")
     return parser.parse_args(argv)
+
+
+def head_methods(text: str) -> tuple:
+    """``--head-methods``: names of methods that take an importance head and run without one too."""
+    from pullback_ext.prune import methods
+
+    names = tuple(m for m in text.split(",") if m)
+    takers = [m.name for m in methods.all_methods() if m.head_from == "importance" and m.head_optional]
+    wrong = [m for m in names if m not in takers]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(takers)}; got {text!r}")
+    return names
 
 
 def parse_rule(text: str) -> tuple[float, float, str, str]:
@@ -116,7 +131,7 @@ def criterion(points: list, reference: list, targets: tuple) -> float:
 
 
 def rows_of(args: argparse.Namespace, backbone, model) -> tuple[list, list]:
-    """``(points, row labels)``: the methods' pareto grids, then importance_tome's per head."""
+    """``(points, row labels)``: the methods' pareto grids, then those of ``--head-methods`` per head."""
     from pullback_ext.commands.evaluate_pareto import build_points, load_trained, parse_sweeps
     from pullback_ext.commands.evaluate_plan import load_metric
     from pullback_ext.comparison import pareto
@@ -133,8 +148,8 @@ def rows_of(args: argparse.Namespace, backbone, model) -> tuple[list, list]:
     labels = [p.row or row_rules.row_label(pareto.resolve(p.options, backbone)) for p in points]
     for folder in args.head:
         head = load_metric(folder, backbone.features_dim)[0]
-        own = {m: g for m, g in given.items() if m == "importance_tome"}
-        ours = [p for p in build_points(("importance_tome",), own, base, {"importance": head}, None, ratios)
+        own = {m: g for m, g in given.items() if m in args.head_methods}
+        ours = [p for p in build_points(args.head_methods, own, base, {"importance": head}, None, ratios)
                 if p.options.head is not None]
         points += ours
         labels += [f"{Path(folder).name}: {p.row or row_rules.row_label(pareto.resolve(p.options, backbone))}" for p in ours]

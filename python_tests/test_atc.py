@@ -332,7 +332,7 @@ def test_atc_fields_need_atc_and_keep_rate_names_both_methods():
         ReductionOptions(strategy="tome", r=2, linkage="single")
     with pytest.raises(PullbackError, match="atc_layers is an option of strategy 'atc'; got strategy 'evit'"):
         ReductionOptions(strategy="evit", keep_rate=0.5, atc_layers=(1,))
-    with pytest.raises(PullbackError, match="keep_rate is an option of strategy 'evit' or 'atc'; got strategy 'tome'"):
+    with pytest.raises(PullbackError, match="keep_rate is an option of strategy 'evit', 'atc' or 'importance_cluster'; got strategy 'tome'"):
         ReductionOptions(strategy="tome", r=2, keep_rate=0.5)
 
 

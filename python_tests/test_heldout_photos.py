@@ -50,6 +50,29 @@ def test_a_sweep_replaces_a_field_of_the_grid_of_the_rows_it_names(tmp_path):
     assert ours and all(p["knob"]["guard"] == 2 for p in ours)  # a swept field leaves out the defaults row
 
 
+def test_head_methods_give_each_heads_rows_of_the_methods_named(tmp_path, capsys):
+    import pytest
+
+    from pullback_ext.metric import checkpoint
+    from pullback_ext.metric.head import ImportanceHead
+
+    torch.manual_seed(0)
+    head = tmp_path / "head"
+    checkpoint.save_model(head, "head", ImportanceHead(192, hidden=32, heads=1), extra={"probe": {"layer": 1}})
+    out = tmp_path / "heldout.json"
+    assert heldout_photos.main(["--task", "depth", "--methods", "tome", "--sweep", "tome:r=8", "--head", str(head),
+                                "--head-methods", "importance_cluster", "--sweep", "importance_cluster:keep_rate=0.9,0.6",
+                                "--first", "300", "--count", "2", "--targets", "1.1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    ours = [label for label in rows if label.startswith("head: ")]
+    assert len(ours) == 1 and "importance_cluster" in ours[0] and "head on block 1's output" in ours[0]
+    assert sorted(p["knob"]["keep_rate"] for p in rows[ours[0]]) == [0.6, 0.9]
+    for wrong in ("atc", "importance_tome,tome", ""):
+        with pytest.raises(SystemExit):
+            heldout_photos.parse(["--head-methods", wrong, "--out", "x.json"])
+        assert "--head-methods: expected a comma list of importance_tome, importance_cluster" in capsys.readouterr().err
+
+
 def _point(r, schedule, early, flop_ratio, error, head="head"):
     return {"knob": {"r": r, "schedule": schedule, "early_merges": early}, "flop_ratio": flop_ratio, "head": head,
             "error": {"mean": error, "p95": 2 * error, "worst": 4 * error}}

@@ -210,7 +210,7 @@ def test_pitome_fields_need_pitome_and_the_shared_ones_name_both_methods():
         ReductionOptions(strategy="tome", r=2, margin=0.5)
     with pytest.raises(PullbackError, match="energy_alpha is an option of strategy 'pitome'; got strategy 'norm'"):
         ReductionOptions(strategy="norm", energy_alpha=0.5)
-    with pytest.raises(PullbackError, match="r is an option of strategy 'tome' or 'pitome' or .*'importance_tome'.*; got strategy 'evit'"):
+    with pytest.raises(PullbackError, match="r is an option of strategy 'tome', 'pitome', .*'importance_tome'.*; got strategy 'evit'"):
         ReductionOptions(strategy="evit", keep_rate=0.5, r=2)
 
 

@@ -223,7 +223,8 @@ def _own_values(method: Method, values: dict) -> dict:
         elif name not in {f.name for f in dataclasses.fields(ReductionOptions)}:
             owners = methods.option_owners(name)
             if any(value != _default_of(owner, name) for owner in owners):
-                raise PullbackError(f"{name} is an option of strategy {' or '.join(map(repr, owners))}; got strategy {method.name!r}")
+                named = ", ".join(map(repr, owners[:-1])) + " or " * (len(owners) > 1) + repr(owners[-1])
+                raise PullbackError(f"{name} is an option of strategy {named}; got strategy {method.name!r}")
     return own
 
 

@@ -174,14 +174,15 @@ class ATCOptions:
         object.__setattr__(self, "atc_layers", layers)
 
 
-def resolved_layers(layers: Optional[tuple], depth: int) -> tuple:
-    """``atc_layers`` for a ``depth``-block model (None: ATC's 3, 6, 9 of 12, scaled), checked."""
+def resolved_layers(layers: Optional[tuple], depth: int, name: str = "atc_layers") -> tuple:
+    """The option ``name`` (``atc_layers``) for a ``depth``-block model (None: ATC's 3, 6, 9 of 12,
+    scaled), checked."""
     try:
         chosen = scale_layers(REFERENCE_LAYERS, depth) if layers is None else layers
     except PullbackError as exc:
-        raise PullbackError(f"atc_layers: ATC's blocks 3, 6, 9 of 12 do not scale to this {depth}-block model "
-                            f"({exc}); give atc_layers=") from None
-    check_layer_range(chosen, depth, False, "atc_layers")
+        raise PullbackError(f"{name}: ATC's blocks 3, 6, 9 of 12 do not scale to this {depth}-block model "
+                            f"({exc}); give {name}=") from None
+    check_layer_range(chosen, depth, False, name)
     return chosen
 
 
@@ -201,15 +202,17 @@ class ATC(MergingMethod):
              "(authors' rule; run frozen here, its authors fine-tune all of DeiT with it)",
              "cluster means, size-weighted, proportional attention")
     sweep = {"keep_rate": (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25)}
+    layers_field = "atc_layers"  # the option naming the blocks that cluster
 
     def resolve(self, options, backbone: BackboneShape) -> dict:
-        layers = resolved_layers(options.atc_layers, backbone.depth)
-        return dict(BlockLoopMethod.resolve(self, options, backbone), atc_layers=layers)  # no block_range
+        layers = resolved_layers(getattr(options, self.layers_field), backbone.depth, self.layers_field)
+        return dict(BlockLoopMethod.resolve(self, options, backbone), **{self.layers_field: layers})  # no block_range
 
     def block_merges(self, reduction: Reduction) -> list[int]:
         """The stage number ``s`` (1-based) at each block of ``atc_layers``, 0 elsewhere (everywhere
         with ``keep_rate`` 1, which keeps every token: the blocks then run whole, as unpatched)."""
-        layers = reduction.options.atc_layers if reduction.options.keep_rate < 1.0 else ()
+        o = reduction.options
+        layers = getattr(o, self.layers_field) if o.keep_rate < 1.0 else ()
         return [layers.index(i) + 1 if i in layers else 0 for i in range(reduction.backbone.depth)]
 
     def rank(self, step: MergeStep) -> Optional[Matching]:

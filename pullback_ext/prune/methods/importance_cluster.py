@@ -1,0 +1,190 @@
+"""Importance-weighted agglomerative clustering (``importance_cluster``): ATC's schedule with
+importance_tome's merge cost between clusters.
+
+ATC (:mod:`.atc`) clusters the patch tokens bottom-up at three blocks, by the ``1 - cos`` of their
+keys with average linkage. This method keeps ATC's schedule and counts, and replaces the
+linkage by the first-order error that merging two clusters makes in what the decoder reads,
+the bound importance_tome ranks its pairs by (:mod:`.importance_tome`):
+
+1. the importance head, if given, scores the tokens once, on the output of block ``score_layer``
+   (the layer it was trained on): each token's energy is ``e = size · imp²`` (its ``imp²`` shrunk
+   ``shrink`` toward the image's mean as importance_tome's are,
+   :func:`~.importance_tome.shrunk`), and merged energies add. Without a head ``e = size``;
+2. in the blocks of ``cluster_layers`` (None: ATC's 3, 6, 9 of 12, scaled to the model's depth),
+   between attention and MLP, the ``s``-th of them keeps ``int(N0 · keep_rate^s)`` of the model's
+   ``N0`` patch tokens (ATC's count, :func:`~.atc.cluster_count`);
+3. a cluster ``c`` of the current patch tokens has a size ``S`` and an energy ``E`` (the sums
+   over its tokens) and a key centre ``k_c``, the size-weighted mean of its tokens' unit
+   head-mean keys (where the size-weighted merge of its tokens would sit);
+4. merging clusters ``a`` and ``b`` moves ``a`` by ``S_b / (S_a + S_b)`` and ``b`` by
+   ``S_a / (S_a + S_b)`` of ``k_b - k_a``, each move weighted by its energy: the cost is
+   ``(E_a S_b² + E_b S_a²) / (S_a + S_b)² · ‖k_a - k_b‖²``, the square of importance_tome's bound
+   with ``guard = 1`` (for two tokens the same ranking). With ``E = S`` (no head) it is Ward's
+   criterion, the increase of the size-weighted sum of squares of the keys;
+5. every step merges the two clusters of the lowest cost (ties as ATC breaks them: the first in
+   row-major order of the cost matrix, a cluster named by its smallest member) and recomputes
+   the merged cluster's costs from its new centre, size and energy, until the count remains; every
+   cluster becomes one token, the size-weighted mean of its members (ATC's ``merge_wavg``), with
+   proportional attention from the first merge on (``prop_attn``).
+
+Prefix tokens (CLS, registers) are never clustered. Full-length features give every original
+token the features of the token that holds it (merge-and-restore), which a dense decoder reads.
+Chosen for dense decoders: on held-out photo crops of the demo's depth decoder Ward's criterion at
+ATC's blocks is below ATC's average linkage at 1.25× and 1.5× (docs/importance_tome_findings.md §8).
+Every shape follows from ``keep_rate`` and the blocks: the clustering is a loop of a fixed number
+of steps, unrolled when compiled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pullback_ext.errors import PullbackError
+from pullback_ext.prune.matching import working_precision
+from pullback_ext.prune.merged_tokens import MergedTokens
+from pullback_ext.prune.methods.atc import ATC, _set_line, checked_keep_rate, cluster_count, cluster_matching
+from pullback_ext.prune.methods.base import BackboneShape
+from pullback_ext.prune.methods.importance_tome import SHRINK, head_layer, shrunk, token_energy
+from pullback_ext.prune.methods.merging import Matching, MergeStep, apply_matching, key_metric, merge_values
+from pullback_ext.prune.option_checks import count, is_real, layer_list
+
+
+def cluster_costs(centre_a: torch.Tensor, size_a: torch.Tensor, energy_a: torch.Tensor,
+                  centre_b: torch.Tensor, size_b: torch.Tensor, energy_b: torch.Tensor) -> torch.Tensor:
+    """The cost of merging clusters ``a`` and ``b`` (broadcast against each other): centres
+    ``[..., d]``, sizes and energies ``[...]``; ``(E_a S_b² + E_b S_a²) / (S_a + S_b)² · ‖k_a - k_b‖²``,
+    symmetric in ``a`` and ``b`` to the last bit."""
+    weight = (energy_a * size_b.square() + energy_b * size_a.square()) / (size_a + size_b).square()
+    return weight * (centre_a - centre_b).square().sum(-1)
+
+
+def agglomerate_bound(unit: torch.Tensor, sizes: torch.Tensor, energy: torch.Tensor, count: int) -> torch.Tensor:
+    """The greedy agglomeration of ``n`` tokens with unit keys ``unit [B, n, d]``, sizes and energies
+    ``[B, n]`` into ``count`` clusters by :func:`cluster_costs`; returns ``[B, n]``: the smallest
+    member of each token's cluster. Each of the ``n - count`` steps merges the pair ``(a, b)`` of the
+    lowest cost, ``a < b`` their smallest members, ties to the first in lexicographic order."""
+    b, n, _ = unit.shape
+    centre, sizes, energy = unit.clone(), sizes.to(unit.dtype).clone(), energy.to(unit.dtype).clone()
+    cost = cluster_costs(centre[:, :, None], sizes[:, :, None], energy[:, :, None], centre[:, None], sizes[:, None],
+                         energy[:, None])
+    eye = torch.eye(n, dtype=torch.bool, device=unit.device)
+    cost = cost.masked_fill(eye, float("inf"))
+    active = torch.ones(b, n, dtype=torch.bool, device=unit.device)
+    owner = torch.arange(n, device=unit.device).expand(b, n)
+    for _ in range(n - count):
+        flat = cost.flatten(1).argmin(dim=1)
+        a, z = (flat // n)[:, None], (flat % n)[:, None]  # a < z: the first minimum of a symmetric matrix
+        size_a, size_z = sizes.gather(1, a), sizes.gather(1, z)
+        merged_size = size_a + size_z
+        merged_centre = (size_a[..., None] * centre.gather(1, a[..., None].expand(b, 1, centre.shape[2]))
+                         + size_z[..., None] * centre.gather(1, z[..., None].expand(b, 1, centre.shape[2]))) / merged_size[..., None]
+        merged_energy = energy.gather(1, a) + energy.gather(1, z)
+        centre = centre.scatter(1, a[..., None].expand(b, 1, centre.shape[2]), merged_centre)
+        sizes, energy = sizes.scatter(1, a, merged_size), energy.scatter(1, a, merged_energy)
+        active = active.scatter(1, z, False)
+        row = cluster_costs(merged_centre, merged_size, merged_energy, centre, sizes, energy)
+        row = row.masked_fill(~active, float("inf")).scatter(1, a, float("inf"))
+        _set_line(cost, z[:, 0], torch.full_like(row, float("inf")))
+        _set_line(cost, a[:, 0], row)
+        owner = torch.where(owner == z, a, owner)
+    return owner
+
+
+@dataclass(frozen=True)
+class ImportanceClusterOptions:
+    """``keep_rate`` in (0, 1] (required): the ``s``-th clustering block keeps ``int(N0 · keep_rate^s)``
+    clusters of the ``N0`` patch tokens; ``cluster_layers``: the blocks that cluster (0-based; None:
+    ATC's 3, 6, 9 of 12, scaled); ``score_layer``: the block whose output the head scores (None: the
+    layer it was trained on), before the first clustering block; ``shrink`` in [0, 1]: each token's
+    ``imp²`` moved that far toward its image's mean before it becomes an energy (as importance_tome's)."""
+
+    keep_rate: Optional[float] = None
+    cluster_layers: Optional[tuple[int, ...]] = None
+    score_layer: Optional[int] = None
+    shrink: float = SHRINK
+
+    def __post_init__(self):
+        object.__setattr__(self, "keep_rate", checked_keep_rate(self.keep_rate))
+        layers = None if self.cluster_layers is None else layer_list(self.cluster_layers, "cluster_layers")
+        object.__setattr__(self, "cluster_layers", layers)
+        if self.score_layer is not None:
+            object.__setattr__(self, "score_layer", count("score_layer", self.score_layer, 0))
+        if not is_real(self.shrink) or not 0.0 <= float(self.shrink) <= 1.0:
+            raise PullbackError(f"shrink must be a number in [0, 1] (how far the energies move toward their image's mean; "
+                                f"1: no head); got {self.shrink!r}")
+        object.__setattr__(self, "shrink", float(self.shrink))
+
+
+class ImportanceCluster(ATC):
+    """ATC's clustering blocks and counts (:class:`~.atc.ATC`) with the merge cost of
+    importance_tome's bound between clusters, the learned importance (optional) weighting it."""
+
+    name, short = "importance_cluster", "importance-weighted clustering"
+    title = "importance-weighted clustering (tokens clustered agglomeratively at 3 blocks by their merge's first-order error)"
+    kind, head_from, head_optional = "ours", "importance", True
+    options_type = ImportanceClusterOptions
+    takes = ("prop_attn", "head")
+    layers_field = "cluster_layers"
+    sweep = {"keep_rate": (0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25)}
+
+    def checked_head(self, head, layers: tuple):
+        if head is not None and (isinstance(head, (list, tuple)) or not callable(head)):
+            raise PullbackError(f"strategy 'importance_cluster' takes head= an importance head (F [B, K, D] -> [B, K]) or None; "
+                                f"got {head!r}")
+        return head
+
+    def resolve(self, options, backbone: BackboneShape) -> dict:
+        choices = super().resolve(options, backbone)
+        if options.head is None:
+            return choices
+        score = head_layer(options.head) if options.score_layer is None else options.score_layer
+        first = choices["cluster_layers"][0]
+        if score >= first:
+            given = "score_layer" if options.score_layer is not None else "the layer the head was trained on"
+            raise PullbackError(f"score_layer: the head scores block {score} ({given}), which must come before the first "
+                                f"clustering block {first}; give a later cluster_layers= or an earlier score_layer=")
+        return dict(choices, score_layer=score)
+
+    def describe(self, reduction) -> dict:
+        o = reduction.options
+        scored = (f"head on block {o.score_layer}'s output" + (f", imp² shrunk {o.shrink:g} toward the image's mean" if o.shrink else "")
+                  if o.head is not None else "no head: Ward's size-weighted criterion")
+        return {"method": self.name,
+                "selection": f"agglomerative clustering of the head-mean keys at blocks {', '.join(map(str, o.cluster_layers))}, "
+                             f"the pair of the lowest imp-weighted first-order merge error first ({scored})",
+                "averaging": "cluster means, size-weighted" + (", proportional attention" if o.prop_attn else "")
+                             + "; merged tokens restored to their sources"}
+
+    def begin(self, reduction, merges: list[int]) -> dict:
+        return {"energy": None}
+
+    def after_block(self, reduction, block: int, state: MergedTokens, carry: dict) -> None:
+        o = reduction.options
+        if o.head is not None and block == o.score_layer:
+            carry["energy"] = shrunk(token_energy(o.head, state.x, state.sizes), state.sizes, state.num_prefix, o.shrink)
+
+    def rank(self, step: MergeStep) -> Optional[Matching]:
+        state, o = step.state, step.reduction.options
+        p, n = state.num_prefix, state.num_patch
+        count = cluster_count(o.keep_rate, step.carry.setdefault("num_patch", n), step.r, n)
+        if count >= n:
+            return None
+        unit = key_metric(step.attended.k[:, :, p:])
+        sizes = (torch.ones_like(unit[..., 0]) if state.sizes is None else
+                 working_precision(state.sizes[:, p:]).to(unit.dtype))
+        energy = sizes if step.carry["energy"] is None else step.carry["energy"][:, p:]
+        with torch.no_grad():
+            owner = agglomerate_bound(unit, sizes, energy, count)
+        return cluster_matching(owner, count, p)
+
+    def apply(self, step: MergeStep, matching: Matching) -> MergedTokens:
+        if step.carry["energy"] is not None:
+            step.carry["energy"] = merge_values(step.carry["energy"], matching)
+        return apply_matching(step.state, matching)
+
+
+ORDER = 8
+METHODS = (ImportanceCluster(),)
