@@ -64,9 +64,10 @@ def test_head_methods_give_each_heads_rows_of_the_methods_named(tmp_path, capsys
                                 "--head-methods", "importance_cluster", "--sweep", "importance_cluster:keep_rate=0.9,0.6",
                                 "--first", "300", "--count", "2", "--targets", "1.1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    ours = [label for label in rows if label.startswith("head: ")]
-    assert len(ours) == 1 and "importance_cluster" in ours[0] and "head on block 1's output" in ours[0]
-    assert sorted(p["knob"]["keep_rate"] for p in rows[ours[0]]) == [0.6, 0.9]
+    ours = sorted(label for label in rows if label.startswith("head: "))
+    assert len(ours) == 2 and all("importance_cluster" in label and "head on block 1's output" in label for label in ours)
+    assert "at blocks 2, 3, 4, 5, 6," in ours[0] and "at blocks 2, 4, 5," in ours[1]  # inner (after the score), ATC's
+    assert all(sorted(p["knob"]["keep_rate"] for p in rows[label]) == [0.6, 0.9] for label in ours)
     for wrong in ("atc", "importance_tome,tome", ""):
         with pytest.raises(SystemExit):
             heldout_photos.parse(["--head-methods", wrong, "--out", "x.json"])

@@ -181,6 +181,11 @@ def test_token_counts_are_atcs_and_the_patched_forward_has_them():
 def test_defaults_resolve_to_atcs_blocks_and_rows_name_the_rule():
     resolved = patch.config(patch.timm(tiny_vit(depth=8), strategy="importance_cluster", keep_rate=0.9))
     assert (resolved.cluster_layers, resolved.prop_attn, resolved.mode, resolved.score_layer) == ((2, 4, 5), True, "merge", None)
+    inner = patch.config(patch.timm(tiny_vit(depth=8), strategy="importance_cluster", keep_rate=0.9, cluster_layers="inner"))
+    assert inner.cluster_layers == (1, 2, 3, 4, 5, 6)  # without a head: every block after block 0 but the last
+    headed = patch.config(patch.timm(tiny_vit(depth=8), strategy="importance_cluster", keep_rate=0.9, cluster_layers="inner",
+                                     head=NormHead(), score_layer=2))
+    assert headed.cluster_layers == (3, 4, 5, 6)
     options = ReductionOptions(strategy="importance_cluster", keep_rate=0.7, cluster_layers=[1, 2])
     assert options.cluster_layers == (1, 2) and ReductionOptions.from_dict(options.to_dict()) == options
     method = ic.METHODS[0]
@@ -198,6 +203,7 @@ def test_defaults_resolve_to_atcs_blocks_and_rows_name_the_rule():
         (dict(), r"needs keep_rate= \(fraction of patch tokens kept per reduction block\)"),
         (dict(keep_rate=1.5), r"keep_rate must be None or a float in \(0, 1\]"),
         (dict(keep_rate=0.5, cluster_layers=(2, 1)), "cluster_layers must be strictly increasing"),
+        (dict(keep_rate=0.5, cluster_layers="all"), "cluster_layers must be 'atc' .*, 'inner' .* or block indices; got 'all'"),
         (dict(keep_rate=0.5, cluster_layers=(1, 4)), r"cluster_layers must lie in \[0, 3\] for this 4-block model"),
         (dict(keep_rate=0.5), "cluster_layers: ATC's blocks 3, 6, 9 of 12 do not scale to this 4-block model"),
         (dict(keep_rate=0.5, cluster_layers=(1, 2), head=NormHead(), score_layer=1),
@@ -211,6 +217,11 @@ def test_defaults_resolve_to_atcs_blocks_and_rows_name_the_rule():
 def test_invalid_options_name_the_field(kwargs, match):
     with pytest.raises(PullbackError, match=match):
         patch.timm(tiny_vit(), strategy="importance_cluster", **kwargs)
+
+
+def test_inner_blocks_need_three_blocks():
+    with pytest.raises(PullbackError, match="cluster_layers='inner' names every block after block 0 but the last, and this 2-block"):
+        patch.timm(tiny_vit(depth=2), strategy="importance_cluster", keep_rate=0.5, cluster_layers="inner")
 
 
 def test_fullgraph_compile_equals_eager_and_the_eager_forward_reads_nothing_on_the_host():

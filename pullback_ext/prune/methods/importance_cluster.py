@@ -10,7 +10,9 @@ the bound importance_tome ranks its pairs by (:mod:`.importance_tome`):
    (the layer it was trained on): each token's energy is ``e = size · imp²`` (its ``imp²`` shrunk
    ``shrink`` toward the image's mean as importance_tome's are,
    :func:`~.importance_tome.shrunk`), and merged energies add. Without a head ``e = size``;
-2. in the blocks of ``cluster_layers`` (None: ATC's 3, 6, 9 of 12, scaled to the model's depth),
+2. in the blocks of ``cluster_layers`` (``atc``: ATC's 3, 6, 9 of 12, scaled to the model's depth;
+   ``inner``: every block after the scored one, block 0 without a head, but the last, which
+   reaches further),
    between attention and MLP, the ``s``-th of them keeps ``int(N0 · keep_rate^s)`` of the model's
    ``N0`` patch tokens (ATC's count, :func:`~.atc.cluster_count`);
 3. a cluster ``c`` of the current patch tokens has a size ``S`` and an energy ``E`` (the sums
@@ -38,15 +40,16 @@ of steps, unrolled when compiled.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import working_precision
 from pullback_ext.prune.merged_tokens import MergedTokens
-from pullback_ext.prune.methods.atc import ATC, _set_line, checked_keep_rate, cluster_count, cluster_matching
-from pullback_ext.prune.methods.base import BackboneShape
+from pullback_ext.prune.methods.atc import (ATC, _set_line, checked_keep_rate, cluster_count, cluster_matching,
+                                            resolved_layers)
+from pullback_ext.prune.methods.base import BackboneShape, BlockLoopMethod
 from pullback_ext.prune.methods.importance_tome import SHRINK, head_layer, shrunk, token_energy
 from pullback_ext.prune.methods.merging import Matching, MergeStep, apply_matching, key_metric, merge_values
 from pullback_ext.prune.option_checks import count, is_real, layer_list
@@ -93,23 +96,46 @@ def agglomerate_bound(unit: torch.Tensor, sizes: torch.Tensor, energy: torch.Ten
     return owner
 
 
+LAYER_SETS = ("atc", "inner")  # the named values of cluster_layers (see ImportanceClusterOptions)
+
+
+def checked_layers(value):
+    if isinstance(value, str):
+        if value not in LAYER_SETS:
+            raise PullbackError(f"cluster_layers must be 'atc' (ATC's blocks 3, 6, 9 of 12, scaled), 'inner' (every block "
+                                f"after the scored one but the last) or block indices; got {value!r}")
+        return value
+    return layer_list(value, "cluster_layers")
+
+
+def blocks_of(value, depth: int, after: int = 0) -> tuple:
+    """The blocks ``cluster_layers`` names in a ``depth``-block model, checked; ``inner``: every block
+    after block ``after`` (the scored one; 0 without a head) but the last."""
+    if value == "inner":
+        if after + 1 > depth - 2:
+            raise PullbackError(f"cluster_layers='inner' names every block after block {after} but the last, and this "
+                                f"{depth}-block model has none")
+        return tuple(range(after + 1, depth - 1))
+    return resolved_layers(None if value == "atc" else value, depth, "cluster_layers")
+
+
 @dataclass(frozen=True)
 class ImportanceClusterOptions:
     """``keep_rate`` in (0, 1] (required): the ``s``-th clustering block keeps ``int(N0 · keep_rate^s)``
-    clusters of the ``N0`` patch tokens; ``cluster_layers``: the blocks that cluster (0-based; None:
-    ATC's 3, 6, 9 of 12, scaled); ``score_layer``: the block whose output the head scores (None: the
+    clusters of the ``N0`` patch tokens; ``cluster_layers``: the blocks that cluster, 0-based indices,
+    ``atc`` (default: ATC's 3, 6, 9 of 12, scaled) or ``inner`` (every block after the scored one,
+    block 0 without a head, but the last: further reach, docs/importance_tome_findings.md §8); ``score_layer``: the block whose output the head scores (None: the
     layer it was trained on), before the first clustering block; ``shrink`` in [0, 1]: each token's
     ``imp²`` moved that far toward its image's mean before it becomes an energy (as importance_tome's)."""
 
     keep_rate: Optional[float] = None
-    cluster_layers: Optional[tuple[int, ...]] = None
+    cluster_layers: tuple[int, ...] | Literal["atc", "inner"] = "atc"
     score_layer: Optional[int] = None
     shrink: float = SHRINK
 
     def __post_init__(self):
         object.__setattr__(self, "keep_rate", checked_keep_rate(self.keep_rate))
-        layers = None if self.cluster_layers is None else layer_list(self.cluster_layers, "cluster_layers")
-        object.__setattr__(self, "cluster_layers", layers)
+        object.__setattr__(self, "cluster_layers", checked_layers(self.cluster_layers))
         if self.score_layer is not None:
             object.__setattr__(self, "score_layer", count("score_layer", self.score_layer, 0))
         if not is_real(self.shrink) or not 0.0 <= float(self.shrink) <= 1.0:
@@ -128,7 +154,7 @@ class ImportanceCluster(ATC):
     options_type = ImportanceClusterOptions
     takes = ("prop_attn", "head")
     layers_field = "cluster_layers"
-    sweep = {"keep_rate": (0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25)}
+    sweep = {"keep_rate": (0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25), "cluster_layers": LAYER_SETS}
 
     def checked_head(self, head, layers: tuple):
         if head is not None and (isinstance(head, (list, tuple)) or not callable(head)):
@@ -137,11 +163,12 @@ class ImportanceCluster(ATC):
         return head
 
     def resolve(self, options, backbone: BackboneShape) -> dict:
-        choices = super().resolve(options, backbone)
-        if options.head is None:
+        score = None if options.head is None else head_layer(options.head) if options.score_layer is None else options.score_layer
+        layers = blocks_of(options.cluster_layers, backbone.depth, 0 if score is None else score)
+        choices = dict(BlockLoopMethod.resolve(self, options, backbone), cluster_layers=layers)
+        if score is None:
             return choices
-        score = head_layer(options.head) if options.score_layer is None else options.score_layer
-        first = choices["cluster_layers"][0]
+        first = layers[0]
         if score >= first:
             given = "score_layer" if options.score_layer is not None else "the layer the head was trained on"
             raise PullbackError(f"score_layer: the head scores block {score} ({given}), which must come before the first "
