@@ -65,16 +65,19 @@ def cluster_costs(centre_a: torch.Tensor, size_a: torch.Tensor, energy_a: torch.
 
 
 def agglomerate_bound(unit: torch.Tensor, sizes: torch.Tensor, energy: torch.Tensor, count: int) -> torch.Tensor:
-    """The greedy agglomeration of ``n`` tokens with unit keys ``unit [B, n, d]``, sizes and energies
+    """The greedy agglomeration of ``n`` tokens with unit-length keys ``unit [B, n, d]``, sizes and energies
     ``[B, n]`` into ``count`` clusters by :func:`cluster_costs`; returns ``[B, n]``: the smallest
     member of each token's cluster. Each of the ``n - count`` steps merges the pair ``(a, b)`` of the
     lowest cost, ``a < b`` their smallest members, ties to the first in lexicographic order."""
-    b, n, _ = unit.shape
+    b, n, d = unit.shape
     centre, sizes, energy = unit.clone(), sizes.to(unit.dtype).clone(), energy.to(unit.dtype).clone()
-    cost = cluster_costs(centre[:, :, None], sizes[:, :, None], energy[:, :, None], centre[:, None], sizes[:, None],
-                         energy[:, None])
+    weight = (energy[:, :, None] * sizes[:, None].square() + energy[:, None] * sizes[:, :, None].square()) / (
+        sizes[:, :, None] + sizes[:, None]).square()
+    # ‖u_a − u_b‖² = 2 − 2 cos of unit keys: [B, n, n] without a [B, n, n, d] difference; the upper
+    # triangle mirrored, so that the matrix is symmetric to the last bit as the row updates keep it
+    upper = torch.triu((2.0 - 2.0 * unit @ unit.transpose(1, 2)).clamp_min(0.0), diagonal=1)
     eye = torch.eye(n, dtype=torch.bool, device=unit.device)
-    cost = cost.masked_fill(eye, float("inf"))
+    cost = (weight * (upper + upper.transpose(1, 2))).masked_fill(eye, float("inf"))
     active = torch.ones(b, n, dtype=torch.bool, device=unit.device)
     owner = torch.arange(n, device=unit.device).expand(b, n)
     for _ in range(n - count):
@@ -82,10 +85,10 @@ def agglomerate_bound(unit: torch.Tensor, sizes: torch.Tensor, energy: torch.Ten
         a, z = (flat // n)[:, None], (flat % n)[:, None]  # a < z: the first minimum of a symmetric matrix
         size_a, size_z = sizes.gather(1, a), sizes.gather(1, z)
         merged_size = size_a + size_z
-        merged_centre = (size_a[..., None] * centre.gather(1, a[..., None].expand(b, 1, centre.shape[2]))
-                         + size_z[..., None] * centre.gather(1, z[..., None].expand(b, 1, centre.shape[2]))) / merged_size[..., None]
+        at_a, at_z = a[..., None].expand(b, 1, d), z[..., None].expand(b, 1, d)
+        merged_centre = (size_a[..., None] * centre.gather(1, at_a) + size_z[..., None] * centre.gather(1, at_z)) / merged_size[..., None]
         merged_energy = energy.gather(1, a) + energy.gather(1, z)
-        centre = centre.scatter(1, a[..., None].expand(b, 1, centre.shape[2]), merged_centre)
+        centre = centre.scatter(1, at_a, merged_centre)
         sizes, energy = sizes.scatter(1, a, merged_size), energy.scatter(1, a, merged_energy)
         active = active.scatter(1, z, False)
         row = cluster_costs(merged_centre, merged_size, merged_energy, centre, sizes, energy)
