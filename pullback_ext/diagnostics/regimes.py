@@ -19,14 +19,16 @@ REGIMES = {
 # The token reduction each regime calls for (pullback_ext.prune.methods.importance_tome), from the
 # matched-cost comparisons of docs/prune.md ("Which method, by regime"): a head's ranking guards the
 # merges where importance is localised and a head ranks it; elsewhere the size-weighted merge cost
-# without a head, which no per-token score can improve on there.
+# without a head, which no per-token score can improve on there, and for a dense decoder the same cost
+# between clusters at a few blocks (importance_cluster: ahead of ATC and ToMe on the depth page).
+DENSE = "; for a dense decoder strategy='importance_cluster', head=None"
 REDUCTION = {
-    "i": "strategy='importance_tome', head=None: per-token importance is delocalised, no head ranks it",
-    "ii": "strategy='importance_tome', head=None: per-token importance is delocalised, no head ranks it",
+    "i": "strategy='importance_tome', head=None: per-token importance is delocalised, no head ranks it" + DENSE,
+    "ii": "strategy='importance_tome', head=None: per-token importance is delocalised, no head ranks it" + DENSE,
     "iii": "strategy='importance_tome' with an importance head trained at the scored layer",
     "iv": "strategy='importance_tome' with an importance head trained at the scored layer",
     "v": ("strategy='importance_tome' with an importance head where one ranks imp* well (held-out Spearman ρ ≳ 0.8), "
-          "else head=None"),
+          "else head=None" + DENSE),
 }
 
 

@@ -127,9 +127,10 @@ class ImportanceClusterOptions:
     """``keep_rate`` in (0, 1] (required): the ``s``-th clustering block keeps ``int(N0 · keep_rate^s)``
     clusters of the ``N0`` patch tokens; ``cluster_layers``: the blocks that cluster, 0-based indices,
     ``atc`` (default: ATC's 3, 6, 9 of 12, scaled) or ``inner`` (every block after the scored one,
-    block 0 without a head, but the last: further reach, docs/importance_tome_findings.md §8); ``score_layer``: the block whose output the head scores (None: the
-    layer it was trained on), before the first clustering block; ``shrink`` in [0, 1]: each token's
-    ``imp²`` moved that far toward its image's mean before it becomes an energy (as importance_tome's)."""
+    block 0 without a head, but the last: further reach, docs/importance_tome_findings.md §8);
+    ``score_layer``: the block whose output the head scores (None: the layer it was trained on),
+    before the first clustering block; ``shrink`` in [0, 1]: each token's ``imp²`` moved that far
+    toward its image's mean before it becomes an energy (as importance_tome's)."""
 
     keep_rate: Optional[float] = None
     cluster_layers: tuple[int, ...] | Literal["atc", "inner"] = "atc"
@@ -152,7 +153,7 @@ class ImportanceCluster(ATC):
     importance_tome's bound between clusters, the learned importance (optional) weighting it."""
 
     name, short = "importance_cluster", "importance-weighted clustering"
-    title = "importance-weighted clustering (tokens clustered agglomeratively at 3 blocks by their merge's first-order error)"
+    title = "importance-weighted clustering (tokens clustered agglomeratively at a few blocks by their merge's first-order error)"
     kind, head_from, head_optional = "ours", "importance", True
     options_type = ImportanceClusterOptions
     takes = ("prop_attn", "head")
