@@ -146,13 +146,15 @@ def rows_of(args: argparse.Namespace, backbone, model) -> tuple[list, list]:
     points = build_points(methods, {m: g for m, g in given.items() if m in methods}, base, load_trained(args.trained, methods),
                           None, ratios)
     labels = [p.row or row_rules.row_label(pareto.resolve(p.options, backbone)) for p in points]
-    for folder in args.head:
+    names = [Path(folder).name for folder in args.head]
+    for folder, name in zip(args.head, names):
+        name = name if names.count(name) == 1 else folder  # two heads of one name: their rows stay apart
         head = load_metric(folder, backbone.features_dim)[0]
         own = {m: g for m, g in given.items() if m in args.head_methods}
         ours = [p for p in build_points(args.head_methods, own, base, {"importance": head}, None, ratios)
                 if p.options.head is not None]
         points += ours
-        labels += [f"{Path(folder).name}: {p.row or row_rules.row_label(pareto.resolve(p.options, backbone))}" for p in ours]
+        labels += [f"{name}: {p.row or row_rules.row_label(pareto.resolve(p.options, backbone))}" for p in ours]
     return points, labels
 
 

@@ -74,6 +74,22 @@ def test_head_methods_give_each_heads_rows_of_the_methods_named(tmp_path, capsys
         assert "--head-methods: expected a comma list of importance_tome, importance_cluster" in capsys.readouterr().err
 
 
+def test_two_heads_of_one_folder_name_keep_their_rows_apart(tmp_path):
+    from pullback_ext.metric import checkpoint
+    from pullback_ext.metric.head import ImportanceHead
+
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        checkpoint.save_model(tmp_path / f"seed{seed}" / "head", "head", ImportanceHead(192, hidden=32, heads=1),
+                              extra={"probe": {"layer": 0}})
+    out = tmp_path / "heldout.json"
+    assert heldout_photos.main(["--methods", "tome", "--sweep", "tome:r=8", "--head", str(tmp_path / "seed0" / "head"),
+                                "--head", str(tmp_path / "seed1" / "head"), "--sweep", "importance_tome:r=8",
+                                "--first", "300", "--count", "1", "--targets", "1.1", "--out", str(out)]) == 0
+    heads = {p["head"] for points in json.loads(out.read_text())["rows"].values() for p in points if p.get("head")}
+    assert heads == {str(tmp_path / "seed0" / "head"), str(tmp_path / "seed1" / "head")}
+
+
 def _point(r, schedule, early, flop_ratio, error, head="head"):
     return {"knob": {"r": r, "schedule": schedule, "early_merges": early}, "flop_ratio": flop_ratio, "head": head,
             "error": {"mean": error, "p95": 2 * error, "worst": 4 * error}}
