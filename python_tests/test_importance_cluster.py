@@ -70,7 +70,7 @@ def _no_shrink(monkeypatch):
 
 
 def _count_from_the_current_tokens(monkeypatch):
-    monkeypatch.setattr(ic, "cluster_count", lambda keep_rate, num_patch, stage, current: max(1, int(current * keep_rate)))
+    monkeypatch.setattr(atc, "cluster_count", lambda keep_rate, num_patch, stage, current: max(1, int(current * keep_rate)))
 
 
 BROKEN = {"prefix_tokens_clustered": _prefix_tokens_clustered, "atc_average_linkage": _atc_average_linkage,

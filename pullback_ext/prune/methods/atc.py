@@ -223,8 +223,13 @@ class ATC(MergingMethod):
         if count >= n:
             return None
         with torch.no_grad():
-            owner = agglomerate(cosine_distances(step.attended.k[:, :, p:]), count, o.linkage)
+            owner = self.cluster(step, count)
         return cluster_matching(owner, count, p)
+
+    def cluster(self, step: MergeStep, count: int) -> torch.Tensor:
+        """``[B, n]``: the cluster (its smallest member) of each of the ``n`` current patch tokens
+        when they are clustered into ``count``."""
+        return agglomerate(cosine_distances(step.attended.k[:, :, step.state.num_prefix:]), count, step.reduction.options.linkage)
 
     def apply(self, step: MergeStep, matching: Matching):
         average = size_weighted if step.reduction.options.prop_attn else plain_mean

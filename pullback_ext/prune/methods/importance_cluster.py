@@ -47,8 +47,7 @@ import torch
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import working_precision
 from pullback_ext.prune.merged_tokens import MergedTokens
-from pullback_ext.prune.methods.atc import (ATC, _set_line, checked_keep_rate, cluster_count, cluster_matching,
-                                            resolved_layers)
+from pullback_ext.prune.methods.atc import ATC, _set_line, checked_keep_rate, resolved_layers
 from pullback_ext.prune.methods.base import BackboneShape, BlockLoopMethod
 from pullback_ext.prune.methods.importance_tome import SHRINK, head_layer, shrunk, token_energy
 from pullback_ext.prune.methods.merging import Matching, MergeStep, apply_matching, key_metric, merge_values
@@ -197,19 +196,13 @@ class ImportanceCluster(ATC):
         if o.head is not None and block == o.score_layer:
             carry["energy"] = shrunk(token_energy(o.head, state.x, state.sizes), state.sizes, state.num_prefix, o.shrink)
 
-    def rank(self, step: MergeStep) -> Optional[Matching]:
-        state, o = step.state, step.reduction.options
-        p, n = state.num_prefix, state.num_patch
-        count = cluster_count(o.keep_rate, step.carry.setdefault("num_patch", n), step.r, n)
-        if count >= n:
-            return None
+    def cluster(self, step: MergeStep, count: int) -> torch.Tensor:
+        state, p = step.state, step.state.num_prefix
         unit = key_metric(step.attended.k[:, :, p:])
         sizes = (torch.ones_like(unit[..., 0]) if state.sizes is None else
                  working_precision(state.sizes[:, p:]).to(unit.dtype))
         energy = sizes if step.carry["energy"] is None else step.carry["energy"][:, p:]
-        with torch.no_grad():
-            owner = agglomerate_bound(unit, sizes, energy, count)
-        return cluster_matching(owner, count, p)
+        return agglomerate_bound(unit, sizes, energy, count)
 
     def apply(self, step: MergeStep, matching: Matching) -> MergedTokens:
         if step.carry["energy"] is not None:
