@@ -34,21 +34,27 @@ def linkage_distance(dist: list, first: list, second: list, linkage: str) -> flo
     raise ValueError(linkage)
 
 
-def agglomerate(dist: list, count: int, linkage: str) -> list:
-    """The clusters (sorted lists of point indices, ordered by their smallest member) left when the
-    ``len(dist)`` points are merged greedily, closest pair first, until ``count`` remain."""
-    clusters = [[i] for i in range(len(dist))]
+def greedy_clusters(n: int, count: int, distance) -> list:
+    """The clusters (sorted lists of point indices, ordered by their smallest member) left when ``n``
+    points are merged greedily, the pair of the least ``distance(first, second)`` (two clusters)
+    first, until ``count`` remain."""
+    clusters = [[i] for i in range(n)]
     while len(clusters) > count:
         best = None
         for a in range(len(clusters)):
             for b in range(a + 1, len(clusters)):
-                d = linkage_distance(dist, clusters[a], clusters[b], linkage)
+                d = distance(clusters[a], clusters[b])
                 if best is None or d < best[0]:  # strict: the first of equal distances wins
                     best = (d, a, b)
         _, a, b = best
         clusters[a] = sorted(clusters[a] + clusters[b])
         del clusters[b]
     return clusters
+
+
+def agglomerate(dist: list, count: int, linkage: str) -> list:
+    """:func:`greedy_clusters` of the ``len(dist)`` points under ``linkage``."""
+    return greedy_clusters(len(dist), count, lambda first, second: linkage_distance(dist, first, second, linkage))
 
 
 def cosine_distances(keys: torch.Tensor, tokens: list) -> list:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers.atc_reference import cluster_count
+from helpers.atc_reference import cluster_count, greedy_clusters
 from helpers.blocks import PLAIN, embed, places_of, unmerge
 
 
@@ -35,18 +35,7 @@ def merge_cost(unit: list, sizes: list, energy: list, first: list, second: list,
 def agglomerate(unit: list, sizes: list, energy: list, count: int, weighted: bool = True) -> list:
     """The clusters (sorted lists of token indices, ordered by their smallest member) left when the
     tokens are merged greedily, cheapest pair first, until ``count`` remain."""
-    clusters = [[i] for i in range(len(unit))]
-    while len(clusters) > count:
-        best = None
-        for a in range(len(clusters)):
-            for b in range(a + 1, len(clusters)):
-                c = merge_cost(unit, sizes, energy, clusters[a], clusters[b], weighted)
-                if best is None or c < best[0]:  # strict: the first of equal costs wins
-                    best = (c, a, b)
-        _, a, b = best
-        clusters[a] = sorted(clusters[a] + clusters[b])
-        del clusters[b]
-    return clusters
+    return greedy_clusters(len(unit), count, lambda first, second: merge_cost(unit, sizes, energy, first, second, weighted))
 
 
 def _cluster(x, keys, sizes, energy, sources, p, count):

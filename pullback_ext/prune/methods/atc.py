@@ -94,7 +94,7 @@ def linked(first: torch.Tensor, second: torch.Tensor, linkage: str) -> torch.Ten
     return first + second
 
 
-def _set_line(matrix: torch.Tensor, at: torch.Tensor, row: torch.Tensor) -> None:
+def set_line(matrix: torch.Tensor, at: torch.Tensor, row: torch.Tensor) -> None:
     """Replace row and column ``at [B]`` of ``matrix [B, n, n]`` by ``row [B, n]``, in place (symmetric)."""
     b, n, _ = matrix.shape
     index = at[:, None, None]
@@ -121,11 +121,11 @@ def agglomerate(dist: torch.Tensor, count: int, linkage: str) -> torch.Tensor:
         rows = torch.gather(totals, 1, pair[:, :, None].expand(b, 2, n))
         merged = linked(rows[:, 0], rows[:, 1], linkage).scatter(1, pair, float("inf"))
         counts.scatter_add_(1, a[:, None], torch.gather(counts, 1, z[:, None]))
-        _set_line(totals, z, torch.full_like(merged, float("inf")))
-        _set_line(totals, a, merged)
+        set_line(totals, z, torch.full_like(merged, float("inf")))
+        set_line(totals, a, merged)
         if linkage == "average":
-            _set_line(dist, z, torch.full_like(merged, float("inf")))
-            _set_line(dist, a, merged / (torch.gather(counts, 1, a[:, None]) * counts))
+            set_line(dist, z, torch.full_like(merged, float("inf")))
+            set_line(dist, a, merged / (torch.gather(counts, 1, a[:, None]) * counts))
         owner = torch.where(owner == z[:, None], a[:, None], owner)
     return owner
 

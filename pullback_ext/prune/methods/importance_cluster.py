@@ -47,11 +47,12 @@ import torch
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import working_precision
 from pullback_ext.prune.merged_tokens import MergedTokens
-from pullback_ext.prune.methods.atc import ATC, _set_line, checked_keep_rate, resolved_layers
+from pullback_ext.prune.methods.atc import ATC, set_line, checked_keep_rate, resolved_layers
 from pullback_ext.prune.methods.base import BackboneShape, BlockLoopMethod
-from pullback_ext.prune.methods.importance_tome import SHRINK, head_layer, shrunk, token_energy
+from pullback_ext.prune.methods.importance_tome import (SHRINK, checked_shrink, checked_single_head, head_layer, shrunk,
+                                                        token_energy)
 from pullback_ext.prune.methods.merging import Matching, MergeStep, apply_matching, key_metric, merge_values
-from pullback_ext.prune.option_checks import count, is_real, layer_list
+from pullback_ext.prune.option_checks import count, layer_list
 
 
 def cluster_costs(centre_a: torch.Tensor, size_a: torch.Tensor, energy_a: torch.Tensor,
@@ -92,8 +93,8 @@ def agglomerate_bound(unit: torch.Tensor, sizes: torch.Tensor, energy: torch.Ten
         active = active.scatter(1, z, False)
         row = cluster_costs(merged_centre, merged_size, merged_energy, centre, sizes, energy)
         row = row.masked_fill(~active, float("inf")).scatter(1, a, float("inf"))
-        _set_line(cost, z[:, 0], torch.full_like(row, float("inf")))
-        _set_line(cost, a[:, 0], row)
+        set_line(cost, z[:, 0], torch.full_like(row, float("inf")))
+        set_line(cost, a[:, 0], row)
         owner = torch.where(owner == z, a, owner)
     return owner
 
@@ -141,10 +142,7 @@ class ImportanceClusterOptions:
         object.__setattr__(self, "cluster_layers", checked_layers(self.cluster_layers))
         if self.score_layer is not None:
             object.__setattr__(self, "score_layer", count("score_layer", self.score_layer, 0))
-        if not is_real(self.shrink) or not 0.0 <= float(self.shrink) <= 1.0:
-            raise PullbackError(f"shrink must be a number in [0, 1] (how far the energies move toward their image's mean; "
-                                f"1: no head); got {self.shrink!r}")
-        object.__setattr__(self, "shrink", float(self.shrink))
+        object.__setattr__(self, "shrink", checked_shrink(self.shrink))
 
 
 class ImportanceCluster(ATC):
@@ -160,10 +158,7 @@ class ImportanceCluster(ATC):
     sweep = {"keep_rate": (0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25), "cluster_layers": LAYER_SETS}
 
     def checked_head(self, head, layers: tuple):
-        if head is not None and (isinstance(head, (list, tuple)) or not callable(head)):
-            raise PullbackError(f"strategy 'importance_cluster' takes head= an importance head (F [B, K, D] -> [B, K]) or None; "
-                                f"got {head!r}")
-        return head
+        return checked_single_head(self.name, head)
 
     def resolve(self, options, backbone: BackboneShape) -> dict:
         score = None if options.head is None else head_layer(options.head) if options.score_layer is None else options.score_layer

@@ -86,6 +86,21 @@ SHRINK = 0.2
 DEFAULT_SCORE_LAYER = 1
 
 
+def checked_shrink(value) -> float:
+    """``shrink`` checked: a number in [0, 1]."""
+    if not is_real(value) or not 0.0 <= float(value) <= 1.0:
+        raise PullbackError(f"shrink must be a number in [0, 1] (how far the energies move toward their image's mean; "
+                            f"1: no head); got {value!r}")
+    return float(value)
+
+
+def checked_single_head(method: str, head):
+    """``head=`` of a method that takes one importance head or none, checked."""
+    if head is not None and (isinstance(head, (list, tuple)) or not callable(head)):
+        raise PullbackError(f"strategy {method!r} takes head= an importance head (F [B, K, D] -> [B, K]) or None; got {head!r}")
+    return head
+
+
 @dataclass(frozen=True)
 class ImportanceToMeOptions(ToMeOptions):
     """ToMe's ``r`` (required) and ``schedule`` (``auto``: chosen from ``r``, :func:`auto_setting`);
@@ -111,9 +126,6 @@ class ImportanceToMeOptions(ToMeOptions):
         super().__post_init__()
         if not is_real(self.guard) or not 0.0 <= float(self.guard) <= 8.0:
             raise PullbackError(f"guard must be a number in [0, 8] (the energies' exponent in the merge cost); got {self.guard!r}")
-        if not is_real(self.shrink) or not 0.0 <= float(self.shrink) <= 1.0:
-            raise PullbackError(f"shrink must be a number in [0, 1] (how far the energies move toward their image's mean; "
-                                f"1: no head); got {self.shrink!r}")
         if self.partner not in PARTNERS:
             raise PullbackError(f"partner must be one of {', '.join(PARTNERS)}; got {self.partner!r}")
         if not isinstance(self.early_merges, bool) and self.early_merges != AUTO:
@@ -121,7 +133,7 @@ class ImportanceToMeOptions(ToMeOptions):
         if self.score_layer is not None:
             object.__setattr__(self, "score_layer", count("score_layer", self.score_layer, 0))
         object.__setattr__(self, "guard", float(self.guard))
-        object.__setattr__(self, "shrink", float(self.shrink))
+        object.__setattr__(self, "shrink", checked_shrink(self.shrink))
 
 
 def tome_reach(r: int, schedule: str, backbone: BackboneShape) -> float:
@@ -258,9 +270,7 @@ class ImportanceToMe(MergingMethod):
     defaults_sweep = {"r": (*range(2, 25), 28, 32, 40, 48)}
 
     def checked_head(self, head, layers: tuple):
-        if head is not None and (isinstance(head, (list, tuple)) or not callable(head)):
-            raise PullbackError(f"strategy 'importance_tome' takes head= an importance head (F [B, K, D] -> [B, K]) or None; got {head!r}")
-        return head
+        return checked_single_head(self.name, head)
 
     def resolve(self, options, backbone: BackboneShape) -> dict:
         score = head_layer(options.head) if options.score_layer is None else options.score_layer
