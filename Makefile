@@ -37,7 +37,7 @@ results-demo: setup
 # importance heads and DTEM's embeddings they use are trained first, each step skipped when its output exists. Hours on a 2-core machine;
 # the depth page times batch 16 rather than 64 (its targets are FLOP ratios; a quarter of the time).
 PARETO_PHOTOS = $(VENV)/bin/pullback evaluate --model demo --images builtin:photos --pareto --num-images 110 --seeds 1 --threads 1 --overwrite
-PARETO_CLS_METHODS ?= importance,importance_tome,tome,pitome,mctf,tofu,atc,dtem,evit,asap,random
+PARETO_CLS_METHODS ?= importance,importance_tome,importance_cluster,tome,pitome,mctf,tofu,atc,dtem,evit,asap,random
 PARETO_DEPTH_METHODS ?= importance,importance_tome,importance_cluster,tome,pitome,mctf,tofu,atc,dtem,evit,expedite,asap,random
 # The small head docs/importance_tome_findings.md chose (38k parameters, 1.2% of the backbone's FLOPs: the size `pullback train head` gives the demo by default).
 TRAIN_HEAD = $(VENV)/bin/pullback train head --model demo --targets randnla --steps 400 --mlp-hidden 64 --hidden 64 --heads 2
@@ -69,7 +69,7 @@ runs/head_depth/results.json: | setup
 
 results-pareto: setup runs/head_cls_l0_ft/results.json runs/head_depth/results.json runs/dtem_cls/results.json runs/dtem_depth/results.json
 	$(PARETO_PHOTOS) --task cls --layers 1 --head runs/head_cls_l0_ft --trained dtem=runs/dtem_cls --methods $(PARETO_CLS_METHODS) --ratios 0.1,0.2,0.3,0.4,0.5,0.6,0.7 \
-		--results-page pareto-cls-photos --out out/pareto_cls_photos
+		--sweep importance_cluster:head=trained,none --results-page pareto-cls-photos --out out/pareto_cls_photos
 	$(PARETO_PHOTOS) --task depth --layers 2 --head runs/head_depth --trained dtem=runs/dtem_depth --methods $(PARETO_DEPTH_METHODS) --ratios 0.1,0.2,0.3,0.5,0.7 \
 		--sweep importance_tome:head=trained,none --sweep importance_cluster:head=trained,none --time-batches 1,16 \
 		--results-page pareto-depth-photos --out out/pareto_depth_photos

@@ -13,7 +13,11 @@
 
 #include <climits>
 #include <initializer_list>
+#include <optional>
 #include <sstream>
+#include <string_view>
+
+#include "agglomeration.h"
 
 namespace pullback {
 
@@ -96,6 +100,34 @@ inline void expect_selection_operands(const at::Tensor& order, const at::Tensor&
   expect_tensor(op, partner, "partner", {order.size(0), order.size(1)}, order.device(), at::kLong);
   expect_that(count >= 0 && count <= order.size(1) && order.size(1) <= INT_MAX, op,
               "the kernels need 0 <= count <= n <= 2^31-1, got count = ", count, ", n = ", order.size(1));
+}
+
+// agglomerate: dist [B,n,n] float or double; sizes and energy [B,n] of dist's dtype and device with
+// the bound linkage, else absent; 0 <= count <= n; linkage one of agglomeration::kLinkageNames.
+// Returns the linkage's code.
+inline int expect_agglomeration_operands(const at::Tensor& dist, const std::optional<at::Tensor>& sizes,
+                                         const std::optional<at::Tensor>& energy, int64_t count,
+                                         std::string_view linkage) {
+  constexpr const char* op = "agglomerate";
+  int code = -1;
+  for (int k = 0; k < agglomeration::kNumLinkages; ++k) {
+    if (linkage == agglomeration::kLinkageNames[k]) code = k;
+  }
+  expect_that(code >= 0, op, "linkage must be average, single, complete or bound, got ", std::string(linkage));
+  expect_that(dist.scalar_type() == at::kFloat || dist.scalar_type() == at::kDouble, op,
+              "the kernels take float or double distances, got ", dist.scalar_type());
+  expect_tensor(op, dist, "dist", {-1, -1, dist.dim() == 3 ? dist.size(1) : -1}, dist.device(), dist.scalar_type());
+  const int64_t B = dist.size(0), n = dist.size(1);
+  const bool bound = code == agglomeration::kBound;
+  expect_that(sizes.has_value() == bound && energy.has_value() == bound, op,
+              "sizes and energy are given with the bound linkage and only then");
+  if (bound) {
+    expect_tensor(op, *sizes, "sizes", {B, n}, dist.device(), dist.scalar_type());
+    expect_tensor(op, *energy, "energy", {B, n}, dist.device(), dist.scalar_type());
+  }
+  expect_that(count >= 0 && count <= n && n <= INT_MAX, op, "the kernels need 0 <= count <= n <= 2^31-1, got count = ",
+              count, ", n = ", n);
+  return code;
 }
 
 }  // namespace pullback

@@ -316,3 +316,48 @@ def select_with_partners(order: Tensor, partner: Tensor, count: int, *, values: 
         _raise_first([_out_of_range(order, "order", n), _out_of_range(partner, "partner", n)])
         _raise_first([_repeated(order, lambda b, t: f"order must be a permutation of 0..{n - 1} in every row: "
                                                     f"row {b} holds {t} twice")])
+
+
+AGGLOMERATION_LINKAGES = ("average", "single", "complete", "bound")
+
+
+def agglomerate(dist: Tensor, sizes, energy, count: int, linkage: str, *, values: bool = False,
+                finite: bool = False) -> None:
+    """dist [B,n,n] floating; sizes and energy [B,n] of dist's dtype and device with ``linkage="bound"``,
+    else None; count an int with min(1, n) <= count <= n; ``values``: dist symmetric, sizes > 0,
+    energy >= 0."""
+    _batch3(dist, "dist", "[B, n, n]")
+    B, n = dist.shape[0], dist.shape[1]
+    _shape(dist, "dist", (B, n, n), "[B, n, n]")
+    if linkage not in AGGLOMERATION_LINKAGES:
+        raise PullbackError(f"linkage must be one of {', '.join(AGGLOMERATION_LINKAGES)}, got {linkage!r}")
+    bound = linkage == "bound"
+    for name, t in (("sizes", sizes), ("energy", energy)):
+        if bound and t is None:
+            raise PullbackError(f"linkage 'bound' needs {name} [B, n], got None")
+        if not bound and t is not None:
+            raise PullbackError(f"{name} is read by linkage 'bound' only; got a tensor with linkage {linkage!r}")
+        if t is not None:
+            _shape(t, name, (B, n), "[B, n]")
+            _like(t, name, dist, "dist")
+    _require(isinstance(count, int) and not isinstance(count, bool), TypeError,
+             lambda: f"count must be an int, got {type(count).__name__}")
+    _require(count <= n, PullbackError, lambda: f"count must be <= n = {n} (dist has shape [B, n, n]), got {count}")
+    _require(count >= min(1, n), PullbackError, lambda: f"count must be >= 1 (clusters kept), got {count}")
+    if finite:
+        _finite(dist=dist, **({"sizes": sizes, "energy": energy} if bound else {}))
+    if values:
+        mirror = dist.transpose(1, 2)
+        asymmetric = (dist != mirror) & ~(dist.isnan() & mirror.isnan())
+
+        def not_symmetric() -> Exception:
+            b, i, j = _first(asymmetric)
+            return PullbackError(f"dist must be symmetric: dist[{b}, {i}, {j}] = {float(dist[b, i, j])} but "
+                                 f"dist[{b}, {j}, {i}] = {float(dist[b, j, i])}")
+
+        failures = [(asymmetric, not_symmetric)]
+        if bound:
+            failures += [(~(sizes > 0), lambda: PullbackError(f"sizes must be > 0 everywhere, got a minimum of "
+                                                               f"{float(sizes.min())}")),
+                         _negative(energy, "energy")]
+        _raise_first(failures)

@@ -24,6 +24,8 @@ What the extension's ops become (indices are int64; B batch, N tokens, D channel
   ``ScatterElements``) per candidate, at most ``2·count`` steps (the graph grows with the budget);
 - ``merge_step``: its reference, the unfused merge (``Gather``/``MatMul``/``ReduceMax`` for the
   ranking, ``TopK`` for its stable sort, then the ``merge_tokens`` form above);
+- ``agglomerate``: its reference unrolled, one step (``ArgMin`` over the flattened matrix, a row
+  update by ``GatherElements``/``ScatterElements``) per merge, ``n - count`` steps;
 - ``token_importance``, ``lowrank_metric_apply``, ``lowrank_metric_quadform``: their reference
   formulas (``MatMul``, ``ReduceSum``, ``Sqrt``);
 - ``aten.sort.stable``: ``TopK`` over the whole axis (ONNX orders ties by index, so it is stable).
@@ -103,6 +105,7 @@ def decompositions() -> dict:
         pe.lowrank_metric_apply.default: reference.lowrank_metric_apply,
         pe.lowrank_metric_quadform.default: reference.lowrank_metric_quadform,
         **({pe.merge_step.default: reference.merge_step} if hasattr(pe, "merge_step") else {}),
+        **({pe.agglomerate.default: reference.agglomerate} if hasattr(pe, "agglomerate") else {}),
     }
 
 

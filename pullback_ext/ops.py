@@ -43,6 +43,7 @@ __all__ = [
     "reinsert_tokens",
     "select_with_partners",
     "merge_step",
+    "agglomerate",
     "uses_compiled",
 ]
 
@@ -50,6 +51,7 @@ _C = load_compiled()
 _CUDA_BUILT = bool(_C is not None and _C.cuda_available())
 # A build from before merge_step runs its reference (and the methods their unfused merges).
 _HAS_MERGE_STEP = bool(_C is not None and hasattr(torch.ops.pullback_ext, "merge_step"))
+_HAS_AGGLOMERATE = bool(_C is not None and hasattr(torch.ops.pullback_ext, "agglomerate"))
 _CPU_DTYPES = (torch.float32, torch.float64)
 _CUDA_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -215,6 +217,37 @@ def merge_step(
     return torch.ops.pullback_ext.merge_step(*args) if merge_step_compiled(x) else reference.merge_step(*args)
 
 
+def agglomerate(dist: Tensor, sizes: Tensor | None = None, energy: Tensor | None = None, *, count: int,
+                linkage: str = "average", check_values: bool = True, check_finite: bool = False) -> Tensor:
+    """The greedy agglomerative clustering of ``n`` points into ``count`` clusters (ATC's and
+    importance_cluster's): ``owner [B,n]`` int64, the smallest member of each point's cluster.
+
+    dist [B,n,n] (symmetric; its diagonal is never a candidate pair where it is ``inf``, and with
+    ``bound`` it is never read), ``min(1, n) <= count <= n``. Each of the ``n - count`` steps merges the
+    two clusters ``(a, z)`` of the least linkage value, ``a < z`` their smallest members, the first
+    minimum of the symmetric matrix in row-major order on ties, and computes the merged cluster's
+    values to every other:
+
+    - ``"average"`` (UPGMA): the mean of the member distances; ``"single"`` the least, ``"complete"``
+      the largest (dist: the points' distances, ``inf`` on the diagonal, as ATC's);
+    - ``"bound"``: importance_cluster's cost ``(E_a S_b² + E_b S_a²) / (S_a + S_b)² · ‖k_a - k_b‖²``
+      from sizes and energy [B,n] (dist's dtype; sums over a cluster's points) and dist the squared
+      distances of the points ``‖k_i - k_j‖²``; a cluster's centre ``k`` is the size-weighted mean of
+      its points', its squared distances follow by Lance–Williams for centroids (clamped at 0).
+
+    The compiled kernels (float32/float64; CPU one image per task, CUDA one block per image) keep the
+    least entry of each row and rescan only the rows a merge touched: O(n²) per image where the
+    reference's loop of tensor ops is O(n³) and ``n - count`` dispatches of a dozen ops. They round every
+    value as the reference does and take its decisions bit for bit. ``check_values`` (dist symmetric,
+    sizes > 0, energy >= 0) reads the data; the kernels stay memory-safe without it. Forward-only.
+    """
+    count = operator.index(count)
+    _op_checks.agglomerate(dist, sizes, energy, count, linkage, values=check_values, finite=check_finite)
+    if _HAS_AGGLOMERATE and uses_compiled(dist) and dist.dtype in _CPU_DTYPES:
+        return torch.ops.pullback_ext.agglomerate(dist, sizes, energy, count, linkage)
+    return reference.agglomerate(dist, sizes, energy, count, linkage)
+
+
 # --- dispatcher registrations: fake (meta) kernels for torch.compile, autograd formulas ---------
 
 
@@ -275,6 +308,11 @@ def _register_fake_kernels() -> None:
     def _(order, partner, count):
         _op_checks.select_with_partners(order, partner, count)
         return order.new_empty((order.shape[0], count))
+
+    @(fake("agglomerate") if _HAS_AGGLOMERATE else (lambda f: f))
+    def _(dist, sizes, energy, count, linkage):
+        _op_checks.agglomerate(dist, sizes, energy, count, linkage)
+        return dist.new_empty(dist.shape[:2], dtype=torch.int64)
 
 
 def _register_flop_formula() -> None:

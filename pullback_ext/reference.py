@@ -24,6 +24,7 @@ __all__ = [
     "reinsert_tokens",
     "select_with_partners",
     "merge_step",
+    "agglomerate",
 ]
 
 
@@ -130,6 +131,90 @@ def select_with_partners(order: Tensor, partner: Tensor, count: int) -> Tensor:
     fill = left * (left.cumsum(1) <= count - taken).long()
     chosen = torch.maximum(chosen, torch.zeros_like(chosen).scatter(1, order, fill))
     return _kept_in_order(chosen, count)
+
+
+# --- the greedy agglomeration of ATC and importance_cluster (agglomerate) -----------------------
+
+LINKAGES = ("average", "single", "complete", "bound")
+
+
+def set_line(matrix: Tensor, at: Tensor, row: Tensor) -> None:
+    """Replace row and column ``at [B]`` of ``matrix [B, n, n]`` by ``row [B, n]``, in place (symmetric)."""
+    b, n, _ = matrix.shape
+    index = at[:, None, None]
+    matrix.scatter_(1, index.expand(b, 1, n), row[:, None, :])
+    matrix.scatter_(2, index.expand(b, n, 1), row[:, :, None])
+
+
+def _linked(first: Tensor, second: Tensor, linkage: str) -> Tensor:
+    if linkage == "single":
+        return torch.minimum(first, second)
+    if linkage == "complete":
+        return torch.maximum(first, second)
+    return first + second
+
+
+def bound_weight(energy_a: Tensor, size_a: Tensor, energy_b: Tensor, size_b: Tensor) -> Tensor:
+    """``(E_a S_b² + E_b S_a²) / (S_a + S_b)²`` (broadcast), the weight of importance_cluster's bound."""
+    return (energy_a * size_b.square() + energy_b * size_a.square()) / (size_a + size_b).square()
+
+
+def agglomerate(dist: Tensor, sizes: Optional[Tensor], energy: Optional[Tensor], count: int, linkage: str) -> Tensor:
+    """The greedy agglomeration of ``ops.agglomerate`` as a loop of ``n - count`` steps of tensor
+    ops: dist [B,n,n], sizes and energy [B,n] (``bound`` only) -> owner [B,n], the smallest member of
+    each point's cluster. Each step merges the pair ``(a, z)`` of the least value, the first minimum
+    of the symmetric matrix in row-major order (``a < z``), and updates the merged cluster's row."""
+    if linkage == "bound":
+        return _agglomerate_bound(dist, sizes, energy, count)
+    b, n, _ = dist.shape
+    dist = dist.clone()
+    totals = dist.clone() if linkage == "average" else dist
+    counts = torch.ones(b, n, dtype=dist.dtype, device=dist.device)
+    owner = torch.arange(n, device=dist.device).expand(b, n)
+    for _ in range(n - count):
+        flat = dist.flatten(1).argmin(dim=1)
+        a, z = flat // n, flat % n  # a < z: the first minimum of a symmetric matrix
+        pair = torch.stack([a, z], dim=1)
+        rows = torch.gather(totals, 1, pair[:, :, None].expand(b, 2, n))
+        merged = _linked(rows[:, 0], rows[:, 1], linkage).scatter(1, pair, float("inf"))
+        counts.scatter_add_(1, a[:, None], torch.gather(counts, 1, z[:, None]))
+        set_line(totals, z, torch.full_like(merged, float("inf")))
+        set_line(totals, a, merged)
+        if linkage == "average":
+            set_line(dist, z, torch.full_like(merged, float("inf")))
+            set_line(dist, a, merged / (torch.gather(counts, 1, a[:, None]) * counts))
+        owner = torch.where(owner == z[:, None], a[:, None], owner)
+    return owner
+
+
+def _agglomerate_bound(squared: Tensor, sizes: Tensor, energy: Tensor, count: int) -> Tensor:
+    """``agglomerate`` with the bound linkage: ``squared`` the squared distances of the points'
+    centres, each merged centre's distances by Lance–Williams for centroids (clamped at 0)."""
+    b, n, _ = squared.shape
+    squared, sizes, energy = squared.clone(), sizes.clone(), energy.clone()
+    eye = torch.eye(n, dtype=torch.bool, device=squared.device)
+    cost = (bound_weight(energy[:, :, None], sizes[:, :, None], energy[:, None], sizes[:, None]) * squared).masked_fill(
+        eye, float("inf"))
+    active = torch.ones(b, n, dtype=torch.bool, device=squared.device)
+    owner = torch.arange(n, device=squared.device).expand(b, n)
+    for _ in range(n - count):
+        flat = cost.flatten(1).argmin(dim=1)
+        a, z = (flat // n)[:, None], (flat % n)[:, None]  # a < z: the first minimum of a symmetric matrix
+        size_a, size_z = sizes.gather(1, a), sizes.gather(1, z)
+        merged_size, merged_energy = size_a + size_z, energy.gather(1, a) + energy.gather(1, z)
+        row_a = squared.gather(1, a[..., None].expand(b, 1, n))[:, 0]
+        row_z = squared.gather(1, z[..., None].expand(b, 1, n))[:, 0]
+        between = row_a.gather(1, z)
+        centre = ((size_a * row_a + size_z * row_z) / merged_size
+                  - size_a * size_z * between / (merged_size * merged_size)).clamp_min(0.0)
+        sizes, energy = sizes.scatter(1, a, merged_size), energy.scatter(1, a, merged_energy)
+        active = active.scatter(1, z, False)
+        row = (bound_weight(merged_energy, merged_size, energy, sizes) * centre).masked_fill(~active, float("inf"))
+        set_line(squared, a[:, 0], centre)
+        set_line(cost, z[:, 0], torch.full_like(row, float("inf")))
+        set_line(cost, a[:, 0], row.scatter(1, a, float("inf")))
+        owner = torch.where(owner == z, a, owner)
+    return owner
 
 
 # --- one merge step of ToMe's loop (merge_step) -------------------------------------------------

@@ -157,11 +157,12 @@ def test_with_any_sizes_and_energies_the_clustering_is_the_loop_reference():
     assert differs > 0
 
 
-def test_the_cost_is_symmetric_to_the_last_bit_and_equal_keys_tie_to_the_first_pair():
+def test_the_distances_are_symmetric_to_the_last_bit_and_equal_keys_tie_to_the_first_pair():
     g = torch.Generator().manual_seed(2)
-    c, s, e = torch.randn(5, 3, generator=g), torch.rand(5, generator=g) + 1, torch.rand(5, generator=g)
-    forward = ic.cluster_costs(c[:, None], s[:, None], e[:, None], c[None], s[None], e[None])
-    assert torch.equal(forward, forward.T)
+    unit = torch.nn.functional.normalize(torch.randn(2, 9, 3, generator=g), dim=-1)
+    squared = ic.squared_key_distances(unit)
+    assert torch.equal(squared, squared.transpose(1, 2))
+    assert torch.allclose(squared, torch.cdist(unit, unit).square(), atol=1e-5)
     same = torch.ones(1, 4, 2, dtype=torch.float64) / 2 ** 0.5
     ones = torch.ones(1, 4, dtype=torch.float64)
     assert ic.agglomerate_bound(same, ones, ones, 2).tolist() == [[0, 0, 0, 3]]  # (0, 1), then ({0, 1}, 2)

@@ -305,7 +305,7 @@ def test_build_mismatch_raises(monkeypatch):
 
 
 OP_NAMES = ["lowrank_metric_apply", "lowrank_metric_quadform", "token_importance", "block_orthonormalize",
-            "gather_tokens", "merge_tokens", "reinsert_tokens", "select_with_partners"]
+            "gather_tokens", "merge_tokens", "reinsert_tokens", "select_with_partners", "agglomerate"]
 
 
 def test_ops_have_one_kernel_per_device_and_no_pybind_surface():

@@ -32,13 +32,13 @@ How the clustering runs: the authors fit ``sklearn.cluster.AgglomerativeClusteri
 "precomputed")`` per image on the host (``atc.py:270-275``), which without connectivity is
 ``scipy.cluster.hierarchy.linkage`` cut at the cluster count — the partition after the first
 ``n - k`` greedy merges (the three linkages are reducible: merge heights never fall). Here the
-greedy agglomeration runs batched in torch on the device: a Python loop of ``n - k`` steps, a
-count fixed by the shapes (no value is read on the host), each step the closest pair of active
-clusters and a Lance–Williams update of the distances (``average`` keeps the sums of the member
-distances and divides by ``|A||B|``). Ties, which scipy leaves to its algorithm: the closest pair
-``(a, b)``, ``a < b``, first in lexicographic order, a cluster named by its smallest member (the
-current position) — the first minimum of the symmetric distance matrix in row-major order. The
-loop is unrolled when compiled (``n - k`` steps per reduction block).
+greedy agglomeration runs batched on the device in one op, :func:`pullback_ext.ops.agglomerate`
+(compiled kernels for float32/float64 on CPU and CUDA; elsewhere its reference, a loop of ``n - k``
+steps of tensor ops, unrolled when compiled): each step the closest pair of active clusters and a
+Lance–Williams update of the distances (``average`` keeps the sums of the member distances and
+divides by ``|A||B|``), no value read on the host. Ties, which scipy leaves to its algorithm: the
+closest pair ``(a, b)``, ``a < b``, first in lexicographic order, a cluster named by its smallest
+member (the current position) — the first minimum of the symmetric distance matrix in row-major order.
 
 Where the authors' code differs or is silent: a count that truncates to 0 skips the block there
 (``atc.py:92``), one cluster remains here; the cluster order after a merge is sklearn's label
@@ -84,50 +84,11 @@ def cosine_distances(keys: torch.Tensor) -> torch.Tensor:
     return (upper + upper.transpose(1, 2)).masked_fill(eye, float("inf"))
 
 
-def linked(first: torch.Tensor, second: torch.Tensor, linkage: str) -> torch.Tensor:
-    """The row ``[B, n]`` of a merged cluster from the rows of its two parts (Lance–Williams):
-    least, largest, or (``average``) summed member distances."""
-    if linkage == "single":
-        return torch.minimum(first, second)
-    if linkage == "complete":
-        return torch.maximum(first, second)
-    return first + second
-
-
-def set_line(matrix: torch.Tensor, at: torch.Tensor, row: torch.Tensor) -> None:
-    """Replace row and column ``at [B]`` of ``matrix [B, n, n]`` by ``row [B, n]``, in place (symmetric)."""
-    b, n, _ = matrix.shape
-    index = at[:, None, None]
-    matrix.scatter_(1, index.expand(b, 1, n), row[:, None, :])
-    matrix.scatter_(2, index.expand(b, n, 1), row[:, :, None])
-
-
 def agglomerate(dist: torch.Tensor, count: int, linkage: str) -> torch.Tensor:
     """The greedy agglomeration of ``n`` points with distances ``dist [B, n, n]`` (symmetric,
-    ``inf`` on the diagonal) into ``count`` clusters; returns ``[B, n]``: the smallest member of
-    each point's cluster. Each of the ``n - count`` steps merges the closest pair of clusters
-    ``(a, b)``, ``a < b`` their smallest members, ties to the first in lexicographic order, and
-    updates the merged cluster's distances (:func:`linked`; ``average``: the summed member
-    distances over the product of the cluster sizes)."""
-    b, n, _ = dist.shape
-    dist = dist.clone()
-    totals = dist.clone() if linkage == "average" else dist
-    counts = torch.ones(b, n, dtype=dist.dtype, device=dist.device)
-    owner = torch.arange(n, device=dist.device).expand(b, n)
-    for _ in range(n - count):
-        flat = dist.flatten(1).argmin(dim=1)
-        a, z = flat // n, flat % n  # a < z: the first minimum of a symmetric matrix
-        pair = torch.stack([a, z], dim=1)
-        rows = torch.gather(totals, 1, pair[:, :, None].expand(b, 2, n))
-        merged = linked(rows[:, 0], rows[:, 1], linkage).scatter(1, pair, float("inf"))
-        counts.scatter_add_(1, a[:, None], torch.gather(counts, 1, z[:, None]))
-        set_line(totals, z, torch.full_like(merged, float("inf")))
-        set_line(totals, a, merged)
-        if linkage == "average":
-            set_line(dist, z, torch.full_like(merged, float("inf")))
-            set_line(dist, a, merged / (torch.gather(counts, 1, a[:, None]) * counts))
-        owner = torch.where(owner == z[:, None], a[:, None], owner)
-    return owner
+    ``inf`` on the diagonal) into ``count`` clusters by ``linkage``; ``[B, n]``: the smallest member of
+    each point's cluster (:func:`pullback_ext.ops.agglomerate`)."""
+    return ops.agglomerate(dist, count=count, linkage=linkage, check_values=False)
 
 
 def cluster_matching(owner: torch.Tensor, count: int, num_prefix: int) -> Matching:

@@ -25,7 +25,9 @@ the bound importance_tome ranks its pairs by (:mod:`.importance_tome`):
    criterion, the increase of the size-weighted sum of squares of the keys;
 5. every step merges the two clusters of the lowest cost (ties as ATC breaks them: the first in
    row-major order of the cost matrix, a cluster named by its smallest member) and recomputes
-   the merged cluster's costs from its new centre, size and energy, until the count remains; every
+   the merged cluster's costs from its new centre (its squared distances to the others by
+   Lance–Williams for centroids), size and energy, until the count remains, in one op
+   (:func:`pullback_ext.ops.agglomerate`, ``linkage="bound"``); every
    cluster becomes one token, the size-weighted mean of its members (ATC's ``merge_wavg``), with
    proportional attention from the first merge on (``prop_attn``).
 
@@ -33,8 +35,8 @@ Prefix tokens (CLS, registers) are never clustered. Full-length features give ev
 token the features of the token that holds it (merge-and-restore), which a dense decoder reads.
 Chosen for dense decoders: on held-out photo crops of the demo's depth decoder Ward's criterion at
 ATC's blocks is below ATC's average linkage at 1.25× and 1.5× (docs/importance_tome_findings.md §8).
-Every shape follows from ``keep_rate`` and the blocks: the clustering is a loop of a fixed number
-of steps, unrolled when compiled.
+Every shape follows from ``keep_rate`` and the blocks: without the compiled op the clustering is a
+loop of a fixed number of steps, unrolled when compiled.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ from typing import Literal, Optional
 
 import torch
 
+from pullback_ext import ops
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.matching import working_precision
 from pullback_ext.prune.merged_tokens import MergedTokens
-from pullback_ext.prune.methods.atc import ATC, set_line, checked_keep_rate, resolved_layers
+from pullback_ext.prune.methods.atc import ATC, checked_keep_rate, resolved_layers
 from pullback_ext.prune.methods.base import BackboneShape, BlockLoopMethod
 from pullback_ext.prune.methods.importance_tome import (SHRINK, checked_shrink, checked_single_head, head_layer, shrunk,
                                                         token_energy)
@@ -55,48 +58,18 @@ from pullback_ext.prune.methods.merging import Matching, MergeStep, apply_matchi
 from pullback_ext.prune.option_checks import count, layer_list
 
 
-def cluster_costs(centre_a: torch.Tensor, size_a: torch.Tensor, energy_a: torch.Tensor,
-                  centre_b: torch.Tensor, size_b: torch.Tensor, energy_b: torch.Tensor) -> torch.Tensor:
-    """The cost of merging clusters ``a`` and ``b`` (broadcast against each other): centres
-    ``[..., d]``, sizes and energies ``[...]``; ``(E_a S_b² + E_b S_a²) / (S_a + S_b)² · ‖k_a - k_b‖²``,
-    symmetric in ``a`` and ``b`` to the last bit."""
-    weight = (energy_a * size_b.square() + energy_b * size_a.square()) / (size_a + size_b).square()
-    return weight * (centre_a - centre_b).square().sum(-1)
+def squared_key_distances(unit: torch.Tensor) -> torch.Tensor:
+    """``‖u_a − u_b‖² = 2 − 2 cos`` ``[B, n, n]`` of unit keys ``[B, n, d]``, without a ``[B, n, n, d]``
+    difference: the upper triangle mirrored (symmetric to the last bit), 0 on the diagonal."""
+    upper = torch.triu((2.0 - 2.0 * unit @ unit.transpose(1, 2)).clamp_min(0.0), diagonal=1)
+    return upper + upper.transpose(1, 2)
 
 
 def agglomerate_bound(unit: torch.Tensor, sizes: torch.Tensor, energy: torch.Tensor, count: int) -> torch.Tensor:
     """The greedy agglomeration of ``n`` tokens with unit-length keys ``unit [B, n, d]``, sizes and energies
-    ``[B, n]`` into ``count`` clusters by :func:`cluster_costs`; returns ``[B, n]``: the smallest
-    member of each token's cluster. Each of the ``n - count`` steps merges the pair ``(a, b)`` of the
-    lowest cost, ``a < b`` their smallest members, ties to the first in lexicographic order."""
-    b, n, d = unit.shape
-    centre, sizes, energy = unit.clone(), sizes.to(unit.dtype).clone(), energy.to(unit.dtype).clone()
-    weight = (energy[:, :, None] * sizes[:, None].square() + energy[:, None] * sizes[:, :, None].square()) / (
-        sizes[:, :, None] + sizes[:, None]).square()
-    # ‖u_a − u_b‖² = 2 − 2 cos of unit keys: [B, n, n] without a [B, n, n, d] difference; the upper
-    # triangle mirrored, so that the matrix is symmetric to the last bit as the row updates keep it
-    upper = torch.triu((2.0 - 2.0 * unit @ unit.transpose(1, 2)).clamp_min(0.0), diagonal=1)
-    eye = torch.eye(n, dtype=torch.bool, device=unit.device)
-    cost = (weight * (upper + upper.transpose(1, 2))).masked_fill(eye, float("inf"))
-    active = torch.ones(b, n, dtype=torch.bool, device=unit.device)
-    owner = torch.arange(n, device=unit.device).expand(b, n)
-    for _ in range(n - count):
-        flat = cost.flatten(1).argmin(dim=1)
-        a, z = (flat // n)[:, None], (flat % n)[:, None]  # a < z: the first minimum of a symmetric matrix
-        size_a, size_z = sizes.gather(1, a), sizes.gather(1, z)
-        merged_size = size_a + size_z
-        at_a, at_z = a[..., None].expand(b, 1, d), z[..., None].expand(b, 1, d)
-        merged_centre = (size_a[..., None] * centre.gather(1, at_a) + size_z[..., None] * centre.gather(1, at_z)) / merged_size[..., None]
-        merged_energy = energy.gather(1, a) + energy.gather(1, z)
-        centre = centre.scatter(1, at_a, merged_centre)
-        sizes, energy = sizes.scatter(1, a, merged_size), energy.scatter(1, a, merged_energy)
-        active = active.scatter(1, z, False)
-        row = cluster_costs(merged_centre, merged_size, merged_energy, centre, sizes, energy)
-        row = row.masked_fill(~active, float("inf")).scatter(1, a, float("inf"))
-        set_line(cost, z[:, 0], torch.full_like(row, float("inf")))
-        set_line(cost, a[:, 0], row)
-        owner = torch.where(owner == z, a, owner)
-    return owner
+    ``[B, n]`` (``unit``'s dtype) into ``count`` clusters by the bound; ``[B, n]``: the smallest member of
+    each token's cluster (:func:`pullback_ext.ops.agglomerate`, ``linkage="bound"``)."""
+    return ops.agglomerate(squared_key_distances(unit), sizes, energy, count=count, linkage="bound", check_values=False)
 
 
 LAYER_SETS = ("atc", "inner")  # the named values of cluster_layers (see ImportanceClusterOptions)
@@ -196,7 +169,7 @@ class ImportanceCluster(ATC):
         unit = key_metric(step.attended.k[:, :, p:])
         sizes = (torch.ones_like(unit[..., 0]) if state.sizes is None else
                  working_precision(state.sizes[:, p:]).to(unit.dtype))
-        energy = sizes if step.carry["energy"] is None else step.carry["energy"][:, p:]
+        energy = sizes if step.carry["energy"] is None else step.carry["energy"][:, p:].to(unit.dtype)
         return agglomerate_bound(unit, sizes, energy, count)
 
     def apply(self, step: MergeStep, matching: Matching) -> MergedTokens:
