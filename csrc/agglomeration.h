@@ -64,6 +64,19 @@ PULLBACK_AGG_HD T least(T a, T b) { return (is_nan(a) || a < b) ? a : b; }
 template <typename T>
 PULLBACK_AGG_HD T largest(T a, T b) { return (is_nan(a) || a > b) ? a : b; }
 
+// The least entry of `row` [n] and its first column (one thread's scan).
+template <typename T, typename Index>
+PULLBACK_AGG_HD void scan_row(const T* row, Index n, T& least_value, Index& at) {
+  least_value = row[0];
+  at = 0;
+  for (Index j = 1; j < n; ++j) {
+    if (before(row[j], least_value)) {
+      least_value = row[j];
+      at = j;
+    }
+  }
+}
+
 // The weight of the bound between clusters a and b: (E_a S_b² + E_b S_a²) / (S_a + S_b)².
 template <typename T>
 PULLBACK_AGG_HD T bound_weight(T energy_a, T size_a, T energy_b, T size_b) {

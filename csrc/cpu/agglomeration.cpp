@@ -42,19 +42,6 @@ struct Workspace {
         active(n) {}
 };
 
-// The least entry of a row and its first column.
-template <typename T>
-void scan_row(const T* row, int64_t n, T& least_value, int64_t& at) {
-  least_value = row[0];
-  at = 0;
-  for (int64_t j = 1; j < n; ++j) {
-    if (before(row[j], least_value)) {
-      least_value = row[j];
-      at = j;
-    }
-  }
-}
-
 // Row and column `at` of the n×n `matrix` set to `line`.
 template <typename T>
 void set_line(T* matrix, int64_t n, int64_t at, const T* line) {

@@ -59,19 +59,6 @@ __device__ void block_first_min(T& value, int& index, T* values, int* at) {
   __syncthreads();
 }
 
-// The least entry of `row` [n] and its first column, by one thread.
-template <typename T>
-__device__ void scan_row(const T* row, int n, T& least_value, int& at) {
-  least_value = row[0];
-  at = 0;
-  for (int j = 1; j < n; ++j) {
-    if (before(row[j], least_value)) {
-      least_value = row[j];
-      at = j;
-    }
-  }
-}
-
 // The first least entry of `row` [n] by the whole block (every thread gets it).
 template <typename T>
 __device__ void block_scan_row(const T* row, int n, T& least_value, int& at, T* values, int* indices) {
