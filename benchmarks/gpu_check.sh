@@ -68,7 +68,8 @@ for dev in cpu cuda; do
   fi
 done
 
-tests=(python_tests/test_cuda_build.py python_tests/test_compile_patched.py python_tests/test_bench_prune_rows.py)
+tests=(python_tests/test_cuda_build.py python_tests/test_compile_patched.py python_tests/test_bench_prune_rows.py
+       python_tests/test_agglomerate_op.py)
 for f in python_tests/test_ops*.py; do [ -e "$f" ] && tests+=("$f"); done
 step "CUDA kernel tests" 150 "$PYTHON" -m pytest "${tests[@]}" -q --maxfail=10 -k "cuda or gpu" -p no:cacheprovider
 bench_out=${BENCH_OUT:-out/bench_ops_cuda.json}
