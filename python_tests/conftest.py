@@ -75,7 +75,7 @@ SLOW: tuple[str, ...] = (
     "test_compile_patched.py::test_fullgraph_compile_equals_eager[eva_merge]",
     "test_compile_patched.py::test_fullgraph_compile_equals_eager[eva_prune_llf]",
     "test_compile_patched.py::test_the_patch_adds_no_graph_break_to_dpt",
-    "test_cuda_build.py::test_checks_raise_from_the_compiled_front_end[cpu]",
+    "test_cuda_build.py::test_checks_raise_from_validation_and_kernels[cpu]",
     "test_demo_command.py::test_failing_stage_is_recorded_and_exit_code_is_1",
     "test_demo_command.py::test_quick_demo_end_to_end",
     "test_demo_probes.py::test_probe_reproduces_model_outputs",
