@@ -135,8 +135,6 @@ def select_with_partners(order: Tensor, partner: Tensor, count: int) -> Tensor:
 
 # --- the greedy agglomeration of ATC and importance_cluster (agglomerate) -----------------------
 
-LINKAGES = ("average", "single", "complete", "bound")
-
 
 def set_line(matrix: Tensor, at: Tensor, row: Tensor) -> None:
     """Replace row and column ``at [B]`` of ``matrix [B, n, n]`` by ``row [B, n]``, in place (symmetric)."""
