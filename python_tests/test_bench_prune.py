@@ -150,3 +150,43 @@ def test_the_aten_op_column_counts_the_eager_forward(tiny):
     assert by_name["unpruned"]["aten_ops"] == count_aten_ops(model, torch.rand(2, 3, 64, 64))
     assert by_name["importance merge η=0.5 @2"]["aten_ops"] > by_name["unpruned"]["aten_ops"] > 0
 
+
+
+def test_the_clustering_rows_run_one_agglomeration_per_clustering_block(tiny):
+    """ATC's and importance_cluster's rows cluster at ATC's blocks scaled to the model (three of the
+    tiny model's six) with one ``agglomerate`` dispatch each, and keep the same token counts."""
+    from pullback_ext import ops
+    from pullback_ext.bench.dispatch import dispatched_ops
+
+    if not ops._HAS_AGGLOMERATE:
+        pytest.skip("the compiled extension is not built")
+    methods = prune_models.method_grid(tiny, etas=(0.5,), tome_rs=(2,))
+    rate = prune_models.CLUSTER_KEEP_RATE
+    rows = [m for m in methods if m.name.startswith(("ATC keep_rate=", "importance_cluster keep_rate="))]
+    assert [m.options["strategy"] for m in rows] == ["atc", "importance_cluster"]
+    assert all(m.options["keep_rate"] == rate and m.heads == 0 for m in rows)
+    model, x = tiny.build(64), torch.rand(2, 3, 64, 64)
+    flops = []
+    for method in rows:
+        patched = method.apply(model, tiny)
+        assert dispatched_ops(patched, x)["pullback_ext::agglomerate"] == 3, method.name
+        flops.append(count_flops(patched, x[:1]))
+    assert flops[0] == flops[1] < count_flops(model, x[:1])  # the same token counts after every block
+
+
+def test_the_latency_figures_set_importance_cluster_beside_atc():
+    """The eager cell's figures give both clusterings' operator counts and speed-up ÷ FLOP ratio, and
+    importance_cluster's speed over ATC's at the same keep rate (one round: the ratio of the times)."""
+    cell = dict(model="m", title="m", size=64, batch=1, dtype="float32", compiled=False)
+
+    def row(method, seconds, ops, flop_ratio):
+        return dict(cell, method=method, times_s=[seconds], median_s=seconds, aten_ops=ops, aten_ops_ratio=ops / 100,
+                    speedup=1.0 / seconds, flop_ratio=flop_ratio, speedup_over_flop_ratio=1.0 / seconds / flop_ratio)
+
+    rows = [row("unpruned", 1.0, 100, 1.0), row("ATC keep_rate=0.7 average linkage", 0.8, 130, 1.5),
+            row("importance_cluster keep_rate=0.7 (ATC's blocks, no head)", 0.5, 140, 1.5)]
+    figures = prune_report._figures(rows)
+    assert figures["aten ops per forward: ATC keep_rate=0.7 average linkage (÷ unpruned)"] == "130 (1.30×)"
+    assert figures["aten ops per forward: importance_cluster keep_rate=0.7 (ATC's blocks, no head) (÷ unpruned)"] == "140 (1.40×)"
+    assert figures["speed-up ÷ FLOP ratio: importance_cluster keep_rate=0.7 (ATC's blocks, no head)"] == "1.333 (×2.00 ÷ 1.50)"
+    assert figures["importance_cluster over ATC at keep_rate=0.7 (images/s ratio)"] == "1.600 [1.600, 1.600]: faster"

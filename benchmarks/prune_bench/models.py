@@ -8,8 +8,11 @@ keeps SDPA's fast kernels) beside the mask form, the prune with masked LLF as tw
 attention calls (the same option) beside the mask form, the original ToMe at several ``r`` with its
 constant schedule, the importance-guarded merge in every block at ToMe's token counts
 (``importance_tome`` with the same ``r`` and ``early_merges=True``: its FLOPs are ToMe's plus the
-head's), and our merge at the FLOPs of ToMe ``r = 16`` (η found by bisection on the FLOP count). The importance heads are
-untrained (``ImportanceHead``'s default size): a trained head costs exactly as much.
+head's), the per-block clusterings at the same keep rate and blocks (ATC's 3, 6, 9 of 12: ATC with its
+average linkage, importance_cluster with its bound, without a head, one ``ops.agglomerate`` call per
+clustering block either way), and our merge at the FLOPs of ToMe ``r = 16`` (η found by bisection on
+the FLOP count). The importance heads are untrained (``ImportanceHead``'s default size): a trained
+head costs exactly as much.
 """
 
 from __future__ import annotations
@@ -105,6 +108,9 @@ def stage_layers(depth: int, stages: int) -> tuple[int, ...]:
     return tuple(depth * (s + 1) // (stages + 1) for s in range(stages))
 
 
+CLUSTER_KEEP_RATE = 0.7  # the clustering rows' keep rate: 137, 96, 67 of 196 patch tokens at blocks 3, 6, 9
+
+
 def method_grid(case: ModelCase, etas: tuple[float, ...], tome_rs: tuple[int, ...]) -> list[Method]:
     """The methods run on ``case``: see the module docstring (dense models: prune + LLF only)."""
     one, three = stage_layers(case.depth, 1), stage_layers(case.depth, 3)
@@ -129,6 +135,10 @@ def method_grid(case: ModelCase, etas: tuple[float, ...], tome_rs: tuple[int, ..
         methods += [Method(f"ToMe r={r} constant", dict(strategy="tome", r=r, schedule="constant")) for r in tome_rs]
         methods += [Method(f"importance_tome r={r} (ToMe r={r}'s token counts)",
                            dict(strategy="importance_tome", r=r, schedule="constant", early_merges=True), heads=1) for r in tome_rs]
+        rate = CLUSTER_KEEP_RATE
+        methods += [Method(f"ATC keep_rate={rate:g} average linkage", dict(strategy="atc", keep_rate=rate)),
+                    Method(f"importance_cluster keep_rate={rate:g} (ATC's blocks, no head)",
+                           dict(strategy="importance_cluster", keep_rate=rate))]
     return methods
 
 

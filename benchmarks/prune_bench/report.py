@@ -39,6 +39,18 @@ def _tome_pairs(group: list[dict]) -> list[tuple[dict, dict]]:
             if r["method"].startswith("importance_tome r=") and r["method"].split()[1] in tome]
 
 
+def _cluster_pair(group: list[dict]) -> list[tuple[dict, dict]]:
+    """(importance_cluster, ATC) of a cell at the same keep rate: the same token counts, another linkage."""
+    atc = {r["method"].split()[1]: r for r in group if r["method"].startswith("ATC keep_rate=")}
+    return [(r, atc[r["method"].split()[1]]) for r in group
+            if r["method"].startswith("importance_cluster keep_rate=") and r["method"].split()[1] in atc]
+
+
+def _verdict(spread: dict) -> str:
+    verdict = "faster" if spread["low"] > 1 else "slower" if spread["high"] < 1 else "within noise"
+    return f"{spread['median']:.3f} [{spread['low']:.3f}, {spread['high']:.3f}]: {verdict}"
+
+
 def over(row: dict, other: dict) -> dict:
     """``row``'s speed over ``other``'s in the same rounds: the median of the per-round ratios and
     its bootstrap 90% interval (``{"median", "low", "high"}``; without round times, the medians' ratio)."""
@@ -132,25 +144,26 @@ def _cell_table(group: list[dict]) -> str:
 
 def _figures(group: list[dict]) -> dict[str, str]:
     """The latency figures of one eager cell, by label: operators per forward (and their ratio to
-    the unpruned forward's), speed-up ÷ FLOP ratio, importance_tome's speed over ToMe's."""
+    the unpruned forward's), speed-up ÷ FLOP ratio, importance_tome's speed over ToMe's and
+    importance_cluster's over ATC's."""
     group = torch_rows(group)
     by = {r["method"]: r for r in group}
     tome = [r for r in group if r["method"].startswith("ToMe r=")]
     every = [r for r in group if r["method"].startswith("importance_tome r=")]
     merges = _single_stage(group, "merge")
     merge = [max(merges, key=lambda r: r["flop_ratio"])] if merges else []
+    clusters = [r for pair in _cluster_pair(group) for r in reversed(pair)]
     out = {}
     if "unpruned" in by:
         out["aten ops per forward: unpruned"] = _aten_ops(by["unpruned"])
-    for r in tome + every + merge:
+    for r in tome + every + merge + clusters:
         out[f"aten ops per forward: {r['method']} (÷ unpruned)"] = f"{_aten_ops(r)} ({_ratio(r)})"
-    for r in every + merge:
+    for r in every + merge + clusters:
         out[f"speed-up ÷ FLOP ratio: {r['method']}"] = f"{r['speedup_over_flop_ratio']:.3f} (×{r['speedup']:.2f} ÷ {r['flop_ratio']:.2f})"
     for r, t in _tome_pairs(group):
-        spread = over(r, t)
-        verdict = "faster" if spread["low"] > 1 else "slower" if spread["high"] < 1 else "within noise"
-        out[f"{r['method'].split(' (')[0]} over ToMe {r['method'].split()[1]} (images/s ratio)"] = (
-            f"{spread['median']:.3f} [{spread['low']:.3f}, {spread['high']:.3f}]: {verdict}")
+        out[f"{r['method'].split(' (')[0]} over ToMe {r['method'].split()[1]} (images/s ratio)"] = _verdict(over(r, t))
+    for r, a in _cluster_pair(group):
+        out[f"importance_cluster over ATC at {r['method'].split()[1]} (images/s ratio)"] = _verdict(over(r, a))
     return out
 
 
@@ -172,8 +185,9 @@ def _latency_section(rows: list[dict]) -> list[str]:
     return ["## Latency figures (eager)",
             "Operators one eager forward dispatches and their ratio to the unpruned forward's; speed-up ÷ FLOP ratio "
             f"(targets: ≥ {EVERY_BLOCK_TARGET} for importance_tome and ≥ {MERGE_TARGET} for the single-stage merge); "
-            "importance_tome's images/s over ToMe's at the same r (the same token counts after every block), the median of "
-            "the per-round ratios of the same interleaved run with its bootstrap 90% interval (*faster* when the whole "
+            "importance_tome's images/s over ToMe's at the same r (the same token counts after every block), and "
+            "importance_cluster's over ATC's at the same keep rate (the same blocks and counts, the bound for ATC's average "
+            "linkage), each the median of the per-round ratios of the same interleaved run with its bootstrap 90% interval (*faster* when the whole "
             "interval is above 1). Where a target is missed, the next section says where the time goes."] + parts
 
 
