@@ -61,10 +61,39 @@ double torch_pow(double x, double y) {
   return std::pow(x, y);
 }
 
-double dot(const double* a, const double* b, int64_t n) {
-  double s = 0.0;
-  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
-  return s;
+// out[i * |cols| + j] = <m[rows[i]], m[cols[j]]> for rows of length hd of m, each sum in the order
+// d = 0, 1, ... as a plain dot product takes it. The columns are laid out transposed first, so
+// that the innermost loop runs over a tile of contiguous columns, each its own sum held in a
+// register: it vectorizes, and the adds of one sum do not wait on each other.
+void cross_dots(const std::vector<double>& m, int64_t hd, const std::vector<int64_t>& rows,
+                const std::vector<int64_t>& cols, std::vector<double>& out) {
+  const int64_t nr = static_cast<int64_t>(rows.size()), nc = static_cast<int64_t>(cols.size());
+  std::vector<double> columns(hd * nc);
+  for (int64_t j = 0; j < nc; ++j) {
+    const double* b = m.data() + cols[j] * hd;
+    for (int64_t d = 0; d < hd; ++d) columns[d * nc + j] = b[d];
+  }
+  out.assign(nr * nc, 0.0);
+  constexpr int64_t kTile = 8;  // columns whose sums stay in registers over the whole d loop
+  for (int64_t i = 0; i < nr; ++i) {
+    const double* a = m.data() + rows[i] * hd;
+    double* o = out.data() + i * nc;
+    int64_t j0 = 0;
+    for (; j0 + kTile <= nc; j0 += kTile) {
+      double acc[kTile] = {};
+      for (int64_t d = 0; d < hd; ++d) {
+        const double ad = a[d];
+        const double* c = columns.data() + d * nc + j0;
+        for (int64_t k = 0; k < kTile; ++k) acc[k] += ad * c[k];
+      }
+      std::copy(acc, acc + kTile, o + j0);
+    }
+    for (int64_t d = 0; d < hd; ++d) {
+      const double ad = a[d];
+      const double* c = columns.data() + d * nc;
+      for (int64_t j = j0; j < nc; ++j) o[j] += ad * c[j];
+    }
+  }
 }
 
 // `values` sorted (stable; descending, or ascending with `ascending`): the indices 0..n-1.
@@ -81,11 +110,15 @@ std::vector<int64_t> stable_ranking(const std::vector<double>& values, bool asce
 std::vector<int64_t> energy_order(const std::vector<double>& m, int64_t hd, int64_t K, int64_t p, int64_t count,
                                   bool protect, double margin, double alpha, int64_t& a_start, int64_t& size_a) {
   const int64_t n = K - p;
+  std::vector<int64_t> patches(n);
+  std::iota(patches.begin(), patches.end(), p);
+  std::vector<double> cos;
+  cross_dots(m, hd, patches, patches, cos);
   std::vector<double> energy(n);
   for (int64_t i = 0; i < n; ++i) {
     double total = 0.0;
     for (int64_t j = 0; j < n; ++j) {
-      const double v = dot(m.data() + (p + i) * hd, m.data() + (p + j) * hd, hd) - margin;
+      const double v = cos[i * n + j] - margin;
       total += v > 0 ? v : alpha * std::expm1(v);
     }
     energy[i] = total / static_cast<double>(n);
@@ -119,7 +152,10 @@ StepPlan rank_image(MergeRule rule, const std::vector<double>& m, int64_t hd, co
     size_a = at - p;
     for (int64_t t = p + 1 - p % 2; t < K; t += 2) plan.order[at++] = t;
   }
-  const int64_t b_start = a_start + size_a;
+  const int64_t b_start = a_start + size_a, size_b = K - b_start;
+  std::vector<double> cosines;
+  cross_dots(m, hd, std::vector<int64_t>(plan.order.begin() + a_start, plan.order.begin() + b_start),
+             std::vector<int64_t>(plan.order.begin() + b_start, plan.order.end()), cosines);
   std::vector<double> score(size_a);
   std::vector<int64_t> match(size_a);
   for (int64_t i = 0; i < size_a; ++i) {
@@ -127,7 +163,7 @@ StepPlan rank_image(MergeRule rule, const std::vector<double>& m, int64_t hd, co
     double best = 0.0;
     for (int64_t j = b_start; j < K; ++j) {
       const int64_t bt = plan.order[j];
-      const double cos = dot(m.data() + a * hd, m.data() + bt * hd, hd);
+      const double cos = cosines[i * size_b + (j - b_start)];
       double v = cos;  // tome, pitome: the largest cosine; bound: the smallest cost
       if (rule == MergeRule::Bound) {
         const double total = s[a] + s[bt];
