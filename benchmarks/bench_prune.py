@@ -10,8 +10,8 @@
 Presets (each value can be overridden by its flag):
 - ``cpu`` (default on the CPU): ViT-S/16 and ViT-B/16 at 224 px, batch 1, 16 and 64, float32,
   eager and ``torch.compile`` (inductor); the methods: unpruned, ToMe r = 8 and 16 (constant
-  schedule), importance_tome at ToMe r = 8 and 16's token counts, ATC and importance_cluster (no
-  head) at keep rate 0.7, the single-stage merge and prune + LLF at η = 0.5 (block 4); compiled: the unpruned model, ToMe r = 8, importance_tome r = 8
+  schedule), importance_tome at ToMe r = 8 and 16's token counts, those counts with the tokens
+  dropped (no merging: the bound), ATC and importance_cluster (no head) at keep rate 0.7, the single-stage merge and prune + LLF at η = 0.5 (block 4); compiled: the unpruned model, ToMe r = 8, importance_tome r = 8
   and the merge (each compiles twice: batch 1, then a graph dynamic in the batch). The batch-1 eager
   cells also time the unpruned, ToMe and importance_tome models exported to ONNX in ONNX Runtime.
   Batch 64 takes ``--big-batch-repeats`` rounds. On 2 cores of an AMD EPYC the run takes 35-45
@@ -48,10 +48,11 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler behind the "our o
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# the methods of the latency presets: the unpruned model, ToMe, importance_tome, the clusterings and the default forms of the
-# single-stage merge and prune + LLF (not their folded / two-call variants, not three stages)
-LATENCY_METHODS = dict(methods=("importance merge η=", "importance prune+LLF η=", "ToMe r=", "importance_tome r=", "ATC keep_rate=",
-                                "importance_cluster keep_rate="),
+# the methods of the latency presets: the unpruned model, ToMe, importance_tome, ToMe's counts without merging,
+# the clusterings and the default forms of the single-stage merge and prune + LLF (not their folded /
+# two-call variants, not three stages)
+LATENCY_METHODS = dict(methods=("importance merge η=", "importance prune+LLF η=", "ToMe r=", "importance_tome r=",
+                                "tokens dropped at ToMe r=", "ATC keep_rate=", "importance_cluster keep_rate="),
                        exclude=("folded", "two-call", "stages"), matched_r=None)
 PRESETS = {
     "cpu": [dict(model=m, sizes=(224,), batches=(1, 16, 64), dtypes=("float32",), compiled=(False, True),

@@ -190,3 +190,28 @@ def test_the_latency_figures_set_importance_cluster_beside_atc():
     assert figures["aten ops per forward: importance_cluster keep_rate=0.7 (ATC's blocks, no head) (÷ unpruned)"] == "140 (1.40×)"
     assert figures["speed-up ÷ FLOP ratio: importance_cluster keep_rate=0.7 (ATC's blocks, no head)"] == "1.333 (×2.00 ÷ 1.50)"
     assert figures["importance_cluster over ATC at keep_rate=0.7 (images/s ratio)"] == "1.600 [1.600, 1.600]: faster"
+
+
+def test_dropped_tokens_run_tomes_token_counts_without_merging(tiny):
+    """The bound row's MLPs see exactly the token counts of ToMe's at the same r, block by block, on a
+    forward of the same output shape and of no more FLOPs than ToMe's (which also ranks and merges)."""
+    from prune_bench.dropped_tokens import dropped_tokens
+
+    model, x = tiny.build(64), torch.rand(2, 3, 64, 64)
+    grid = {m.name: m for m in prune_models.method_grid(tiny, etas=(0.5,), tome_rs=(5,))}
+    tome = grid["ToMe r=5 constant"].apply(model, tiny)
+    bound = grid[f"{prune_models.DROPPED} r=5's counts, no merging (the bound)"].apply(model, tiny)
+
+    def mlp_tokens(m):
+        seen = []
+        hooks = [b.mlp.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[1])) for b in m.blocks]
+        with torch.no_grad():
+            out = m(x)
+        for h in hooks:
+            h.remove()
+        return seen, out.shape
+
+    counts, shape = mlp_tokens(tome)
+    assert mlp_tokens(bound) == (counts, shape) and counts[:2] == [60, 55]  # 64 patches and the class token, 5 fewer a block
+    assert count_flops(bound, x[:1]) <= count_flops(tome, x[:1]) < count_flops(model, x[:1])
+    assert mlp_tokens(dropped_tokens(model, 0))[0] == [65] * len(counts)

@@ -8,11 +8,12 @@ keeps SDPA's fast kernels) beside the mask form, the prune with masked LLF as tw
 attention calls (the same option) beside the mask form, the original ToMe at several ``r`` with its
 constant schedule, the importance-guarded merge in every block at ToMe's token counts
 (``importance_tome`` with the same ``r`` and ``early_merges=True``: its FLOPs are ToMe's plus the
-head's), the per-block clusterings at the same keep rate and blocks (ATC's 3, 6, 9 of 12: ATC with its
-average linkage, importance_cluster with its bound, without a head, one ``ops.agglomerate`` call per
-clustering block either way), and our merge at the FLOPs of ToMe ``r = 16`` (η found by bisection on
-the FLOP count). The importance heads are untrained (``ImportanceHead``'s default size): a trained
-head costs exactly as much.
+head's), ToMe's token counts reached by dropping tokens (no merging: the speed a merge at those
+counts could reach at most, :mod:`prune_bench.dropped_tokens`), the per-block clusterings at the
+same keep rate and blocks (ATC's 3, 6, 9 of 12: ATC with its average linkage, importance_cluster
+with its bound, without a head, one ``ops.agglomerate`` call per clustering block either way), and
+our merge at the FLOPs of ToMe ``r = 16`` (η found by bisection on the FLOP count). The importance
+heads are untrained (``ImportanceHead``'s default size): a trained head costs exactly as much.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 import pullback_ext.patch as patch
+from prune_bench.dropped_tokens import dropped_tokens
 from pullback_ext.comparison.cost import count_flops
 from pullback_ext.metric.head import ImportanceHead
 
@@ -76,7 +78,8 @@ MODELS = {
 
 @dataclass(frozen=True)
 class Method:
-    """One row: its ``name`` and the patch keywords (``{}``: unpruned). ``heads``: how many
+    """One row: its ``name`` and the patch keywords (``{}``: unpruned; ``{"dropped_tokens_r": r}``:
+    ToMe r's token counts without merging, :mod:`prune_bench.dropped_tokens`). ``heads``: how many
     importance heads it scores with (one per stage; 0 for training-free methods)."""
 
     name: str
@@ -85,6 +88,8 @@ class Method:
 
     def apply(self, model: nn.Module, case: ModelCase) -> nn.Module:
         """A patched deep copy of ``model`` (the unpruned method: the copy itself)."""
+        if "dropped_tokens_r" in self.options:
+            return dropped_tokens(model, self.options["dropped_tokens_r"])
         model = copy.deepcopy(model)
         if self.options:
             heads = [ImportanceHead(case.embed_dim, hidden=case.head_hidden) for _ in range(self.heads)]
@@ -108,6 +113,7 @@ def stage_layers(depth: int, stages: int) -> tuple[int, ...]:
     return tuple(depth * (s + 1) // (stages + 1) for s in range(stages))
 
 
+DROPPED = "tokens dropped at ToMe"  # the name of the rows of ToMe's token counts without merging
 CLUSTER_KEEP_RATE = 0.7  # the clustering rows' keep rate: 137, 96, 67 of 196 patch tokens at blocks 3, 6, 9
 
 
@@ -133,6 +139,7 @@ def method_grid(case: ModelCase, etas: tuple[float, ...], tome_rs: tuple[int, ..
                           dict(strategy="importance", ratio=top, layers=three, **mode), heads=3))
     if not case.dense:
         methods += [Method(f"ToMe r={r} constant", dict(strategy="tome", r=r, schedule="constant")) for r in tome_rs]
+        methods += [Method(f"{DROPPED} r={r}'s counts, no merging (the bound)", dict(dropped_tokens_r=r)) for r in tome_rs]
         methods += [Method(f"importance_tome r={r} (ToMe r={r}'s token counts)",
                            dict(strategy="importance_tome", r=r, schedule="constant", early_merges=True), heads=1) for r in tome_rs]
         rate = CLUSTER_KEEP_RATE

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from itertools import groupby
 
+from prune_bench.models import DROPPED
 from pullback_ext.bench.forward_profile import CATEGORIES, LABELS
 from pullback_ext.comparison.cost import speedup_interval
 from pullback_ext.results_pages import format_number, markdown_table
@@ -144,21 +145,23 @@ def _cell_table(group: list[dict]) -> str:
 
 def _figures(group: list[dict]) -> dict[str, str]:
     """The latency figures of one eager cell, by label: operators per forward (and their ratio to
-    the unpruned forward's), speed-up ÷ FLOP ratio, importance_tome's speed over ToMe's and
-    importance_cluster's over ATC's."""
+    the unpruned forward's), speed-up ÷ FLOP ratio (of ToMe's token counts without merging too, the
+    bound of a merge at those counts), importance_tome's speed over ToMe's and importance_cluster's
+    over ATC's."""
     group = torch_rows(group)
     by = {r["method"]: r for r in group}
     tome = [r for r in group if r["method"].startswith("ToMe r=")]
     every = [r for r in group if r["method"].startswith("importance_tome r=")]
     merges = _single_stage(group, "merge")
     merge = [max(merges, key=lambda r: r["flop_ratio"])] if merges else []
+    dropped = [r for r in group if r["method"].startswith(DROPPED)]
     clusters = [r for pair in _cluster_pair(group) for r in reversed(pair)]
     out = {}
     if "unpruned" in by:
         out["aten ops per forward: unpruned"] = _aten_ops(by["unpruned"])
     for r in tome + every + merge + clusters:
         out[f"aten ops per forward: {r['method']} (÷ unpruned)"] = f"{_aten_ops(r)} ({_ratio(r)})"
-    for r in every + merge + clusters:
+    for r in every + dropped + merge + clusters:
         out[f"speed-up ÷ FLOP ratio: {r['method']}"] = f"{r['speedup_over_flop_ratio']:.3f} (×{r['speedup']:.2f} ÷ {r['flop_ratio']:.2f})"
     for r, t in _tome_pairs(group):
         out[f"{r['method'].split(' (')[0]} over ToMe {r['method'].split()[1]} (images/s ratio)"] = _verdict(over(r, t))
@@ -184,7 +187,9 @@ def _latency_section(rows: list[dict]) -> list[str]:
         return []
     return ["## Latency figures (eager)",
             "Operators one eager forward dispatches and their ratio to the unpruned forward's; speed-up ÷ FLOP ratio "
-            f"(targets: ≥ {EVERY_BLOCK_TARGET} for importance_tome and ≥ {MERGE_TARGET} for the single-stage merge); "
+            f"(targets: ≥ {EVERY_BLOCK_TARGET} for importance_tome and ≥ {MERGE_TARGET} for the single-stage merge; "
+            f"*{DROPPED} r=R's counts, no merging*: the same token counts reached by slicing, the most a merge at "
+            "those counts could reach); "
             "importance_tome's images/s over ToMe's at the same r (the same token counts after every block), and "
             "importance_cluster's over ATC's at the same keep rate (the same blocks and counts, the bound for ATC's average "
             "linkage), each the median of the per-round ratios of the same interleaved run with its bootstrap 90% interval (*faster* when the whole "
