@@ -136,12 +136,13 @@ def select_with_partners(order: Tensor, partner: Tensor, count: int) -> Tensor:
 # --- the greedy agglomeration of ATC and importance_cluster (agglomerate) -----------------------
 
 
-def set_line(matrix: Tensor, at: Tensor, row: Tensor) -> None:
-    """Replace row and column ``at [B]`` of ``matrix [B, n, n]`` by ``row [B, n]``, in place (symmetric)."""
+def set_line(matrix: Tensor, at: Tensor, row: Tensor) -> Tensor:
+    """``matrix [B, n, n]`` with row and column ``at [B]`` replaced by ``row [B, n]`` (symmetric). Out
+    of place, so that the loop stays functional where export decomposes the op into it."""
     b, n, _ = matrix.shape
     index = at[:, None, None]
-    matrix.scatter_(1, index.expand(b, 1, n), row[:, None, :])
-    matrix.scatter_(2, index.expand(b, n, 1), row[:, :, None])
+    matrix = matrix.scatter(1, index.expand(b, 1, n), row[:, None, :])
+    return matrix.scatter(2, index.expand(b, n, 1), row[:, :, None])
 
 
 def _linked(first: Tensor, second: Tensor, linkage: str) -> Tensor:
@@ -165,8 +166,7 @@ def agglomerate(dist: Tensor, sizes: Optional[Tensor], energy: Optional[Tensor],
     if linkage == "bound":
         return _agglomerate_bound(dist, sizes, energy, count)
     b, n, _ = dist.shape
-    dist = dist.clone()
-    totals = dist.clone() if linkage == "average" else dist
+    totals = dist
     counts = torch.ones(b, n, dtype=dist.dtype, device=dist.device)
     owner = torch.arange(n, device=dist.device).expand(b, n)
     for _ in range(n - count):
@@ -175,12 +175,10 @@ def agglomerate(dist: Tensor, sizes: Optional[Tensor], energy: Optional[Tensor],
         pair = torch.stack([a, z], dim=1)
         rows = torch.gather(totals, 1, pair[:, :, None].expand(b, 2, n))
         merged = _linked(rows[:, 0], rows[:, 1], linkage).scatter(1, pair, float("inf"))
-        counts.scatter_add_(1, a[:, None], torch.gather(counts, 1, z[:, None]))
-        set_line(totals, z, torch.full_like(merged, float("inf")))
-        set_line(totals, a, merged)
-        if linkage == "average":
-            set_line(dist, z, torch.full_like(merged, float("inf")))
-            set_line(dist, a, merged / (torch.gather(counts, 1, a[:, None]) * counts))
+        counts = counts.scatter_add(1, a[:, None], torch.gather(counts, 1, z[:, None]))
+        totals = set_line(set_line(totals, z, torch.full_like(merged, float("inf"))), a, merged)
+        dist = (set_line(set_line(dist, z, torch.full_like(merged, float("inf"))), a,
+                         merged / (torch.gather(counts, 1, a[:, None]) * counts)) if linkage == "average" else totals)
         owner = torch.where(owner == z[:, None], a[:, None], owner)
     return owner
 
@@ -189,7 +187,6 @@ def _agglomerate_bound(squared: Tensor, sizes: Tensor, energy: Tensor, count: in
     """``agglomerate`` with the bound linkage: ``squared`` the squared distances of the points'
     centres, each merged centre's distances by Lance–Williams for centroids (clamped at 0)."""
     b, n, _ = squared.shape
-    squared, sizes, energy = squared.clone(), sizes.clone(), energy.clone()
     eye = torch.eye(n, dtype=torch.bool, device=squared.device)
     cost = (bound_weight(energy[:, :, None], sizes[:, :, None], energy[:, None], sizes[:, None]) * squared).masked_fill(
         eye, float("inf"))
@@ -208,9 +205,8 @@ def _agglomerate_bound(squared: Tensor, sizes: Tensor, energy: Tensor, count: in
         sizes, energy = sizes.scatter(1, a, merged_size), energy.scatter(1, a, merged_energy)
         active = active.scatter(1, z, False)
         row = (bound_weight(merged_energy, merged_size, energy, sizes) * centre).masked_fill(~active, float("inf"))
-        set_line(squared, a[:, 0], centre)
-        set_line(cost, z[:, 0], torch.full_like(row, float("inf")))
-        set_line(cost, a[:, 0], row.scatter(1, a, float("inf")))
+        squared = set_line(squared, a[:, 0], centre)
+        cost = set_line(set_line(cost, z[:, 0], torch.full_like(row, float("inf"))), a[:, 0], row.scatter(1, a, float("inf")))
         owner = torch.where(owner == z, a, owner)
     return owner
 

@@ -41,6 +41,8 @@ CASES = {
     "importance_tome": dict(strategy="importance_tome", r=2, with_head=True),
     "merge": dict(SINGLE_STAGE, mode="merge", with_head=True),
     "prune_llf": dict(SINGLE_STAGE, mode="prune", llf=True, with_head=True),
+    "atc": dict(strategy="atc", keep_rate=0.7, atc_layers=(1, 2)),
+    "importance_cluster": dict(strategy="importance_cluster", keep_rate=0.7, cluster_layers=(1, 2)),
 }
 
 
