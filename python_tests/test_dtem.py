@@ -98,6 +98,7 @@ def test_dtem_matches_the_reference_and_the_check_catches_broken_variants(broken
     expected, expected_blocks = dtem_reference(model, embed(model, x), reference_metric(model, embedding), merges=[0, 3, 3, 3, 0])
     if broken:
         BROKEN[broken](monkeypatch)
+        monkeypatch.setattr(merging, "FUSED", False)  # the variants break the unfused path's pieces
     patch.timm(model, strategy="dtem", head=embedding, r=3, block_range=(1, 4))
     assert _matches(model, x, expected, expected_blocks) == (broken is None)
 

@@ -18,7 +18,7 @@ from helpers.prune import images, norm_scorer, tiny_dinov2, tiny_vit
 from pullback_ext import ops, reference
 from pullback_ext.bench.dispatch import OpCounter, count_aten_ops, dispatched_ops
 from pullback_ext.prune.merged_tokens import MergedTokens
-from pullback_ext.prune.methods import importance_tome, merging, pitome, tome
+from pullback_ext.prune.methods import dtem, importance_tome, merging, pitome, tome
 
 compiled = pytest.mark.skipif(not ops.merge_step_compiled(torch.zeros(1, 1, 1)), reason="needs the compiled merge_step")
 RULES = ("tome", "cosine", "bound", "pitome", "pitome_protected")
@@ -178,7 +178,17 @@ METHODS = {
     "importance_tome_cosine": dict(strategy="importance_tome", r=3, head=norm_scorer, score_layer=0, partner="cosine",
                                    early_merges=True),
     "importance_tome_no_head": dict(strategy="importance_tome", r=2, head=None, guard=2.0),
+    "dtem": dict(strategy="dtem", r=3),  # its embedding (the head) made per test, in the model's dtype
 }
+
+
+def options_of(method: str, dtype: torch.dtype = torch.float32, depth: int = 4, dim: int = 32) -> dict:
+    """``METHODS[method]``, DTEM's with a random embedding of the model's ``dtype``, depth and width."""
+    options = dict(METHODS[method])
+    if method == "dtem":
+        torch.manual_seed(3)
+        options["head"] = dtem.DecoupledEmbedding(dim, 8, depth).to(dtype)
+    return options
 
 
 def both_paths(forward, x, monkeypatch):
@@ -196,7 +206,7 @@ def both_paths(forward, x, monkeypatch):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
 def test_patched_timm_forward_is_the_unfused_one(method, dtype, monkeypatch):
-    model = patch.timm(tiny_vit(reg_tokens=1, depth=4).to(dtype), **METHODS[method])
+    model = patch.timm(tiny_vit(reg_tokens=1, depth=4).to(dtype), **options_of(method, dtype))
     fused_out, unfused_out, calls = both_paths(model.forward_features, images(3).to(dtype), monkeypatch)
     assert calls > 0
     if dtype == torch.float64:
@@ -206,9 +216,9 @@ def test_patched_timm_forward_is_the_unfused_one(method, dtype, monkeypatch):
 
 
 @compiled
-@pytest.mark.parametrize("method", ("tome", "pitome", "importance_tome"))
+@pytest.mark.parametrize("method", ("tome", "pitome", "importance_tome", "dtem"))
 def test_patched_hugging_face_forward_is_the_unfused_one(method, monkeypatch):
-    model = patch.hf_dinov2(tiny_dinov2(registers=2).double(), **METHODS[method])
+    model = patch.hf_dinov2(tiny_dinov2(registers=2).double(), **options_of(method, torch.float64))
     forward = lambda x: model(pixel_values=x).last_hidden_state  # noqa: E731
     fused_out, unfused_out, calls = both_paths(forward, images(2).double(), monkeypatch)
     assert calls > 0 and torch.equal(fused_out, unfused_out)

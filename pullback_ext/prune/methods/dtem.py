@@ -14,7 +14,8 @@ ToMe's per-block bipartite merging (:mod:`.tome`) in which the similarity is mea
    token to its most similar B token, the ``r`` most similar pairs merge, size-weighted, the tokens
    continuing as ``[prefix, unmerged A, B]``; proportional attention from the first merge on
    (``dtem/dtem.py:77-82``). Everything but the metric is ToMe's loop
-   (:class:`~pullback_ext.prune.methods.merging.MergingMethod`).
+   (:class:`~pullback_ext.prune.methods.merging.MergingMethod`), and at inference each merge is
+   ToMe's one fused op (``ops.merge_step``, rule ``tome``) on the embedding as one-head keys.
 
 The embedding is trained separately, with the backbone frozen, through the authors' continuous
 relaxation of this merge (``pullback train dtem``, :mod:`pullback_ext.dtem_training`). The
@@ -40,7 +41,8 @@ from torch import nn
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, Needs
-from pullback_ext.prune.methods.merging import Matching, MergeStep, MergingMethod, ToMeOptions
+from pullback_ext.prune.merged_tokens import MergedTokens
+from pullback_ext.prune.methods.merging import Matching, MergeStep, MergingMethod, ToMeOptions, fused_merge
 from pullback_ext.prune.methods.tome import bipartite_matching
 
 
@@ -194,6 +196,10 @@ class DTEM(MergingMethod):
 
     def rank(self, step: MergeStep) -> Optional[Matching]:
         return bipartite_matching(step.attended.k, step.state.num_prefix, step.r)
+
+    def merge(self, step: MergeStep) -> MergedTokens:
+        fused = fused_merge(step, "tome")  # None where the unfused path runs (training's gradients, other dtypes)
+        return super().merge(step) if fused is None else fused[0]
 
 
 ORDER = 14
