@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import pullback_ext.patch as patch
 from prune_bench import models as prune_models
 from prune_bench import report as prune_report
 from prune_bench.matrix import Sweep, kernel_share, run_sweep
@@ -195,7 +197,7 @@ def test_the_latency_figures_set_importance_cluster_beside_atc():
 def test_dropped_tokens_run_tomes_token_counts_without_merging(tiny):
     """The bound row's MLPs see exactly the token counts of ToMe's at the same r, block by block, on a
     forward of the same output shape and of no more FLOPs than ToMe's (which also ranks and merges)."""
-    from prune_bench.dropped_tokens import dropped_tokens
+    from prune_bench.dropped_tokens import dropped_tokens, kept_tokens
 
     model, x = tiny.build(64), torch.rand(2, 3, 64, 64)
     grid = {m.name: m for m in prune_models.method_grid(tiny, etas=(0.5,), tome_rs=(5,))}
@@ -215,3 +217,8 @@ def test_dropped_tokens_run_tomes_token_counts_without_merging(tiny):
     assert mlp_tokens(bound) == (counts, shape) and counts[:2] == [60, 55]  # 64 patches and the class token, 5 fewer a block
     assert count_flops(bound, x[:1]) <= count_flops(tome, x[:1]) < count_flops(model, x[:1])
     assert mlp_tokens(dropped_tokens(model, 0))[0] == [65] * len(counts)
+    # two registers besides the class token: at r = 20 the split clips the third block's merges by the prefix
+    registers = prune_models._timm("vit_tiny_patch16_224", patch_size=8, depth=3, embed_dim=48, num_heads=2, reg_tokens=2)(64)
+    tome = patch.timm(copy.deepcopy(registers), strategy="tome", r=20, schedule="constant")
+    assert mlp_tokens(dropped_tokens(registers, 20)) == mlp_tokens(tome)
+    assert mlp_tokens(tome)[0] == [47, 27, 15] and kept_tokens(27, 20, num_prefix=1) == 14
