@@ -3,10 +3,11 @@
 ``dropped_tokens(model, r)`` is a copy of a timm ViT whose every block, between attention and MLP,
 keeps the first ``K - n`` of its ``K`` tokens, ``n`` what ToMe's step with ``r`` merges there
 (``reference.merge_step_count``: ``r`` clipped to the bipartite split of the patch tokens; the
-prefix tokens, class token and registers, come first and stay). The attention, the MLP and every later block then run on exactly ToMe's token counts, and
-nothing ranks, matches or averages: one slice per block. Its outputs are meaningless; its time and
-FLOPs are those of the token counts alone, so a method's speed-up ÷ FLOP ratio over this row's says
-how much of the shortfall is the merging's own cost and how much the smaller matrix products'.
+prefix tokens, class token and registers, come first and stay). The attention, the MLP and every
+later block then run on exactly ToMe's token counts, and nothing ranks, matches or averages: one
+slice per block. Its outputs are meaningless; its time and FLOPs are those of the token counts
+alone, so a method's speed-up ÷ FLOP ratio over this row's says how much of the shortfall is the
+merging's own cost and how much the smaller matrix products'.
 """
 
 from __future__ import annotations
