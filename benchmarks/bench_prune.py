@@ -17,7 +17,8 @@ Presets (each value can be overridden by its flag):
   Batch 64 takes ``--big-batch-repeats`` rounds. On 2 cores of an AMD EPYC the run takes 35-45
   minutes (ViT-B/16 about two thirds of it; the 16 compilations, 15-75 s each, about 10 minutes;
   ``--models vit_s16 --repeats 2`` on one thread took 11 minutes).
-- ``latency`` (for a short GPU slot): the same methods on CUDA at batch 1, bf16: ViT-S/16 eager and
+- ``latency`` (for a short GPU slot): the same methods but the clusterings (a crash of their
+  never-run CUDA kernel would end the slot's timings) on CUDA at batch 1, bf16: ViT-S/16 eager and
   ``torch.compile(mode="reduce-overhead")`` (CUDA graphs; the unpruned model, ToMe r = 8 and
   importance_tome r = 8 compiled), ViT-B/16 eager.
 - ``headline`` (default on CUDA): the two cells of the performance targets — ViT-B/16 at 448 px,
@@ -48,16 +49,17 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler behind the "our o
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# the methods of the latency presets: the unpruned model, ToMe, importance_tome, ToMe's counts without merging,
-# the clusterings and the default forms of the single-stage merge and prune + LLF (not their folded /
-# two-call variants, not three stages)
+# the methods of the latency presets: the unpruned model, ToMe, importance_tome, ToMe's counts without merging
+# and the default forms of the single-stage merge and prune + LLF (not their folded / two-call variants, not
+# three stages); the CPU preset adds the clusterings, whose CUDA kernel gpu_check.sh tests before any timing
 LATENCY_METHODS = dict(methods=("importance merge η=", "importance prune+LLF η=", "ToMe r=", "importance_tome r=",
-                                "tokens dropped at ToMe r=", "ATC keep_rate=", "importance_cluster keep_rate="),
+                                "tokens dropped at ToMe r="),
                        exclude=("folded", "two-call", "stages"), matched_r=None)
+CLUSTERINGS = ("ATC keep_rate=", "importance_cluster keep_rate=")
 PRESETS = {
     "cpu": [dict(model=m, sizes=(224,), batches=(1, 16, 64), dtypes=("float32",), compiled=(False, True),
                  compiled_methods=("ToMe r=8 ", "importance_tome r=8 ", "importance merge η="), onnx_batches=(1,),
-                 **LATENCY_METHODS) for m in ("vit_s16", "vit_b16")],
+                 **dict(LATENCY_METHODS, methods=LATENCY_METHODS["methods"] + CLUSTERINGS)) for m in ("vit_s16", "vit_b16")],
     "latency": [dict(model="vit_s16", sizes=(224,), batches=(1,), dtypes=("bfloat16",), compiled=(False, "reduce-overhead"),
                      compiled_methods=("ToMe r=8 ", "importance_tome r=8 "), **LATENCY_METHODS),
                 dict(model="vit_b16", sizes=(224,), batches=(1,), dtypes=("bfloat16",), compiled=(False,), **LATENCY_METHODS)],
