@@ -153,7 +153,6 @@ def test_the_aten_op_column_counts_the_eager_forward(tiny):
     assert by_name["importance merge η=0.5 @2"]["aten_ops"] > by_name["unpruned"]["aten_ops"] > 0
 
 
-
 def test_the_clustering_rows_run_one_agglomeration_per_clustering_block(tiny):
     """ATC's and importance_cluster's rows cluster at ATC's blocks scaled to the model (three of the
     tiny model's six) with one ``agglomerate`` dispatch each, and keep the same token counts."""

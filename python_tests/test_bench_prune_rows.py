@@ -179,8 +179,8 @@ def tiny(monkeypatch):
 
 def test_the_cpu_preset_method_set(tiny):
     """The preset's filters keep the unpruned model, ToMe, its counts without merging and
-    importance_tome at every r, the two clusterings and the default single-stage merge and prune + LLF; not their variants, three stages
-    or the matched merge."""
+    importance_tome at every r, the two clusterings and the default single-stage merge and prune +
+    LLF; not their variants, three stages or the matched merge."""
     spec = dict(_script().PRESETS["cpu"][0], model="tiny")
     methods = matrix._methods(tiny, tiny.build(64), Sweep(**spec), (0.5,), (8, 16), torch.rand(1, 3, 64, 64))
     assert [m.name for m in methods] == [
@@ -295,6 +295,6 @@ def test_the_script_writes_its_json_end_to_end(tiny, tmp_path, capsys):
     assert result["settings"]["etas"] == [0.5] and result["settings"]["big_batch_repeats"] == 3 and result["skipped"] == []
     assert [r["method"] for r in result["rows"]] == [
         "unpruned", "importance merge η=0.5 @2", "importance prune+LLF η=0.5 @2", "ToMe r=2 constant",
-        "tokens dropped at ToMe r=2's counts, no merging (the bound)", "importance_tome r=2 (ToMe r=2's token counts)", "ATC keep_rate=0.7 average linkage",
-        "importance_cluster keep_rate=0.7 (ATC's blocks, no head)"]
+        "tokens dropped at ToMe r=2's counts, no merging (the bound)", "importance_tome r=2 (ToMe r=2's token counts)",
+        "ATC keep_rate=0.7 average linkage", "importance_cluster keep_rate=0.7 (ATC's blocks, no head)"]
     assert "check: tiny timm ViT, 64 px, batch 1, float32, eager: importance merge η=0.5 @2" in capsys.readouterr().out
