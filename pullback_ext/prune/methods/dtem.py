@@ -41,9 +41,8 @@ from torch import nn
 
 from pullback_ext.errors import PullbackError
 from pullback_ext.prune.methods.base import BackboneShape, BlockLoop, Needs
-from pullback_ext.prune.merged_tokens import MergedTokens
-from pullback_ext.prune.methods.merging import Matching, MergeStep, MergingMethod, ToMeOptions, fused_merge
-from pullback_ext.prune.methods.tome import bipartite_matching
+from pullback_ext.prune.methods.merging import ToMeOptions
+from pullback_ext.prune.methods.tome import ToMe
 
 
 def default_feat_dim(dim: int, head_dim: int) -> int:
@@ -162,8 +161,9 @@ def check_fits(embedding: DecoupledEmbedding, depth: int, width: Optional[int] =
                             f"an embedding serves the model it was trained on")
 
 
-class DTEM(MergingMethod):
-    """ToMe's loop and rule with the learned per-block embedding of the block input as the metric."""
+class DTEM(ToMe):
+    """ToMe's loop, rule and fused merge (:class:`~.tome.ToMe`) with the learned per-block embedding
+    of the block input as the metric (the keys its ranking reads)."""
 
     name, short, title = "dtem", "DTEM", "DTEM (ToMe's r per block, matched on a learned decoupled embedding)"
     options_type = DTEMOptions
@@ -193,13 +193,6 @@ class DTEM(MergingMethod):
             return attended._replace(k=embedding.metric(index[id(block)], state.x)[:, None])
 
         return super().run(reduction, x, loop._replace(split=type(loop.split)(attend, loop.split.feed_forward)), take)
-
-    def rank(self, step: MergeStep) -> Optional[Matching]:
-        return bipartite_matching(step.attended.k, step.state.num_prefix, step.r)
-
-    def merge(self, step: MergeStep) -> MergedTokens:
-        fused = fused_merge(step, "tome")  # None where the unfused path runs (training's gradients, other dtypes)
-        return super().merge(step) if fused is None else fused[0]
 
 
 ORDER = 14
