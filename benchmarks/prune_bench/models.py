@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -78,18 +79,20 @@ MODELS = {
 
 @dataclass(frozen=True)
 class Method:
-    """One row: its ``name`` and the patch keywords (``{}``: unpruned; ``{"dropped_tokens_r": r}``:
-    ToMe r's token counts without merging, :mod:`prune_bench.dropped_tokens`). ``heads``: how many
-    importance heads it scores with (one per stage; 0 for training-free methods)."""
+    """One row: its ``name`` and the patch keywords (``{}``: unpruned). ``heads``: how many
+    importance heads it scores with (one per stage; 0 for training-free methods). ``build``: a row
+    that is not a patch (e.g. :func:`~prune_bench.dropped_tokens.dropped_tokens`) builds its model
+    from the unpruned one instead."""
 
     name: str
     options: dict = field(default_factory=dict)
     heads: int = 0
+    build: Optional[Callable[[nn.Module], nn.Module]] = None
 
     def apply(self, model: nn.Module, case: ModelCase) -> nn.Module:
         """A patched deep copy of ``model`` (the unpruned method: the copy itself)."""
-        if "dropped_tokens_r" in self.options:
-            return dropped_tokens(model, self.options["dropped_tokens_r"])
+        if self.build is not None:
+            return self.build(model)
         model = copy.deepcopy(model)
         if self.options:
             heads = [ImportanceHead(case.embed_dim, hidden=case.head_hidden) for _ in range(self.heads)]
@@ -139,7 +142,8 @@ def method_grid(case: ModelCase, etas: tuple[float, ...], tome_rs: tuple[int, ..
                           dict(strategy="importance", ratio=top, layers=three, **mode), heads=3))
     if not case.dense:
         methods += [Method(f"ToMe r={r} constant", dict(strategy="tome", r=r, schedule="constant")) for r in tome_rs]
-        methods += [Method(f"{DROPPED} r={r}'s counts, no merging (the bound)", dict(dropped_tokens_r=r)) for r in tome_rs]
+        methods += [Method(f"{DROPPED} r={r}'s counts, no merging (the bound)", build=partial(dropped_tokens, r=r))
+                    for r in tome_rs]
         methods += [Method(f"importance_tome r={r} (ToMe r={r}'s token counts)",
                            dict(strategy="importance_tome", r=r, schedule="constant", early_merges=True), heads=1) for r in tome_rs]
         rate = CLUSTER_KEEP_RATE

@@ -33,18 +33,23 @@ def _single_stage(group: list[dict], kind: str) -> list[dict]:
     return [r for r in group if r["method"].startswith(f"importance {kind} η=") and "stages" not in r["method"]]
 
 
+def _pairs(group: list[dict], ours: str, theirs: str, their_suffix: str = "") -> list[tuple[dict, dict]]:
+    """(our row, their row) of a cell whose names start with ``ours`` / ``theirs`` (and theirs end
+    with ``their_suffix``) and share their setting, the names' second word (``r=8``, ``keep_rate=0.7``)."""
+    by_setting = {r["method"].split()[1]: r for r in group
+                  if r["method"].startswith(theirs) and r["method"].endswith(their_suffix)}
+    return [(r, by_setting[r["method"].split()[1]]) for r in group
+            if r["method"].startswith(ours) and r["method"].split()[1] in by_setting]
+
+
 def _tome_pairs(group: list[dict]) -> list[tuple[dict, dict]]:
     """(importance_tome r=R, ToMe r=R constant) of a cell: the same token counts."""
-    tome = {r["method"].split()[1]: r for r in group if r["method"].startswith("ToMe r=") and r["method"].endswith(" constant")}
-    return [(r, tome[r["method"].split()[1]]) for r in group
-            if r["method"].startswith("importance_tome r=") and r["method"].split()[1] in tome]
+    return _pairs(group, "importance_tome r=", "ToMe r=", " constant")
 
 
 def _cluster_pair(group: list[dict]) -> list[tuple[dict, dict]]:
     """(importance_cluster, ATC) of a cell at the same keep rate: the same token counts, another linkage."""
-    atc = {r["method"].split()[1]: r for r in group if r["method"].startswith("ATC keep_rate=")}
-    return [(r, atc[r["method"].split()[1]]) for r in group
-            if r["method"].startswith("importance_cluster keep_rate=") and r["method"].split()[1] in atc]
+    return _pairs(group, "importance_cluster keep_rate=", "ATC keep_rate=")
 
 
 def _verdict(spread: dict) -> str:
