@@ -95,6 +95,16 @@ def test_fused_step_is_the_unfused_step_bitwise_in_float64(rule, num_prefix, r, 
 
 @compiled
 @pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("k", (4, 5, 9, 61))
+def test_ties_go_to_the_first_partner_at_every_row_length(rule, k):
+    """Each row's best partner is scanned in strided lanes and merged: with many exact ties, at row
+    lengths below, at and past the lane count, the first of the equal partners still wins."""
+    inputs = step_inputs(k=k, sizes="ones", tied=True, seed=k)
+    assert_same(fused(rule, *inputs, 1, k), unfused(rule, *inputs, 1, k), exact=True)
+
+
+@compiled
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("seed", (0, 1))
 def test_fused_step_is_the_unfused_step_in_float32(rule, seed):
     inputs = step_inputs(b=3, k=50, h=4, hd=16, d=12, dtype=torch.float32, seed=seed)

@@ -6,6 +6,7 @@
 // up exactly as merge_tokens's CPU kernel does (csrc/cpu/tokens.cpp), so that the fused and the
 // unfused step are bitwise equal: weights summed in double in the order of the sources, each row
 // c_d x_d + Σ c_s x_s with c = w / total rounded to the tokens' dtype.
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,23 +31,27 @@ struct StepPlan {
   std::vector<int64_t> order, src, dst;
 };
 
-// Unit head-mean keys [K, hd] of image b (torch.nn.functional.normalize's eps = 1e-12).
+// Unit head-mean keys [K, hd] of image b (torch.nn.functional.normalize's eps = 1e-12). `keys`:
+// the image's [H, K, hd] keys, its last dimension of unit stride. The head sum is normalised
+// directly (the mean's direction; the eps scaled by H to match), by one reciprocal per row.
 template <typename T>
 std::vector<double> unit_keys(const at::TensorAccessor<T, 3>& keys) {
   const int64_t H = keys.size(0), K = keys.size(1), hd = keys.size(2);
   std::vector<double> m(K * hd, 0.0);
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t t = 0; t < K; ++t) {
+      const T* key = keys[h][t].data();
+      double* row = m.data() + t * hd;
+      for (int64_t d = 0; d < hd; ++d) row[d] += static_cast<double>(key[d]);
+    }
+  }
   for (int64_t t = 0; t < K; ++t) {
     double* row = m.data() + t * hd;
-    for (int64_t h = 0; h < H; ++h) {
-      for (int64_t d = 0; d < hd; ++d) row[d] += static_cast<double>(keys[h][t][d]);
-    }
-    double norm = 0.0;
-    for (int64_t d = 0; d < hd; ++d) {
-      row[d] /= static_cast<double>(H);
-      norm += row[d] * row[d];
-    }
-    norm = std::max(std::sqrt(norm), 1e-12);
-    for (int64_t d = 0; d < hd; ++d) row[d] /= norm;
+    double partial[4] = {};  // four running sums: the adds of one do not wait on each other
+    for (int64_t d = 0; d < hd; ++d) partial[d % 4] += row[d] * row[d];
+    const double norm = (partial[0] + partial[1]) + (partial[2] + partial[3]);
+    const double inverse = 1.0 / std::max(std::sqrt(norm), 1e-12 * static_cast<double>(H));
+    for (int64_t d = 0; d < hd; ++d) row[d] *= inverse;
   }
   return m;
 }
@@ -61,39 +66,19 @@ double torch_pow(double x, double y) {
   return std::pow(x, y);
 }
 
-// out[i * |cols| + j] = <m[rows[i]], m[cols[j]]> for rows of length hd of m, each sum in the order
-// d = 0, 1, ... as a plain dot product takes it. The columns are laid out transposed first, so
-// that the innermost loop runs over a tile of contiguous columns, each its own sum held in a
-// register: it vectorizes, and the adds of one sum do not wait on each other.
+// out[i * |cols| + j] = <m[rows[i]], m[cols[j]]> for rows of length hd of m: the rows gathered,
+// then one double matrix product (BLAS), as the unfused path takes its cosines.
 void cross_dots(const std::vector<double>& m, int64_t hd, const std::vector<int64_t>& rows,
                 const std::vector<int64_t>& cols, std::vector<double>& out) {
   const int64_t nr = static_cast<int64_t>(rows.size()), nc = static_cast<int64_t>(cols.size());
-  std::vector<double> columns(hd * nc);
-  for (int64_t j = 0; j < nc; ++j) {
-    const double* b = m.data() + cols[j] * hd;
-    for (int64_t d = 0; d < hd; ++d) columns[d * nc + j] = b[d];
-  }
   out.assign(nr * nc, 0.0);
-  constexpr int64_t kTile = 8;  // columns whose sums stay in registers over the whole d loop
-  for (int64_t i = 0; i < nr; ++i) {
-    const double* a = m.data() + rows[i] * hd;
-    double* o = out.data() + i * nc;
-    int64_t j0 = 0;
-    for (; j0 + kTile <= nc; j0 += kTile) {
-      double acc[kTile] = {};
-      for (int64_t d = 0; d < hd; ++d) {
-        const double ad = a[d];
-        const double* c = columns.data() + d * nc + j0;
-        for (int64_t k = 0; k < kTile; ++k) acc[k] += ad * c[k];
-      }
-      std::copy(acc, acc + kTile, o + j0);
-    }
-    for (int64_t d = 0; d < hd; ++d) {
-      const double ad = a[d];
-      const double* c = columns.data() + d * nc;
-      for (int64_t j = j0; j < nc; ++j) o[j] += ad * c[j];
-    }
-  }
+  if (nr == 0 || nc == 0 || hd == 0) return;
+  std::vector<double> a(nr * hd), b(nc * hd);
+  for (int64_t i = 0; i < nr; ++i) std::copy_n(m.data() + rows[i] * hd, hd, a.data() + i * hd);
+  for (int64_t j = 0; j < nc; ++j) std::copy_n(m.data() + cols[j] * hd, hd, b.data() + j * hd);
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor product = at::from_blob(out.data(), {nr, nc}, f64);
+  at::mm_out(product, at::from_blob(a.data(), {nr, hd}, f64), at::from_blob(b.data(), {nc, hd}, f64).t());
 }
 
 // `values` sorted (stable; descending, or ascending with `ascending`): the indices 0..n-1.
@@ -104,6 +89,26 @@ std::vector<int64_t> stable_ranking(const std::vector<double>& values, bool asce
     return ascending ? merge_greater(values[b], values[a]) : merge_greater(values[a], values[b]);
   });
   return idx;
+}
+
+// The first index of the largest (`largest`) or smallest of values[0..n), n >= 1, in merge_greater's
+// order (NaN the largest), as a scan keeping the first of equal values finds it: four lanes scan
+// every fourth value (their compares independent), then the lanes' bests are merged, ties to the
+// lower index.
+template <bool largest>
+int64_t first_extreme(const double* values, int64_t n) {
+  const auto before = [](double a, double b) { return largest ? merge_greater(a, b) : merge_greater(b, a); };
+  int64_t lane_best[4] = {0, 1, 2, 3};
+  for (int64_t j = 4; j < n; ++j) {
+    int64_t& at = lane_best[j % 4];
+    if (before(values[j], values[at])) at = j;
+  }
+  int64_t best = lane_best[0];
+  for (int64_t l = 1; l < 4 && l < n; ++l) {
+    const int64_t j = lane_best[l];
+    if (before(values[j], values[best]) || (!before(values[best], values[j]) && j < best)) best = j;
+  }
+  return best;
 }
 
 // PiToMe's order [prefix, protected, A, B] from the energies of the patch tokens; sets a_start, size_a.
@@ -158,24 +163,33 @@ StepPlan rank_image(MergeRule rule, const std::vector<double>& m, int64_t hd, co
              std::vector<int64_t>(plan.order.begin() + b_start, plan.order.end()), cosines);
   std::vector<double> score(size_a);
   std::vector<int64_t> match(size_a);
+  // the B side's sizes and energies in B's order, so that a row of pair costs reads them contiguously
+  const bool bound = rule == MergeRule::Bound;
+  std::vector<double> s_b(bound ? size_b : 0), e_b(bound ? size_b : 0), costs(bound ? size_b : 0);
+  for (int64_t j = 0; bound && j < size_b; ++j) {
+    s_b[j] = s[plan.order[b_start + j]];
+    e_b[j] = e[plan.order[b_start + j]];
+  }
   for (int64_t i = 0; i < size_a; ++i) {
     const int64_t a = plan.order[a_start + i];
-    double best = 0.0;
-    for (int64_t j = b_start; j < K; ++j) {
-      const int64_t bt = plan.order[j];
-      const double cos = cosines[i * size_b + (j - b_start)];
-      double v = cos;  // tome, pitome: the largest cosine; bound: the smallest cost
-      if (rule == MergeRule::Bound) {
-        const double total = s[a] + s[bt];
-        const double moved = (e[a] * (s[bt] * s[bt]) + e[bt] * (s[a] * s[a])) / (total * total);
-        v = torch_pow(moved, guard / 2) * std::sqrt(std::max(2.0 - 2.0 * cos, 0.0));
+    // tome, pitome, cosine: the largest cosine; bound: the smallest cost (the first of equal values)
+    const double* row = cosines.data() + i * size_b;
+    if (bound) {  // branch-free passes over the row, so that they vectorise
+      const double sa = s[a], ea = e[a];
+      for (int64_t j = 0; j < size_b; ++j) {
+        const double total = sa + s_b[j];
+        costs[j] = (ea * (s_b[j] * s_b[j]) + e_b[j] * (sa * sa)) / (total * total);
       }
-      const bool better = rule == MergeRule::Bound ? merge_greater(best, v) : merge_greater(v, best);
-      if (j == b_start || better) {
-        best = v;
-        match[i] = j;
+      if (guard == 1.0) {  // the default: torch_pow's x^0.5 is its sqrt
+        for (int64_t j = 0; j < size_b; ++j) costs[j] = std::sqrt(costs[j]) * std::sqrt(std::max(2.0 - 2.0 * row[j], 0.0));
+      } else {
+        for (int64_t j = 0; j < size_b; ++j) costs[j] = torch_pow(costs[j], guard / 2) * std::sqrt(std::max(2.0 - 2.0 * row[j], 0.0));
       }
+      row = costs.data();
     }
+    const int64_t best_j = bound ? first_extreme<false>(row, size_b) : first_extreme<true>(row, size_b);
+    const double best = row[best_j];
+    match[i] = b_start + best_j;
     score[i] = rule == MergeRule::Cosine ? torch_pow(e[a], guard / 2) * (1.0 - best) : best;
   }
   const std::vector<int64_t> chosen = stable_ranking(score, merge_rule_is_guarded(rule));
@@ -210,14 +224,16 @@ Slots merge_slots(const StepPlan& plan, int64_t K) {
   return out;
 }
 
-// merge_tokens's arithmetic (csrc/cpu/tokens.cpp) on one output row: the merged weight, and the
-// row itself unless `row` is null.
+// merge_tokens's arithmetic (csrc/cpu/tokens.cpp) on one output row of the reordered sequence:
+// the merged weight, and the row itself unless `row` is null. Position t of the sequence is row
+// order[t] of x [K, D]; w [K] is already in the sequence's order.
 template <typename T, typename W>
-W merged_row(const T* x, int64_t D, const W* w, int64_t t, const std::vector<int64_t>& sources, T* row) {
+W merged_row(const T* x, const int64_t* order, int64_t D, const W* w, int64_t t, const std::vector<int64_t>& sources,
+             T* row) {
   double total = static_cast<double>(w[t]);
   for (const int64_t s : sources) total += static_cast<double>(w[s]);
   if (row == nullptr) return static_cast<W>(total);
-  const T* xt = x + t * D;
+  const T* xt = x + order[t] * D;
   if (sources.empty() || total == 0.0) {
     std::copy(xt, xt + D, row);
     return static_cast<W>(total);
@@ -226,7 +242,7 @@ W merged_row(const T* x, int64_t D, const W* w, int64_t t, const std::vector<int
   for (int64_t d = 0; d < D; ++d) row[d] = c0 * xt[d];
   for (const int64_t s : sources) {
     const T cs = static_cast<T>(static_cast<double>(w[s]) / total);
-    const T* xs = x + s * D;
+    const T* xs = x + order[s] * D;
     for (int64_t d = 0; d < D; ++d) row[d] += cs * xs[d];
   }
   return static_cast<W>(total);
@@ -269,7 +285,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_ste
   at::Tensor positions_out = at::empty({B, M}, x.options().dtype(at::kLong));
 
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "merge_step_cpu", [&] {
-    const auto keys = keys_in.accessor<scalar_t, 4>();
+    const at::Tensor unit_stride_keys = keys_in.stride(3) == 1 ? keys_in : keys_in.contiguous();
+    const auto keys = unit_stride_keys.accessor<scalar_t, 4>();
     const scalar_t* xs = x.const_data_ptr<scalar_t>();
     const scalar_t* ss = sizes.const_data_ptr<scalar_t>();
     const scalar_t* es = has_energy ? energy.const_data_ptr<scalar_t>() : nullptr;
@@ -287,22 +304,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_ste
           std::iota(plan.order.begin(), plan.order.end(), 0);
         }
         const Slots slots = merge_slots(plan, K);
-        // the tokens, sizes and energies gathered into the reordered sequence, then merged
-        std::vector<scalar_t> grouped(K * D), w(K), ew(has_energy ? K : 0);
+        // the sizes and energies gathered into the reordered sequence, then the tokens merged
+        std::vector<scalar_t> w(K), ew(has_energy ? K : 0);
         for (int64_t pos = 0; pos < K; ++pos) {
           const int64_t t = plan.order[pos];
-          std::copy(xs + (b * K + t) * D, xs + (b * K + t + 1) * D, grouped.begin() + pos * D);
           w[pos] = ss[b * K + t];
           if (has_energy) ew[pos] = es[b * K + t];
         }
+        const scalar_t* xb = xs + b * K * D;
         scalar_t* xo = x_out.mutable_data_ptr<scalar_t>() + b * M * D;
         for (int64_t j = 0; j < M; ++j) {
           const int64_t pos = slots.kept[j];
-          sizes_out.mutable_data_ptr<scalar_t>()[b * M + j] =
-              merged_row<scalar_t, scalar_t>(grouped.data(), D, w.data(), pos, slots.members[j], xo + j * D);
+          sizes_out.mutable_data_ptr<scalar_t>()[b * M + j] = merged_row<scalar_t, scalar_t>(
+              xb, plan.order.data(), D, w.data(), pos, slots.members[j], xo + j * D);
           if (has_energy) {
-            energy_out.mutable_data_ptr<scalar_t>()[b * M + j] =
-                merged_row<scalar_t, scalar_t>(nullptr, D, ew.data(), pos, slots.members[j], nullptr);
+            energy_out.mutable_data_ptr<scalar_t>()[b * M + j] = merged_row<scalar_t, scalar_t>(
+                nullptr, nullptr, D, ew.data(), pos, slots.members[j], nullptr);
           }
           const int64_t place = plan.order[pos];
           positions_out.mutable_data_ptr<int64_t>()[b * M + j] =
