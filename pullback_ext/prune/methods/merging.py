@@ -205,9 +205,11 @@ def fused_merge(step: MergeStep, rule: str, energy: Optional[torch.Tensor] = Non
         return None
     if reference.merge_step_count(rule, step.r, state.num_prefix, x.shape[1]) == 0:
         return state, energy
-    x, sizes, merged_energy, owner, positions = ops.merge_step(
-        x, keys, sizes, energy, state.owner, state.positions, num_prefix=state.num_prefix, r=step.r, rule=rule,
-        guard=guard, margin=margin, alpha=alpha)
+    # the compiled op itself, not ops.merge_step: its kernel checks every shape, dtype and device
+    # again, naming the argument, and this runs once per merging block
+    x, sizes, merged_energy, owner, positions = torch.ops.pullback_ext.merge_step(
+        x, keys, sizes, energy, state.owner, state.positions, state.num_prefix, step.r, rule, float(guard),
+        float(margin), float(alpha))
     return (MergedTokens(x=x, num_prefix=state.num_prefix, owner=owner, sizes=sizes, positions=positions),
             None if energy is None else merged_energy)
 
