@@ -47,6 +47,8 @@ def test_sweep_rows_cover_every_method_with_consistent_ratios(tiny):
     assert all(isinstance(r["aten_ops"], int) and r["aten_ops"] > 0 for r in rows)  # every row, the unpruned one too
     checks = prune_report.headline_checks(rows)
     assert [c["target"] for c in checks] == [0.9, 0.9, 1.0, 0.9, 1.0]  # prune, merge, matched merge, importance_tome ×2
+    bulk = prune_report.headline_checks([dict(r, batch=16) for r in rows])  # the bulk targets from batch 16 on
+    assert [c["target"] for c in bulk] == [0.95, 0.95, 1.0, 0.95, 1.0]
     assert checks[1]["check"].startswith("importance merge η=0.5 @2: ")
     assert checks[2]["value"] == pytest.approx(matched["images_per_s"] / tome["images_per_s"])
     every = next(r for r in rows if r["method"].startswith("importance_tome r=2"))
