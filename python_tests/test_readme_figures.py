@@ -183,6 +183,44 @@ def prune_md_cls_table() -> str:
         f"| ToMe (original) | {cells(tome)} |"])
 
 
+BENCH_ROWS = (  # (label, the method's name prefix on bench-prune's page)
+    ("single-stage merge, η = 0.5", "importance merge η=0.5 @"),
+    ("single-stage prune + LLF, η = 0.5", "importance prune+LLF η=0.5 @"),
+    ("ToMe, r = 8", "ToMe r=8 constant"),
+    ("importance_tome at ToMe r = 8's counts", "importance_tome r=8 "),
+    ("the bound at r = 8's counts (no merging)", "tokens dropped at ToMe r=8's"),
+    ("ToMe, r = 16", "ToMe r=16 constant"),
+    ("importance_tome at ToMe r = 16's counts", "importance_tome r=16 "),
+    ("the bound at r = 16's counts (no merging)", "tokens dropped at ToMe r=16's"),
+    ("ATC, keep rate 0.7", "ATC keep_rate=0.7"),
+    ("importance_cluster, keep rate 0.7 (no head)", "importance_cluster keep_rate=0.7"))
+BENCH_CELLS = (("vit_s16", 1), ("vit_s16", 16), ("vit_b16", 1), ("vit_b16", 16))
+
+
+def prune_md_bench_table() -> str:
+    """docs/prune.md's table of bench-prune's page: speed-up ÷ FLOP ratio of each row in the eager
+    cells of ViT-S/16 and ViT-B/16 at batch 1 and 16 (224 px, float32, the torch rows)."""
+    result = _page("bench-prune")
+
+    def value(model: str, batch: int, prefix: str) -> str:
+        (row,) = [r for r in result["rows"] if r["model"] == model and r["batch"] == batch and r["compiled"] is False
+                  and r.get("runtime", "torch") == "torch" and r["method"].startswith(prefix)]
+        return f"{row['speedup_over_flop_ratio']:.3f}"
+
+    def over_tome(model: str, batch: int, r: int) -> str:
+        (check,) = [c for c in result["checks"] if c["model"] == model and c["batch"] == batch and c["compiled"] is False
+                    and c["check"].startswith(f"importance_tome r={r} ") and " over ToMe " in c["check"]]
+        return f"{check['value']:.3f}"
+
+    titles = {"vit_s16": "ViT-S/16", "vit_b16": "ViT-B/16"}
+    return "\n".join([
+        "| speed-up ÷ FLOP ratio | " + " | ".join(f"{titles[m]}, batch {b}" for m, b in BENCH_CELLS) + " |",
+        "|---" * (len(BENCH_CELLS) + 1) + "|"] + [
+        f"| {label} | " + " | ".join(value(m, b, prefix) for m, b in BENCH_CELLS) + " |" for label, prefix in BENCH_ROWS] + [
+        f"| *importance_tome's images/s over ToMe's, r = {r}* | " + " | ".join(over_tome(m, b, r) for m, b in BENCH_CELLS) + " |"
+        for r in (8, 16)])
+
+
 def test_the_formats():
     assert [figure(v) for v in (3.0001e-4, 3.39e-3, 0.0371, 0.0449, 0.993, 1.126)] == ["3.0e-4", "3.4e-3", "0.037", "0.045", "0.99", "1.13"]
     assert speedup(2.09) == "2.1×"
@@ -203,6 +241,13 @@ def test_the_cls_table_of_prune_md_equals_its_page():
     table = prune_md_cls_table()
     assert table in (REPO / "docs" / "prune.md").read_text(), \
         "docs/prune.md's table of docs/results/pareto-cls-photos.md should read, from its JSON:\n" + table
+
+
+def test_the_bench_table_of_prune_md_equals_its_page():
+    table = prune_md_bench_table()
+    text = "\n".join(line.strip() for line in (REPO / "docs" / "prune.md").read_text().splitlines())  # a list item's indent
+    assert table in text, \
+        "docs/prune.md's table of docs/results/bench-prune.md should read, from its JSON:\n" + table
 
 
 def test_every_generated_page_the_readme_quotes_is_checked():
