@@ -105,7 +105,7 @@ def _extension():
     with_cuda = _want_cuda()
     archs = ""
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
-    # no kernel reads errno: without it, loops over std::sqrt (merge_step's costs) vectorise
+    # No kernel reads errno; not setting it lets loops over std::sqrt (merge_step's costs) vectorise.
     cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno"]
     link_flags = []
     if sys.platform.startswith("linux"):
