@@ -13,7 +13,7 @@ rotate it, as they do not rotate the prefix tokens).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -53,8 +53,7 @@ class MergedTokens:
 
     def with_x(self, x: torch.Tensor) -> "MergedTokens":
         """The same bookkeeping with new features ``x [B, K, D]`` for the same tokens."""
-        # the constructor, not dataclasses.replace: this runs twice per block, and replace costs several times more
-        return MergedTokens(x, self.num_prefix, self.owner, self.sizes, self.num_extra, self.positions)
+        return replace(self, x=x)
 
     def regroup(self, x: torch.Tensor, new_index: torch.Tensor, places: torch.Tensor,
                 sizes: Optional[torch.Tensor] = None, num_extra: int = 0) -> "MergedTokens":
