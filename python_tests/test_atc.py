@@ -71,11 +71,11 @@ def _farthest_pair_first(monkeypatch):
 
 
 def _count_from_the_current_tokens(monkeypatch):
-    monkeypatch.setattr(atc, "cluster_count", lambda keep_rate, num_patch, stage, current: max(1, int(current * keep_rate)))
+    monkeypatch.setattr(atc, "cluster_count", lambda keep_rate, num_patch, stage, current, taper=1.0: max(1, int(current * keep_rate)))
 
 
 def _count_rounded_up(monkeypatch):
-    monkeypatch.setattr(atc, "cluster_count", lambda keep_rate, num_patch, stage, current: min(current, math.ceil(num_patch * keep_rate ** stage)))
+    monkeypatch.setattr(atc, "cluster_count", lambda keep_rate, num_patch, stage, current, taper=1.0: min(current, math.ceil(num_patch * keep_rate ** stage)))
 
 
 def _clusters_in_every_block(monkeypatch):

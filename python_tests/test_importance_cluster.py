@@ -70,7 +70,7 @@ def _no_shrink(monkeypatch):
 
 
 def _count_from_the_current_tokens(monkeypatch):
-    monkeypatch.setattr(atc, "cluster_count", lambda keep_rate, num_patch, stage, current: max(1, int(current * keep_rate)))
+    monkeypatch.setattr(atc, "cluster_count", lambda keep_rate, num_patch, stage, current, taper=1.0: max(1, int(current * keep_rate)))
 
 
 BROKEN = {"prefix_tokens_clustered": _prefix_tokens_clustered, "atc_average_linkage": _atc_average_linkage,
@@ -92,6 +92,26 @@ def test_importance_cluster_matches_the_reference_and_the_check_catches_broken_v
     patch.timm(model, strategy="importance_cluster", keep_rate=0.7, cluster_layers=(1, 2, 3), head=head,
                **(dict(score_layer=0, shrink=0.3) if with_head else {}))
     assert matches_reference(model, x, expected, blocks) == (broken is None)
+
+
+@pytest.mark.parametrize("broken", [None, "count_from_the_current_tokens"])
+def test_a_taper_keeps_more_tokens_in_the_later_blocks_as_the_reference_counts(broken, monkeypatch):
+    """taper 0.5 at blocks 1-4 of 6, keep rate 0.5, 16 patch tokens: the reference's counts 8, 6, 4, 4
+    against ATC's 8, 4, 2, 1; the forward, the counts the cost model reads and the reference agree."""
+    model = tiny_vit(reg_tokens=1, depth=6).double()
+    x = images(2).double()
+    expected, blocks = importance_cluster_reference(model, x, 0.5, (1, 2, 3, 4), taper=0.5)
+    if broken:
+        BROKEN[broken](monkeypatch)
+    patch.timm(model, strategy="importance_cluster", keep_rate=0.5, cluster_layers=(1, 2, 3, 4), taper=0.5)
+    assert matches_reference(model, x, expected, blocks) == (broken is None)
+    if broken is None:
+        counts = patch_tokens_per_block(patch.config(model), model)
+        assert counts == [16, 8, 6, 4, 4, 4]
+        assert [c - 2 for c in tokens_after_each_block(model, x)] == counts
+        resolved = ReductionOptions(strategy="importance_cluster", keep_rate=0.5, cluster_layers=(1, 2, 3, 4),
+                                    taper=0.5).resolve(BackboneShape(depth=6, num_prefix=2, has_cls=True))
+        assert "the s-th clustering block keeping int(N0 · keep_rate^(s^0.5))" in ic.METHODS[0].describe(resolved)["selection"]
 
 
 def test_a_hugging_face_family_matches_the_reference_on_timm_blocks_with_the_same_weights():
@@ -211,6 +231,9 @@ def test_defaults_resolve_to_atcs_blocks_and_rows_name_the_rule():
          "score_layer: the head scores block 1 .score_layer., which must come before the first clustering block 1"),
         (dict(keep_rate=0.5, cluster_layers=(1, 2), head=[NormHead()]), "takes head= an importance head"),
         (dict(keep_rate=0.5, cluster_layers=(1, 2), shrink=2.0), r"shrink must be a number in \[0, 1\]"),
+        (dict(keep_rate=0.5, cluster_layers=(1, 2), taper=0.0), r"taper must be a number in \(0, 1\] .*got 0.0"),
+        (dict(keep_rate=0.5, cluster_layers=(1, 2), taper=float("nan")), r"taper must be a number in \(0, 1\]"),
+        (dict(keep_rate=0.5, cluster_layers=(1, 2), taper="0.7"), r"taper must be a number in \(0, 1\]"),
         (dict(keep_rate=0.5, cluster_layers=(1, 2), r=2), "r is an option of strategy"),
         (dict(keep_rate=0.5, cluster_layers=(1, 2), linkage="single"), "linkage is an option of strategy 'atc'"),
     ],

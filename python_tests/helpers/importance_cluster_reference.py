@@ -7,7 +7,7 @@ bottom-up: a cluster has the size ``S`` and the energy ``E`` of its members adde
 centre, the size-weighted mean of its members' unit head-mean keys; the pair of clusters whose
 merge costs least, ``(E_a S_b² + E_b S_a²) / (S_a + S_b)² · ‖c_a − c_b‖²`` computed afresh from the
 members at every step, merges first (ties: the first pair by smallest members), until ATC's count
-``int(N0 · keep_rate^s)`` remains. Energies: ``size · imp²`` of the head on block ``score_layer``'s
+``int(N0 · keep_rate^s)`` remains (``int(N0 · keep_rate^(s^taper))`` with a taper). Energies: ``size · imp²`` of the head on block ``score_layer``'s
 output, each moved ``shrink`` toward the image's mean per original patch token; without a head the
 sizes. Each cluster becomes one token at its smallest member's place, the size-weighted mean.
 """
@@ -51,9 +51,11 @@ def _cluster(x, keys, sizes, energy, sources, p, count):
             [[t for m in g for t in sources[m]] for g in groups])
 
 
-def importance_cluster_reference(model, images_, keep_rate, layers, head=None, score_layer=1, shrink=0.0, halves=PLAIN):
+def importance_cluster_reference(model, images_, keep_rate, layers, head=None, score_layer=1, shrink=0.0, halves=PLAIN,
+                                 taper=1.0):
     """importance_cluster on each image: ``(final [B, N, D] normed, [after block i [B, N, D] for every
-    block])``, clustering at the 0-based blocks ``layers``, proportional attention on."""
+    block])``, clustering at the 0-based blocks ``layers``, proportional attention on; ``taper``: the
+    ``s``-th clustering block keeps ``int(N0 · keep_rate^(s^taper))`` (1: ATC's count)."""
     stages = sorted(layers)
     h = embed(model, images_)
     p, n = model.num_prefix_tokens, h.shape[1]
@@ -63,7 +65,9 @@ def importance_cluster_reference(model, images_, keep_rate, layers, head=None, s
         for i, block in enumerate(model.blocks):
             x, _, keys = halves.attend(block, x, torch.tensor(sizes, dtype=x.dtype).log(), places_of(sources, p, x.shape[0] - p))
             if i in stages:
-                count = cluster_count(keep_rate, n - p, stages.index(i) + 1, x.shape[0] - p)
+                stage = stages.index(i) + 1
+                count = (cluster_count(keep_rate, n - p, stage, x.shape[0] - p) if taper == 1.0 else
+                         max(1, min(x.shape[0] - p, int((n - p) * keep_rate ** (stage ** taper)))))
                 x, sizes, energy, sources = _cluster(x, keys, sizes, energy if energy is not None else list(sizes), sources, p, count)
                 energy = energy if head is not None else None
             x = halves.feed(block, x)

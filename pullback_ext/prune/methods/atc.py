@@ -66,13 +66,14 @@ REFERENCE_LAYERS = (3, 6, 9)  # 0-based: the 4th, 7th and 10th blocks of a 12-bl
 LINKAGES = ("average", "single", "complete")
 
 
-def cluster_count(keep_rate: float, num_patch: int, stage: int, current: int) -> int:
+def cluster_count(keep_rate: float, num_patch: int, stage: int, current: int, taper: float = 1.0) -> int:
     """Clusters at the ``stage``-th (1-based) reduction block: ``int(num_patch · keep_rate^stage)``
-    of the model's ``num_patch`` patch tokens, as ATC computes it, between 1 and the ``current`` ones.
+    of the model's ``num_patch`` patch tokens, as ATC computes it, between 1 and the ``current`` ones;
+    with ``taper`` below 1 the exponent is ``stage^taper`` (importance_cluster's ``taper``).
     >>> [cluster_count(0.9, 196, s, 196) for s in (1, 2, 3)]
     [176, 158, 142]
     """
-    return max(1, min(current, int(num_patch * keep_rate ** stage)))
+    return max(1, min(current, int(num_patch * keep_rate ** (stage if taper == 1.0 else stage ** taper))))
 
 
 def cosine_distances(keys: torch.Tensor) -> torch.Tensor:
@@ -180,12 +181,21 @@ class ATC(MergingMethod):
         state, o = step.state, step.reduction.options
         p, n = state.num_prefix, state.num_patch
         # the first reduction block sees every patch token: ATC's N0
-        count = cluster_count(o.keep_rate, step.carry.setdefault("num_patch", n), step.r, n)
+        count = self.clusters_at(o, step.carry.setdefault("num_patch", n), step.r, n)
         if count >= n:
             return None
         with torch.no_grad():
             owner = self.cluster(step, count)
         return cluster_matching(owner, count, p)
+
+    def clusters_at(self, options, num_patch: int, stage: int, current: int) -> int:
+        """The clusters the ``stage``-th (1-based) clustering block keeps of the ``current`` patch
+        tokens, the model having ``num_patch`` (:func:`cluster_count`)."""
+        return cluster_count(options.keep_rate, num_patch, stage, current, taper=self.taper(options))
+
+    def taper(self, options) -> float:
+        """The exponent of the stage in the count (ATC's: 1)."""
+        return 1.0
 
     def cluster(self, step: MergeStep, count: int) -> torch.Tensor:
         """``[B, n]``: the cluster (its smallest member) of each of the ``n`` current patch tokens
@@ -200,7 +210,7 @@ class ATC(MergingMethod):
         counts, current = [], num_patch
         for stage in self.block_merges(reduction):
             if stage:
-                current = cluster_count(reduction.options.keep_rate, num_patch, stage, current)
+                current = self.clusters_at(reduction.options, num_patch, stage, current)
             counts.append(current)
         return counts
 

@@ -14,7 +14,11 @@ the bound importance_tome ranks its pairs by (:mod:`.importance_tome`):
    ``inner``: every block after the scored one, block 0 without a head, but the last, which
    reaches further),
    between attention and MLP, the ``s``-th of them keeps ``int(N0 · keep_rate^s)`` of the model's
-   ``N0`` patch tokens (ATC's count, :func:`~.atc.cluster_count`);
+   ``N0`` patch tokens (ATC's count, :func:`~.atc.cluster_count`), or ``int(N0 · keep_rate^(s^taper))``
+   with ``taper`` below 1: each later block then removes a smaller share, so that at a given cost
+   the last blocks do not collapse to a handful of tokens (at 2× on the demo's depth decoder,
+   ``taper=0.7`` over the inner blocks lowers the held-out crops' mean by a sixth and their worst
+   crop below ToMe's: docs/importance_tome_findings.md §9);
 3. a cluster ``c`` of the current patch tokens has a size ``S`` and an energy ``E`` (the sums
    over its tokens) and a key centre ``k_c``, the size-weighted mean of its tokens' unit
    head-mean keys (where the size-weighted merge of its tokens would sit);
@@ -55,7 +59,7 @@ from pullback_ext.prune.methods.base import BackboneShape, BlockLoopMethod
 from pullback_ext.prune.methods.importance_tome import (SHRINK, checked_shrink, checked_single_head, head_layer, shrunk,
                                                         token_energy)
 from pullback_ext.prune.methods.merging import Matching, MergeStep, apply_matching, key_metric, merge_values
-from pullback_ext.prune.option_checks import count, layer_list
+from pullback_ext.prune.option_checks import count, is_real, layer_list
 
 
 def squared_key_distances(unit: torch.Tensor) -> torch.Tensor:
@@ -103,12 +107,15 @@ class ImportanceClusterOptions:
     block 0 without a head, but the last: further reach, docs/importance_tome_findings.md §8);
     ``score_layer``: the block whose output the head scores (None: the layer it was trained on),
     before the first clustering block; ``shrink`` in [0, 1]: each token's ``imp²`` moved that far
-    toward its image's mean before it becomes an energy (as importance_tome's)."""
+    toward its image's mean before it becomes an energy (as importance_tome's); ``taper`` in (0, 1]:
+    the ``s``-th clustering block keeps ``int(N0 · keep_rate^(s^taper))`` (1: ATC's count; below 1
+    the later blocks remove smaller shares)."""
 
     keep_rate: Optional[float] = None
     cluster_layers: tuple[int, ...] | Literal["atc", "inner"] = "atc"
     score_layer: Optional[int] = None
     shrink: float = SHRINK
+    taper: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "keep_rate", checked_keep_rate(self.keep_rate))
@@ -116,6 +123,10 @@ class ImportanceClusterOptions:
         if self.score_layer is not None:
             object.__setattr__(self, "score_layer", count("score_layer", self.score_layer, 0))
         object.__setattr__(self, "shrink", checked_shrink(self.shrink))
+        if not is_real(self.taper) or not 0.0 < float(self.taper) <= 1.0:
+            raise PullbackError(f"taper must be a number in (0, 1] (the s-th clustering block keeps "
+                                f"int(N0 · keep_rate^(s^taper)); 1: ATC's count); got {self.taper!r}")
+        object.__setattr__(self, "taper", float(self.taper))
 
 
 class ImportanceCluster(ATC):
@@ -152,9 +163,13 @@ class ImportanceCluster(ATC):
                   if o.head is not None else "no head: Ward's size-weighted criterion")
         return {"method": self.name,
                 "selection": f"agglomerative clustering of the head-mean keys at blocks {', '.join(map(str, o.cluster_layers))}, "
-                             f"the pair of the lowest imp-weighted first-order merge error first ({scored})",
+                             f"the pair of the lowest imp-weighted first-order merge error first ({scored})"
+                             + (f", the s-th clustering block keeping int(N0 · keep_rate^(s^{o.taper:g}))" if o.taper != 1.0 else ""),
                 "averaging": "cluster means, size-weighted" + (", proportional attention" if o.prop_attn else "")
                              + "; merged tokens restored to their sources"}
+
+    def taper(self, options) -> float:
+        return options.taper
 
     def begin(self, reduction, merges: list[int]) -> dict:
         return {"energy": None}
