@@ -73,7 +73,7 @@ def cluster_count(keep_rate: float, num_patch: int, stage: int, current: int, ta
     >>> [cluster_count(0.9, 196, s, 196) for s in (1, 2, 3)]
     [176, 158, 142]
     """
-    return max(1, min(current, int(num_patch * keep_rate ** (stage if taper == 1.0 else stage ** taper))))
+    return max(1, min(current, int(num_patch * keep_rate ** (stage ** taper))))
 
 
 def cosine_distances(keys: torch.Tensor) -> torch.Tensor:
