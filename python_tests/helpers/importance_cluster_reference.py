@@ -7,9 +7,9 @@ bottom-up: a cluster has the size ``S`` and the energy ``E`` of its members adde
 centre, the size-weighted mean of its members' unit head-mean keys; the pair of clusters whose
 merge costs least, ``(E_a S_b² + E_b S_a²) / (S_a + S_b)² · ‖c_a − c_b‖²`` computed afresh from the
 members at every step, merges first (ties: the first pair by smallest members), until ATC's count
-``int(N0 · keep_rate^s)`` remains (``int(N0 · keep_rate^(s^taper))`` with a taper). Energies: ``size · imp²`` of the head on block ``score_layer``'s
-output, each moved ``shrink`` toward the image's mean per original patch token; without a head the
-sizes. Each cluster becomes one token at its smallest member's place, the size-weighted mean.
+``int(N0 · keep_rate^s)`` remains (``int(N0 · keep_rate^(s^taper))`` with a taper). Energies:
+``size · imp²`` of the head on block ``score_layer``'s output, each moved ``shrink`` toward the
+image's mean per original patch token; without a head the sizes. Each cluster becomes one token at its smallest member's place, the size-weighted mean.
 """
 
 from __future__ import annotations
