@@ -134,16 +134,19 @@ def test_bad_training_settings():
 
 WORKER = textwrap.dedent(
     """
-    import sys, torch, torch.distributed as dist
+    import sys, torch
     sys.path.insert(0, {tests!r})
+    from pullback_ext import distributed
     from test_metric_training import CASES
     from pullback_ext.metric import TrainConfig, fit
-    dist.init_process_group("gloo")
-    build, task, make_data = CASES[sys.argv[1]]
-    torch.manual_seed(0)
-    model = build().double()
-    fit(task, model, make_data(), TrainConfig(steps=5, batch_size=4, lr=3e-3, seed=2, checkpoint_every=5, log_every=1), sys.argv[2], progress=False)
-    dist.destroy_process_group()
+    info = distributed.init_from_env("gloo")
+    try:
+        build, task, make_data = CASES[sys.argv[1]]
+        torch.manual_seed(0)
+        model = build().double()
+        fit(task, model, make_data(), TrainConfig(steps=5, batch_size=4, lr=3e-3, seed=2, checkpoint_every=5, log_every=1), sys.argv[2], progress=False)
+    finally:
+        distributed.shutdown(info)
     """
 )
 

@@ -58,14 +58,17 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
 
 WORKER = textwrap.dedent(
     """
-    import sys, torch, torch.distributed as dist
+    import sys, torch
     sys.path.insert(0, {tests!r})
+    from pullback_ext import distributed
     from test_tap_training import demo_and_images, settings
     from pullback_ext.tap_training.training import train
-    dist.init_process_group("gloo")
-    model, images = demo_and_images()
-    train(model.double(), images.double(), settings("depth", steps=2), sys.argv[1], progress=False)
-    dist.destroy_process_group()
+    info = distributed.init_from_env("gloo")
+    try:
+        model, images = demo_and_images()
+        train(model.double(), images.double(), settings("depth", steps=2), sys.argv[1], progress=False)
+    finally:
+        distributed.shutdown(info)
     """
 )
 
