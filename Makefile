@@ -69,7 +69,8 @@ runs/head_depth/results.json: | setup
 
 results-pareto: setup runs/head_cls_l0_ft/results.json runs/head_depth/results.json runs/dtem_cls/results.json runs/dtem_depth/results.json
 	$(PARETO_PHOTOS) --task cls --layers 1 --head runs/head_cls_l0_ft --trained dtem=runs/dtem_cls --methods $(PARETO_CLS_METHODS) --ratios 0.1,0.2,0.3,0.4,0.5,0.6,0.7 \
-		--sweep importance_cluster:head=trained,none --results-page pareto-cls-photos --out out/pareto_cls_photos
+		--sweep importance_cluster:head=trained,none --sweep importance_cluster:taper=1,0.7 --results-page pareto-cls-photos \
+		--out out/pareto_cls_photos
 	$(PARETO_PHOTOS) --task depth --layers 2 --head runs/head_depth --trained dtem=runs/dtem_depth --methods $(PARETO_DEPTH_METHODS) --ratios 0.1,0.2,0.3,0.5,0.7 \
 		--sweep importance_tome:head=trained,none --sweep importance_cluster:head=trained,none --sweep importance_cluster:taper=1,0.7 \
 		--time-batches 1,16 --results-page pareto-depth-photos --out out/pareto_depth_photos
