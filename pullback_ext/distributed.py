@@ -54,10 +54,10 @@ def init_from_env(backend: str | None = None) -> DistInfo:
 def shutdown(info: DistInfo) -> None:
     """Destroy the process group if ``init_from_env`` created it (call it from a ``finally``).
 
-    On the way out of a run that succeeded every rank first waits at a barrier: a rank that tears
-    down its gloo connections while another still sends to it (rank 0 writing its checkpoint, then
-    its last collective) aborts with ``terminate called without an active exception``. While an
-    exception propagates it destroys at once: the other ranks may never reach a barrier."""
+    On the way out of a run that succeeded every rank first waits at a barrier, so that no rank
+    tears down its connections while another (rank 0, still writing its checkpoint) has yet to
+    reach the end. While an exception propagates it destroys at once: the other ranks may never
+    reach a barrier."""
     if info.initialised_here and dist.is_initialized():
         if sys.exc_info()[0] is None:
             dist.barrier()
