@@ -3,10 +3,11 @@
 # a virtual environment in .venv (override with PULLBACK_VENV), the pinned packages, and the
 # compiled extension (CPU kernels always; CUDA kernels too where a GPU is visible and nvcc is
 # found, or with PULLBACK_CUDA_COMPILE_CHECK=1, CI's compile check on machines without a GPU:
-# FORCE_CUDA=1 when nvcc is found and torch has CUDA). Each step runs only when its inputs changed: the packages
-# when .ci/requirements.txt did, the extension when its sources, setup.py, torch or the build
-# flags did. Quiet: one line per step it runs, the compiler's output in build/bootstrap.log
-# (shown on failure, or live with PULLBACK_VERBOSE=1).
+# FORCE_CUDA=1 when nvcc is found and torch has CUDA). Each step runs only when its inputs
+# changed: the packages when .ci/requirements.txt did, the editable install when pyproject.toml
+# did, the extension when its sources, setup.py, torch or the build flags did. Quiet: one line
+# per step it runs, the compiler's output in build/bootstrap.log (shown on failure, or live with
+# PULLBACK_VERBOSE=1).
 #   bash .ci/bootstrap.sh           set up what is out of date
 #   bash .ci/bootstrap.sh --check   exit 0 when everything is up to date, 1 otherwise; changes nothing
 #   bash .ci/bootstrap.sh --flags   print the extension's build flags (FORCE_CUDA, TORCH_CUDA_ARCH_LIST); changes nothing
@@ -85,11 +86,14 @@ if [ "$ext_want" != "$(cat "$EXT_STAMP" 2>/dev/null || true)" ] || ! ls pullback
   fi
 fi
 
-if ! "$PY" -m pip show --quiet pullback_ext >/dev/null 2>&1; then
-  if [ $check_only = 1 ]; then stale+=("package not installed in $VENV"); else
+# pyproject.toml names the console scripts the editable install writes: reinstall when it changes.
+pkg_want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if ! "$PY" -m pip show --quiet pullback_ext >/dev/null 2>&1 || [ "$pkg_want" != "$(cat "$VENV/.pullback-pkg-stamp" 2>/dev/null || true)" ]; then
+  if [ $check_only = 1 ]; then stale+=("package not installed in $VENV, or pyproject.toml changed"); else
     say "installing pullback_ext in editable mode"
     # The extension was built in place above; the editable install only links the sources.
     quietly env PULLBACK_SKIP_EXTENSION=1 "$PY" -m pip install --quiet --no-build-isolation --no-deps -e .
+    echo "$pkg_want" > "$VENV/.pullback-pkg-stamp"
   fi
 fi
 

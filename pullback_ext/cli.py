@@ -80,5 +80,14 @@ def main(argv=None) -> int:
         return 130
 
 
+def console_main() -> None:
+    """The ``pullback`` command and ``python -m pullback_ext``: ``main()``'s exit status, through
+    :func:`pullback_ext.distributed.leave` (a rank of a torchrun job leaves without the
+    interpreter's teardown, which torch's gloo threads can abort)."""
+    from pullback_ext import distributed
+
+    distributed.leave(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

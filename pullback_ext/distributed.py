@@ -1,20 +1,24 @@
-"""torchrun helpers: process-group setup from the environment, sharding, gathering Python objects.
+"""torchrun helpers: process-group setup from the environment, sharding, gathering Python objects,
+ending a rank's process.
 
 Without torchrun (no ``WORLD_SIZE`` in the environment) everything degrades to a single process.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence, TypeVar
+from typing import Any, NoReturn, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 from pullback_ext.errors import PullbackError
 
 T = TypeVar("T")
+
+_joined_a_group = False  # set once init_from_env has created a process group in this process
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ def init_from_env(backend: str | None = None) -> DistInfo:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend)
+    global _joined_a_group
+    _joined_a_group = True
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
@@ -62,6 +68,26 @@ def shutdown(info: DistInfo) -> None:
         if sys.exc_info()[0] is None:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def leave(code: int) -> NoReturn:
+    """End the process with exit status ``code``: ``sys.exit`` unless ``init_from_env`` created a
+    process group here; then ``os._exit`` once stdout, stderr and the logging handlers are flushed.
+
+    With torch 2.14 ``destroy_process_group`` leaves gloo's worker threads running, and one can
+    still be releasing a finished collective when the interpreter starts its teardown. If that
+    release drops the last reference to a tensor Python has seen, the worker asks for the GIL, and
+    a thread that does so during teardown is ended by an unwind that aborts the whole process
+    (SIGABRT, "terminate called without an active exception"): the run's work is done and saved,
+    but torchrun reports the rank as failed. Leaving through ``os._exit`` skips that teardown; call
+    ``shutdown`` (and close files) first.
+    """
+    if _joined_a_group:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
 
 
 def shard(items: Sequence[T], rank: int, world_size: int) -> list[T]:
