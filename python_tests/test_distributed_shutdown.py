@@ -1,8 +1,8 @@
 """pullback_ext.distributed.shutdown: a barrier before the process group goes on the way out of a
 run that succeeded (a rank that closes its gloo connections while another still sends aborts),
 none while an exception propagates (the other ranks may never reach it). distributed.leave: a rank
-of a torchrun job ends with its exit status, without the interpreter's
-teardown (where gloo's worker threads can abort the process)."""
+of a torchrun job ends with its exit status, without the interpreter's teardown (where gloo's
+worker threads can abort the process)."""
 
 from __future__ import annotations
 
