@@ -9,7 +9,8 @@ merge costs least, ``(E_a S_b² + E_b S_a²) / (S_a + S_b)² · ‖c_a − c_b�
 members at every step, merges first (ties: the first pair by smallest members), until ATC's count
 ``int(N0 · keep_rate^s)`` remains (``int(N0 · keep_rate^(s^taper))`` with a taper). Energies:
 ``size · imp²`` of the head on block ``score_layer``'s output, each moved ``shrink`` toward the
-image's mean per original patch token; without a head the sizes. Each cluster becomes one token at its smallest member's place, the size-weighted mean.
+image's mean per original patch token; without a head the sizes. Each cluster becomes one token
+at its smallest member's place, the size-weighted mean.
 """
 
 from __future__ import annotations
